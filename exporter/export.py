@@ -1,0 +1,111 @@
+"""``elx export``: load, export, verify, apply passes, write the folder and its manifest.
+
+Everything is written into a temporary sibling of ``--output`` and renamed into place at the
+very end, so the output folder exists only when the whole export (passes and their
+verification included) succeeded.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from runners.manifest import FORMAT, VERSION, Manifest
+from runners.ort_backend import OrtBackend
+
+from . import __version__
+from .atomic import check_output, staged_folder
+from .errors import ElxError
+from .onnx_export import export_cross_kv, export_decoder, export_encoder
+from .passes import parse_passes
+from .sources import resolve_model
+from .verify import require_within_tolerance, verify_export
+
+# generation_config fields the runners implement (anything else set to a non-default value is refused there)
+GENERATION_FIELDS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_beams", "length_penalty",
+                     "early_stopping", "num_return_sequences", "no_repeat_ngram_size", "forced_bos_token_id",
+                     "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids",
+                     "do_sample", "repetition_penalty", "bad_words_ids", "encoder_no_repeat_ngram_size",
+                     "is_multilingual", "lang_to_id", "task_to_id", "no_timestamps_token_id", "return_timestamps")
+
+
+def _log(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _as_list(value):
+    if value is None:
+        return None
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def base_manifest(model, family, source: dict) -> dict:
+    gen = model.generation_config
+    defaults = {}
+    for name in GENERATION_FIELDS:
+        value = getattr(gen, name, None)
+        if value is not None:
+            defaults[name] = value
+    return {
+        "format": FORMAT, "version": VERSION, "elx_version": __version__,
+        "family": family.name, "architecture": type(model).__name__, "is_encoder_decoder": True,
+        "source": source, "dims": family.dims(model.config),
+        "tokens": {"decoder_start_token_id": gen.decoder_start_token_id, "eos_token_id": _as_list(gen.eos_token_id),
+                   "pad_token_id": gen.pad_token_id, "bos_token_id": gen.bos_token_id},
+        "generation_defaults": defaults,
+        "graphs": {}, "stages": ["encoder", "cross_kv"], "step": "decoder",
+        "cache": {"self": [], "cross": {"kind": "beam-shared", "batch": "batch"}},
+        "passes": [], "verification": {},
+    }
+
+
+def export_graphs(model, family, folder: Path, manifest: dict, quiet: bool) -> None:
+    started = time.perf_counter()
+    manifest["graphs"]["encoder"] = export_encoder(model, family, folder / "encoder.onnx")
+    _log(f"  encoder.onnx  ({time.perf_counter() - started:.1f} s)", quiet)
+    manifest["graphs"]["cross_kv"] = export_cross_kv(model, family, folder / "cross_kv.onnx")
+    _log(f"  cross_kv.onnx ({time.perf_counter() - started:.1f} s)", quiet)
+    manifest["graphs"]["decoder"], manifest["cache"]["self"] = export_decoder(model, family, folder / "decoder.onnx")
+    _log(f"  decoder.onnx  ({time.perf_counter() - started:.1f} s)", quiet)
+
+
+def copy_tokenizer(model_folder: str | None, folder: Path) -> bool:
+    """Save the source's tokenizer/feature extractor next to the graphs, when it has one."""
+    if not model_folder:
+        return False
+    from transformers import AutoProcessor, AutoTokenizer
+
+    for loader in (AutoProcessor, AutoTokenizer):
+        try:
+            loader.from_pretrained(model_folder, local_files_only=True).save_pretrained(folder / "tokenizer")
+            return True
+        except Exception:  # noqa: BLE001 - no tokenizer is fine
+            continue
+    return False
+
+
+def export_model(model: str, output, random_init: bool = False, passes: str | None = None, seed: int = 0,
+                 force: bool = False, quiet: bool = False) -> Path:
+    requests = parse_passes(passes)  # validate before any heavy work
+    output = check_output(Path(output), force)
+    loaded = resolve_model(model, random_init=random_init, seed=seed)
+    note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
+    _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
+    with staged_folder(output, force) as folder:
+        data = base_manifest(loaded.model, loaded.family, loaded.source)
+        export_graphs(loaded.model, loaded.family, folder, data, quiet)
+        manifest = Manifest(data, folder)
+        report = verify_export(loaded.model, OrtBackend(manifest))
+        require_within_tolerance(report, "exported graphs vs PyTorch")
+        data["verification"]["export"] = report
+        _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}, "
+             f"encoder {report['max_abs_encoder_diff']:.2e}", quiet)
+        for request in requests:
+            record = request.module.apply(folder, manifest, request.argument)
+            data["passes"].append(record)
+            _log(f"  pass {request.name}: max abs logits diff {record['max_abs_logits_diff']:.2e}", quiet)
+        data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
+        manifest.save(folder)
+    _log(f"wrote {output}", quiet)
+    return output

@@ -1,0 +1,113 @@
+"""Model families elx exports, and what differs between them.
+
+A family answers structural questions about an HF model (where the decoder layers and their
+attention modules are, what the encoder consumes, the model dimensions) so that the wrappers,
+the exporter and the manifest stay free of per-architecture branches.  Nothing here assumes
+token-id encoder inputs (Whisper takes log-mel features) or that an encoder exists at all
+(decoder-only families carry ``encoder_inputs=()``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from .errors import ElxError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input: its name, element type and symbolic shape (ints are fixed sizes)."""
+
+    name: str
+    dtype: str  # "int64" | "float32"
+    shape: tuple  # e.g. ("batch", "encoder_sequence")
+    role: str  # what a runner feeds: "input_ids", "attention_mask", "input_features"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    encoder_inputs: Callable[[object], tuple[TensorSpec, ...]]
+    decoder_layers: Callable[[nn.Module], list]
+    cross_attention: Callable[[nn.Module], nn.Module]
+    self_attention: Callable[[nn.Module], nn.Module]
+    cross_projections: Callable[[nn.Module], tuple[nn.Linear, nn.Linear]]
+    dims: Callable[[object], dict]
+    uses_encoder_mask: bool = True
+
+
+def _token_encoder_inputs(config) -> tuple[TensorSpec, ...]:
+    return (
+        TensorSpec("input_ids", "int64", ("batch", "encoder_sequence"), "input_ids"),
+        TensorSpec("attention_mask", "int64", ("batch", "encoder_sequence"), "attention_mask"),
+    )
+
+
+def _whisper_encoder_inputs(config) -> tuple[TensorSpec, ...]:
+    frames = 2 * config.max_source_positions  # the conv stack halves the frames
+    return (TensorSpec("input_features", "float32", ("batch", config.num_mel_bins, frames), "input_features"),)
+
+
+def _t5_dims(c) -> dict:
+    return dict(d_model=c.d_model, num_heads=c.num_heads, d_kv=c.d_kv, num_decoder_layers=c.num_decoder_layers,
+                num_encoder_layers=c.num_layers, vocab_size=c.vocab_size,
+                max_position_embeddings=getattr(c, "max_position_embeddings", None))
+
+
+def _bart_dims(c) -> dict:
+    return dict(d_model=c.d_model, num_heads=c.decoder_attention_heads, d_kv=c.d_model // c.decoder_attention_heads,
+                num_decoder_layers=c.decoder_layers, num_encoder_layers=c.encoder_layers, vocab_size=c.vocab_size,
+                max_position_embeddings=getattr(c, "max_position_embeddings", None))
+
+
+T5 = Family(
+    name="t5",
+    architectures=("T5ForConditionalGeneration", "MT5ForConditionalGeneration"),
+    encoder_inputs=_token_encoder_inputs,
+    decoder_layers=lambda m: list(m.decoder.block),
+    cross_attention=lambda layer: layer.layer[1].EncDecAttention,
+    self_attention=lambda layer: layer.layer[0].SelfAttention,
+    cross_projections=lambda attn: (attn.k, attn.v),
+    dims=_t5_dims,
+)
+
+BART = Family(
+    name="bart",
+    architectures=("BartForConditionalGeneration", "MarianMTModel", "MBartForConditionalGeneration"),
+    encoder_inputs=_token_encoder_inputs,
+    decoder_layers=lambda m: list(m.model.decoder.layers),
+    cross_attention=lambda layer: layer.encoder_attn,
+    self_attention=lambda layer: layer.self_attn,
+    cross_projections=lambda attn: (attn.k_proj, attn.v_proj),
+    dims=_bart_dims,
+)
+
+WHISPER = Family(
+    name="whisper",
+    architectures=("WhisperForConditionalGeneration",),
+    encoder_inputs=_whisper_encoder_inputs,
+    decoder_layers=lambda m: list(m.model.decoder.layers),
+    cross_attention=lambda layer: layer.encoder_attn,
+    self_attention=lambda layer: layer.self_attn,
+    cross_projections=lambda attn: (attn.k_proj, attn.v_proj),
+    dims=_bart_dims,
+    uses_encoder_mask=False,
+)
+
+FAMILIES = (T5, BART, WHISPER)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(a for f in FAMILIES for a in f.architectures)
+
+
+def family_for_architecture(architecture: str) -> Family:
+    for family in FAMILIES:
+        if architecture in family.architectures:
+            return family
+    raise ElxError(
+        f"architecture {architecture!r} is not supported; elx exports {', '.join(supported_architectures())}"
+    )

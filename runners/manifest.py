@@ -1,0 +1,133 @@
+"""``manifest.json``: the contract between the exporter and the runners.
+
+A runner learns everything from it: the family and dims, special tokens and generation defaults,
+which graphs to run once per input ("stages", e.g. encoder then cross K/V projection) and which
+graph to run per step, where each graph input comes from, and the cache layout.
+
+Every graph input names its source in ``from``:
+
+* ``input:<role>``: what the user provides per input sequence (``input_ids``, ``attention_mask``,
+  ``input_features``), batch B;
+* ``<graph>:<output>``: an output of a stage graph, computed once per input, batch B;
+* ``step:input_ids``: the decoder tokens of this step, [rows, t] with rows = B·beam;
+* ``cache:<output>``: a self-attention cache entry, fed back from the decoder's own output
+  (empty, length 0 along ``seq_axis``, at the first step).
+
+Anything a search keeps per input sequence is "input-related state" (batch B, shared by the
+beams); the ``cache:`` entries are the self-attention cache (batch rows, reordered with beams).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter.errors import ElxError
+
+FORMAT = "elx-manifest"
+VERSION = 1
+FILENAME = "manifest.json"
+_REQUIRED = ("format", "version", "family", "is_encoder_decoder", "dims", "tokens", "graphs", "stages", "step",
+             "cache", "passes")
+
+
+@dataclass
+class Manifest:
+    data: dict
+    folder: Path | None = None
+
+    # -- reading -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, folder) -> "Manifest":
+        folder = Path(folder)
+        path = folder / FILENAME
+        if not path.is_file():
+            raise ElxError(f"{folder} has no {FILENAME}; pass a folder written by 'elx export'")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ElxError(f"{path} is corrupted ({type(err).__name__}); re-run 'elx export' for this folder")
+        manifest = cls(data, folder)
+        manifest.validate()
+        return manifest
+
+    def validate(self) -> None:
+        where = self.folder / FILENAME if self.folder else "manifest"
+        if not isinstance(self.data, dict) or self.data.get("format") != FORMAT:
+            raise ElxError(f"{where} is not an elx manifest; re-run 'elx export'")
+        missing = [key for key in _REQUIRED if key not in self.data]
+        if missing:
+            raise ElxError(f"{where} is corrupted (missing {', '.join(missing)}); re-run 'elx export'")
+        if self.data["version"] != VERSION:
+            raise ElxError(f"{where} has version {self.data['version']}, this elx reads {VERSION}; re-export")
+        for name in [*self.stages, self.step]:
+            graph = self.data["graphs"].get(name)
+            if not isinstance(graph, dict) or "file" not in graph or "inputs" not in graph:
+                raise ElxError(f"{where} is corrupted (graph {name!r} undescribed); re-run 'elx export'")
+            if self.folder is not None and not (self.folder / graph["file"]).is_file():
+                raise ElxError(f"{self.folder / graph['file']} is missing; re-run 'elx export' for this folder")
+
+    def save(self, folder) -> Path:
+        path = Path(folder) / FILENAME
+        path.write_text(json.dumps(self.data, indent=1, sort_keys=False) + "\n")
+        return path
+
+    def copy(self) -> "Manifest":
+        return Manifest(json.loads(json.dumps(self.data)), self.folder)
+
+    # -- convenient views ----------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        return self.data["family"]
+
+    @property
+    def dims(self) -> dict:
+        return self.data["dims"]
+
+    @property
+    def tokens(self) -> dict:
+        return self.data["tokens"]
+
+    @property
+    def stages(self) -> list[str]:
+        return list(self.data["stages"])
+
+    @property
+    def step(self) -> str:
+        return self.data["step"]
+
+    @property
+    def graphs(self) -> dict:
+        return self.data["graphs"]
+
+    @property
+    def cache_entries(self) -> list[dict]:
+        """Self-attention cache entries: ``{"input", "output", "shape", "seq_axis"}``."""
+        return list(self.data["cache"]["self"])
+
+    @property
+    def passes(self) -> list[dict]:
+        return list(self.data["passes"])
+
+    def pass_names(self) -> list[str]:
+        return [p["name"] for p in self.data["passes"]]
+
+    def graph_path(self, name: str) -> Path:
+        return Path(self.folder) / self.graphs[name]["file"]
+
+    def encoder_inputs(self) -> dict[str, dict]:
+        """The user-provided inputs by role (``input:<role>`` sources), with dtype and shape."""
+        found = {}
+        for name in [*self.stages, self.step]:
+            for spec in self.graphs[name]["inputs"].values():
+                kind, _, role = spec["from"].partition(":")
+                if kind == "input":
+                    found[role] = spec
+        return found
+
+    def graph_files(self) -> list[str]:
+        files = []
+        for graph in self.graphs.values():
+            files.append(graph["file"])
+            files.extend(graph.get("external_data", []))
+        return files

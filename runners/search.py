@@ -1,0 +1,187 @@
+"""Greedy and beam search over any ``Backend``, with the semantics of HF ``generate`` (transformers 5.x).
+
+The beam search mirrors ``GenerationMixin._beam_search`` step for step, in float32 like HF:
+top ``max(2, 1 + n_eos)·beams`` continuations per item over the accumulated log-probs, the
+running beams are the best candidates that did not just hit a stopping criterion (−1e9 mask),
+finished hypotheses are merged by length-penalized score, and the early-stop heuristic is HF's
+(``early_stopping`` True / False / "never").
+
+Two things differ, neither changes a token:
+
+* A batch item that can no longer change (HF's heuristic says no running beam can beat its
+  finished ones, or ``early_stopping=True`` and all its beams are finished) is dropped from the
+  batch: its rows leave the cache and the per-input state, so the decoder stops computing them.
+  HF keeps computing them and discards the results (its masks guarantee they cannot enter).
+* Host work is numpy on arrays owned by the search (log-softmax and processors in place, top-k
+  by ``argpartition`` on the [items, beams·vocab] scores).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import Backend, EncoderState
+from .processors import apply_processors
+from .settings import GenerationSettings
+
+NEG_1E9 = np.float32(-1.0e9)
+
+
+@dataclass
+class SearchResult:
+    sequences: np.ndarray  # [items · num_return_sequences, length] int64, decoder prompt included
+    steps: int
+    memory: list = field(default_factory=list)  # per step: {"state_bytes", "cache_bytes", "rows"}
+
+
+def log_softmax_(x: np.ndarray) -> np.ndarray:
+    """In-place float32 log-softmax over the last axis (HF: ``nn.functional.log_softmax``)."""
+    x -= x.max(axis=-1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
+
+
+def topk_desc(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise top-k (values, indices), sorted by value descending, ties by lower index."""
+    if k >= x.shape[1]:
+        idx = np.broadcast_to(np.arange(x.shape[1]), x.shape).copy()
+    else:
+        idx = np.argpartition(-x, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(x, idx, axis=1)
+    order = np.lexsort((idx, -vals), axis=1)
+    idx = np.take_along_axis(idx, order, axis=1)
+    return np.take_along_axis(x, idx, axis=1), idx
+
+
+def _record(memory: list, state: EncoderState, cache, track: bool) -> None:
+    if track:
+        memory.append({"state_bytes": state.nbytes(), "cache_bytes": cache.nbytes(), "rows": cache.rows})
+
+
+def greedy_search(backend: Backend, state: EncoderState, settings: GenerationSettings, processors: list,
+                  track_memory: bool = False) -> SearchResult:
+    prompt = settings.prompt()
+    batch, p_len = state.batch, len(prompt)
+    max_len = settings.total_max_length(p_len)
+    eos = np.asarray(settings.eos_token_id, dtype=np.int64)
+    pad = settings.pad_token_id
+    out = np.full((batch, max_len), pad if pad is not None else -1, dtype=np.int64)
+    out[:, :p_len] = prompt
+    active = np.arange(batch)  # items still generating
+    cache = backend.empty_cache(batch)
+    step_tokens = out[:, :p_len].copy()
+    cur_len, memory = p_len, []
+    while cur_len < max_len and active.size:
+        logits, cache = backend.step(step_tokens, state, cache)
+        _record(memory, state, cache, track_memory)
+        scores = apply_processors(processors, out[active, :cur_len], logits)
+        next_tokens = scores.argmax(axis=1)
+        out[active, cur_len] = next_tokens
+        cur_len += 1
+        done = np.isin(next_tokens, eos) if eos.size else np.zeros(active.size, dtype=bool)
+        if done.any():
+            keep = np.flatnonzero(~done)
+            active = active[keep]
+            if keep.size:
+                state, cache = backend.select(state, keep), backend.reorder(cache, keep)
+            next_tokens = next_tokens[keep]
+        step_tokens = next_tokens[:, None]
+    return SearchResult(out[:, :cur_len], cur_len - p_len, memory)
+
+
+def beam_search(backend: Backend, state: EncoderState, settings: GenerationSettings, processors: list,
+                track_memory: bool = False) -> SearchResult:
+    s = settings
+    k = s.num_beams
+    prompt = s.prompt()
+    batch, p_len = state.batch, len(prompt)
+    max_len = s.total_max_length(p_len)
+    eos = np.asarray(s.eos_token_id, dtype=np.int64)
+    keep_k = max(2, 1 + eos.size) * k
+    # HF: `pad_token_id or eos_token_id[0] if eos_token_id is not None else -1` (a pad id of 0 is falsy)
+    fill = (s.pad_token_id or int(eos[0])) if eos.size else -1
+    early, lp = s.early_stopping, s.length_penalty
+
+    running = np.full((batch, k, max_len), fill, dtype=np.int64)
+    running[:, :, :p_len] = prompt
+    finished_seq = running.copy()
+    finished_len = np.zeros((batch, k), dtype=np.int64)  # generated tokens of each finished hypothesis
+    running_scores = np.zeros((batch, k), dtype=np.float32)
+    running_scores[:, 1:] = NEG_1E9
+    beam_scores = np.full((batch, k), NEG_1E9, dtype=np.float32)
+    is_finished = np.zeros((batch, k), dtype=bool)
+    unsatisfied = np.ones((batch, 1), dtype=bool)
+    top_mask = np.arange(keep_k) < k
+
+    active = np.arange(batch)  # rows of the per-item arrays still in the backend's batch
+    cache = backend.empty_cache(batch * k)
+    step_tokens = running[:, :, :p_len].reshape(batch * k, p_len).copy()
+    cur_len, memory = p_len, []
+    while True:
+        n = active.size
+        logits, cache = backend.step(step_tokens, state, cache)
+        _record(memory, state, cache, track_memory)
+        vocab = logits.shape[1]
+        log_probs = log_softmax_(logits)
+        log_probs = apply_processors(processors, running[active, :, :cur_len].reshape(n * k, cur_len), log_probs)
+        scores = (log_probs.reshape(n, k, vocab) + running_scores[active][:, :, None]).reshape(n, k * vocab)
+
+        top_lp, top_idx = topk_desc(scores, keep_k)
+        top_beam, top_tok = top_idx // vocab, top_idx % vocab
+        top_seq = np.take_along_axis(running[active], top_beam[:, :, None], axis=1)
+        top_seq[:, :, cur_len] = top_tok
+        hits = np.isin(top_tok, eos) | (cur_len + 1 >= max_len)
+
+        # running beams for the next step: best candidates that did not just stop
+        run_lp = top_lp + hits.astype(np.float32) * NEG_1E9
+        _, nxt = topk_desc(run_lp, k)
+        running[active] = np.take_along_axis(top_seq, nxt[:, :, None], axis=1)
+        running_scores[active] = np.take_along_axis(run_lp, nxt, axis=1)
+        parents = np.take_along_axis(top_beam, nxt, axis=1)
+
+        # finished hypotheses: merge by length-penalized score
+        just_done = hits & top_mask[None, :]
+        fin_lp = top_lp / np.float32((cur_len + 1 - p_len) ** lp)
+        full = is_finished[active].all(axis=1, keepdims=True) & (early is True)
+        fin_lp = fin_lp + full.astype(np.float32) * NEG_1E9
+        fin_lp = fin_lp + (~unsatisfied[active]).astype(np.float32) * NEG_1E9
+        fin_lp = fin_lp + (~just_done).astype(np.float32) * NEG_1E9
+        merged_scores = np.concatenate([beam_scores[active], fin_lp], axis=1)
+        _, best = topk_desc(merged_scores, k)
+        merged_seq = np.concatenate([finished_seq[active], top_seq], axis=1)
+        merged_len = np.concatenate([finished_len[active], np.full_like(top_tok, cur_len + 1 - p_len)], axis=1)
+        merged_fin = np.concatenate([is_finished[active], just_done], axis=1)
+        finished_seq[active] = np.take_along_axis(merged_seq, best[:, :, None], axis=1)
+        beam_scores[active] = np.take_along_axis(merged_scores, best, axis=1)
+        finished_len[active] = np.take_along_axis(merged_len, best, axis=1)
+        is_finished[active] = np.take_along_axis(merged_fin, best, axis=1)
+
+        cur_len += 1
+        # HF's early-stop heuristic (``_check_early_stop_heuristic``)
+        if early == "never" and lp > 0.0:
+            best_len = max_len - p_len
+        else:
+            best_len = cur_len - p_len
+        best_running = running_scores[active][:, :1] / np.float32(best_len ** lp)
+        worst_done = np.where(is_finished[active], beam_scores[active].min(axis=1, keepdims=True), NEG_1E9)
+        unsatisfied[active] &= (best_running > worst_done).any(axis=1, keepdims=True)
+
+        if hits.all():  # every continuation hits a stopping criterion (max length)
+            break
+        item_done = ~unsatisfied[active, 0] | (is_finished[active].all(axis=1) & (early is True))
+        rows = (np.arange(n)[:, None] * k + parents).reshape(-1)  # new row r comes from old row rows[r]
+        if item_done.any():
+            keep = np.flatnonzero(~item_done)
+            if keep.size == 0:
+                break
+            state = backend.select(state, keep)
+            rows = rows.reshape(n, k)[keep].reshape(-1)
+            active = active[keep]
+        cache = backend.reorder(cache, rows)
+        step_tokens = running[active, :, cur_len - 1].reshape(-1, 1)
+
+    r = s.num_return_sequences
+    seqs = finished_seq[:, :r].reshape(batch * r, max_len)
+    gen_len = int(finished_len[:, :r].max())
+    return SearchResult(seqs[:, : p_len + gen_len], cur_len - p_len, memory)

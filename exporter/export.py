@@ -40,6 +40,14 @@ def _as_list(value):
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def _dims(model, family) -> dict:
+    dims = family.dims(model.config)
+    # Whisper's generate caps the decoder length at its position table (runners/whisper.py)
+    if getattr(model.config, "max_target_positions", None) is not None:
+        dims.setdefault("max_target_positions", int(model.config.max_target_positions))
+    return dims
+
+
 def base_manifest(model, family, source: dict) -> dict:
     gen = model.generation_config
     defaults = {}
@@ -50,7 +58,7 @@ def base_manifest(model, family, source: dict) -> dict:
     return {
         "format": FORMAT, "version": VERSION, "elx_version": __version__,
         "family": family.name, "architecture": type(model).__name__, "is_encoder_decoder": True,
-        "source": source, "dims": family.dims(model.config),
+        "source": source, "dims": _dims(model, family),
         "tokens": {"decoder_start_token_id": gen.decoder_start_token_id, "eos_token_id": _as_list(gen.eos_token_id),
                    "pad_token_id": gen.pad_token_id, "bos_token_id": gen.bos_token_id},
         "generation_defaults": defaults,
@@ -71,12 +79,18 @@ def export_graphs(model, family, folder: Path, manifest: dict, quiet: bool) -> N
 
 
 def copy_tokenizer(model_folder: str | None, folder: Path) -> bool:
-    """Save the source's tokenizer/feature extractor next to the graphs, when it has one."""
-    if not model_folder:
-        return False
-    from transformers import AutoProcessor, AutoTokenizer
+    """Save the source's tokenizer/feature extractor next to the graphs, when it has one.
 
-    for loader in (AutoProcessor, AutoTokenizer):
+    A Whisper folder's processor (tokenizer + ``WhisperFeatureExtractor``) is saved whole: the
+    runners read the feature extractor from ``tokenizer/`` for ``--audio``.
+    """
+    names = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json", "sentencepiece.bpe.model",
+             "preprocessor_config.json")
+    if not model_folder or not any((Path(model_folder) / n).is_file() for n in names):
+        return False
+    from transformers import AutoFeatureExtractor, AutoProcessor, AutoTokenizer
+
+    for loader in (AutoProcessor, AutoTokenizer, AutoFeatureExtractor):
         try:
             loader.from_pretrained(model_folder, local_files_only=True).save_pretrained(folder / "tokenizer")
             return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -42,6 +43,7 @@ def save_model(model: onnx.ModelProto, path: Path) -> list[str]:
 
 
 def _export(module, args, dynamic_shapes, input_names, output_names, path: Path) -> list[str]:
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), elx_attention(module.hf_model, module.family):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, tuple(args), dynamo=True, opset_version=OPSET, input_names=input_names,

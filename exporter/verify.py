@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from runners.backend import DecoderCache
+from runners.inputs import random_inputs
 from runners.manifest import Manifest
 from runners.ort_backend import OrtBackend
 
@@ -37,23 +38,6 @@ class Shape:
 SHAPES = (Shape(1, 1, 5, 0), Shape(2, 3, 9, 4), Shape(3, 2, 6, 0, 2), Shape(2, 4, 11, 7))
 
 
-def random_encoder_inputs(manifest: Manifest, batch: int, source: int, rng: np.random.Generator) -> dict:
-    """User inputs by role: token ids with a padded tail on later rows, or log-mel-like features."""
-    out = {}
-    vocab = manifest.dims["vocab_size"]
-    for role, spec in manifest.encoder_inputs().items():
-        if role == "input_ids":
-            out[role] = rng.integers(3, vocab, size=(batch, source), dtype=np.int64)
-        elif role == "attention_mask":
-            mask = np.ones((batch, source), dtype=np.int64)
-            for row in range(1, batch):
-                mask[row, source - min(row * 2, source - 1):] = 0
-            out[role] = mask
-        else:
-            out[role] = rng.standard_normal([batch, *spec["shape"][1:]]).astype(np.float32)
-    return out
-
-
 def _random_step(manifest: Manifest, shape: Shape, rng) -> tuple[np.ndarray, dict]:
     rows = shape.batch * shape.beams
     tokens = rng.integers(3, manifest.dims["vocab_size"], size=(rows, shape.step), dtype=np.int64)
@@ -74,7 +58,7 @@ def compare_backends(a: OrtBackend, b: OrtBackend, shapes=SHAPES, seed: int = 0,
     worst, per_shape = 0.0, []
     for shape in shapes:
         rng = np.random.default_rng(seed)
-        inputs = random_encoder_inputs(a.manifest, shape.batch, shape.source, rng)
+        inputs = random_inputs(a.manifest, shape.batch, shape.source, rng)
         tokens, past = _random_step(a.manifest, shape, rng)
         state_a, state_b = a.encode(inputs), b.encode(inputs)
         rows = shape.batch * shape.beams
@@ -107,7 +91,7 @@ def verify_export(model, backend: OrtBackend, shapes=SHAPES, seed: int = 0) -> d
     worst_logits, worst_encoder, per_shape = 0.0, 0.0, []
     for shape in shapes:
         rng = np.random.default_rng(seed)
-        inputs = random_encoder_inputs(manifest, shape.batch, shape.source, rng)
+        inputs = random_inputs(manifest, shape.batch, shape.source, rng)
         tokens, past = _random_step(manifest, shape, rng)
         state = backend.encode(inputs)
         logits, _ = backend.step(tokens, state, DecoderCache(past, shape.batch * shape.beams))

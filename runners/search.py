@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import Backend, EncoderState
+from .hostops import topk_desc
 from .processors import apply_processors
 from .settings import GenerationSettings
 
@@ -40,18 +41,6 @@ def log_softmax_(x: np.ndarray) -> np.ndarray:
     x -= x.max(axis=-1, keepdims=True)
     x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
     return x
-
-
-def topk_desc(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row-wise top-k (values, indices), sorted by value descending, ties by lower index."""
-    if k >= x.shape[1]:
-        idx = np.broadcast_to(np.arange(x.shape[1]), x.shape).copy()
-    else:
-        idx = np.argpartition(-x, k - 1, axis=1)[:, :k]
-    vals = np.take_along_axis(x, idx, axis=1)
-    order = np.lexsort((idx, -vals), axis=1)
-    idx = np.take_along_axis(idx, order, axis=1)
-    return np.take_along_axis(x, idx, axis=1), idx
 
 
 def _record(memory: list, state: EncoderState, cache, track: bool) -> None:

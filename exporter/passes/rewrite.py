@@ -1,0 +1,117 @@
+"""Shared machinery of the graph passes: load/save graphs, walk them by structure, add nodes, and
+commit a rewrite only after it has been verified against the graphs it replaces."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from runners.manifest import Manifest
+from runners.ort_backend import OrtBackend
+
+from ..errors import ElxError
+from ..onnx_export import save_model
+from ..verify import SHAPES, compare_backends, require_within_tolerance
+
+SHAPE_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
+
+
+def load_graph(manifest: Manifest, name: str) -> gs.Graph:
+    return gs.import_onnx(onnx.load(str(manifest.graph_path(name))))
+
+
+def save_graph(graph: gs.Graph, folder: Path, file: str) -> list[str]:
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    model = gs.export_onnx(graph)
+    model.ir_version = min(model.ir_version, 10)  # readable by older runtimes and polygraphy
+    return save_model(model, Path(folder) / file)
+
+
+def producer(tensor) -> gs.Node | None:
+    return tensor.inputs[0] if tensor.inputs else None
+
+
+def only_consumer(tensor, what: str) -> gs.Node:
+    if len(tensor.outputs) != 1:
+        raise ElxError(f"unexpected graph structure: {what} has {len(tensor.outputs)} consumers, expected 1")
+    return tensor.outputs[0]
+
+
+def through_shape_ops_down(tensor) -> tuple[gs.Node, list]:
+    """Follow single consumers through shape-only ops; return the first other node and the path."""
+    path = []
+    node = only_consumer(tensor, tensor.name)
+    while node.op in SHAPE_OPS:
+        path.append(node)
+        node = only_consumer(node.outputs[0], node.outputs[0].name)
+    return node, path
+
+
+def through_shape_ops_up(tensor):
+    """Walk producers through shape-only ops; return the first tensor not produced by one."""
+    node = producer(tensor)
+    while node is not None and node.op in SHAPE_OPS:
+        tensor = node.inputs[0]
+        node = producer(tensor)
+    return tensor
+
+
+def constant_value(tensor) -> np.ndarray | None:
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    node = producer(tensor)
+    if node is not None and node.op == "Constant":
+        return np.asarray(node.attrs["value"].values)
+    return None
+
+
+def linear_before(tensor) -> tuple[np.ndarray, np.ndarray | None]:
+    """``tensor`` = x·W (+ b) with constant W [in, out] and b [out]: return (W, b), else fail."""
+    bias = None
+    node = producer(tensor)
+    if node is not None and node.op == "Add":
+        for i in (0, 1):
+            value = constant_value(node.inputs[i])
+            if value is not None and value.ndim == 1:
+                bias, tensor, node = value, node.inputs[1 - i], producer(node.inputs[1 - i])
+                break
+    if node is None or node.op != "MatMul" or constant_value(node.inputs[1]) is None:
+        raise ElxError(f"unexpected graph structure: {tensor.name} is not a linear projection with constant weights")
+    return constant_value(node.inputs[1]), bias
+
+
+class Builder:
+    """Adds nodes to a gs graph with fresh, readable names under one prefix."""
+
+    def __init__(self, graph: gs.Graph, prefix: str):
+        self.graph, self.prefix, self.count = graph, prefix, 0
+
+    def _name(self, hint: str) -> str:
+        self.count += 1
+        return f"{self.prefix}/{hint}_{self.count}"
+
+    def const(self, hint: str, value) -> gs.Constant:
+        return gs.Constant(self._name(hint), np.ascontiguousarray(value))
+
+    def op(self, op: str, inputs: list, hint: str | None = None, dtype=None, **attrs) -> gs.Variable:
+        name = self._name(hint or op.lower())
+        out = gs.Variable(name + ":0", dtype=dtype)
+        self.graph.nodes.append(gs.Node(op, name, attrs=attrs, inputs=list(inputs), outputs=[out]))
+        return out
+
+
+def refuse_twice(manifest: Manifest, name: str) -> None:
+    if name in manifest.pass_names():
+        raise ElxError(f"pass {name!r} was already applied to this export; export again from the model to re-apply")
+
+
+def commit(folder: Path, before: Manifest, after: Manifest, shapes=SHAPES, past_from=None, what: str = "") -> dict:
+    """Verify ``after`` against ``before`` on random inputs; on success drop files only ``before`` used."""
+    report = compare_backends(OrtBackend(before), OrtBackend(after), shapes=shapes, past_from=past_from)
+    require_within_tolerance(report, what)
+    keep = set(after.graph_files())
+    for file in set(before.graph_files()) - keep:
+        (Path(folder) / file).unlink(missing_ok=True)
+    return report

@@ -1,0 +1,135 @@
+"""``elx compare``: HF ``generate`` in PyTorch against the elx runner on the same inputs.
+
+Per returned sequence it reports whether the tokens are identical, the first generated step
+where they diverge, and the max abs logits difference per step, measured by teacher-forcing both
+models along HF's sequence (so the numbers exist even where the tokens diverge).  It also
+reports the encoder output difference.  Exit status 0 only when every sequence is identical.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from exporter.sources import reload_model
+
+from .generate import Generator
+from .inputs import random_inputs
+
+
+@dataclass
+class RowReport:
+    item: int
+    identical: bool
+    first_divergence: int | None  # generated-token index, None when identical
+    step_logits_diff: list = field(default_factory=list)
+    hf_tokens: list = field(default_factory=list)
+    elx_tokens: list = field(default_factory=list)
+
+
+@dataclass
+class CompareReport:
+    rows: list
+    encoder_diff: float
+    hf_seconds: float
+    elx_seconds: float
+    settings: dict
+
+    @property
+    def all_identical(self) -> bool:
+        return all(r.identical for r in self.rows)
+
+
+def _hf_generate(model, inputs: dict, options: dict) -> np.ndarray:
+    with torch.no_grad():
+        out = model.generate(**{k: torch.from_numpy(v) for k, v in inputs.items()}, **options)
+    return out.numpy()
+
+
+def _first_divergence(a: np.ndarray, b: np.ndarray, prompt_len: int) -> int | None:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    if diff.size:
+        return int(diff[0]) - prompt_len
+    return None if len(a) == len(b) else n - prompt_len
+
+
+def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: np.ndarray, per_item: int):
+    """Max abs logits diff per (row, step) along ``sequences`` ([items·per_item, T]), and the encoder diff."""
+    backend = generator.backend
+    state = backend.encode(inputs)
+    rows, length = sequences.shape
+    cache = backend.empty_cache(rows)
+    ort_steps = []
+    for t in range(length - 1):
+        logits, cache = backend.step(np.ascontiguousarray(sequences[:, t: t + 1]), state, cache)
+        ort_steps.append(logits)
+    rep = {k: torch.from_numpy(np.repeat(v, per_item, axis=0)) for k, v in inputs.items()}
+    with torch.no_grad():
+        encoder = model.get_encoder()(**rep).last_hidden_state
+        ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
+                    decoder_input_ids=torch.from_numpy(sequences[:, :-1])).logits.numpy()
+    diffs = np.stack([np.abs(ort_steps[t] - ref[:, t]).max(axis=1) for t in range(length - 1)], axis=1)
+    encoder_ort = state.extras["encoder:last_hidden_state"]
+    encoder_diff = float(np.abs(encoder_ort - encoder[::per_item].numpy()).max())
+    return diffs, encoder_diff
+
+
+def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, threads: int | None = None,
+            inputs: dict | None = None, **options) -> CompareReport:
+    generator = Generator.from_folder(folder, threads=threads)
+    settings = generator.settings(**options)
+    hf_options = {k: v for k, v in options.items() if v is not None}
+    whisper = generator.manifest.family == "whisper"
+    if whisper:  # the language elx uses where HF would detect one (runners/whisper.py)
+        from .whisper import full_sequences, hf_language, hf_sequences
+
+        language = hf_language(generator.manifest, options.get("language"), options.get("task"))
+        if language is not None:
+            hf_options["language"] = language
+    model = reload_model(generator.manifest.data["source"])
+    if inputs is None:
+        inputs = random_inputs(generator.manifest, batch_size, input_length, np.random.default_rng(seed))
+    started = time.perf_counter()
+    hf = _hf_generate(model, inputs, hf_options)
+    hf_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    elx = generator.generate(inputs, settings=settings).sequences
+    elx_seconds = time.perf_counter() - started
+    per_item = settings.num_return_sequences * settings.input_repeats  # rows per input (Whisper: repeats)
+    prompt_len = len(settings.prompt())
+    forced = hf
+    if whisper:  # HF Whisper returns the generated tokens only (no prompt, no EOS): compare in that form
+        elx, forced, prompt_len = hf_sequences(elx, settings), full_sequences(hf, settings), 0
+    diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item)
+    rows = []
+    for r in range(hf.shape[0]):
+        a, b = hf[r], elx[r] if r < elx.shape[0] else np.array([], dtype=np.int64)
+        same = a.shape == b.shape and bool(np.array_equal(a, b))
+        rows.append(RowReport(r // per_item, same, None if same else _first_divergence(a, b, prompt_len),
+                              [float(x) for x in diffs[r]], a.tolist(), b.tolist()))
+    if elx.shape != hf.shape:  # different lengths make every row differ in shape: flag it on all rows
+        for row in rows:
+            row.identical = False
+    return CompareReport(rows, encoder_diff, hf_seconds, elx_seconds,
+                         {k: getattr(settings, k) for k in ("num_beams", "num_return_sequences", "no_repeat_ngram_size",
+                                                            "length_penalty", "early_stopping", "max_new_tokens",
+                                                            "min_new_tokens")})
+
+
+def format_report(report: CompareReport, passes: list) -> str:
+    lines = [f"passes: {', '.join(passes) or 'none (baseline)'}; settings: {report.settings}",
+             f"encoder output max abs diff: {report.encoder_diff:.2e}"]
+    for i, row in enumerate(report.rows):
+        worst = max(row.step_logits_diff) if row.step_logits_diff else 0.0
+        status = "identical" if row.identical else f"DIFFERENT (first divergence at generated step {row.first_divergence})"
+        steps = " ".join(f"{d:.1e}" for d in row.step_logits_diff)
+        lines.append(f"row {i} (input {row.item}): {status}; {len(row.hf_tokens)} tokens; "
+                     f"max abs logits diff {worst:.2e}; per step: {steps}")
+    same = sum(r.identical for r in report.rows)
+    lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate; "
+                 f"HF {report.hf_seconds:.2f} s, elx {report.elx_seconds:.2f} s "
+                 f"({report.hf_seconds / max(report.elx_seconds, 1e-9):.2f}x)")
+    return "\n".join(lines)

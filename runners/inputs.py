@@ -1,0 +1,35 @@
+"""Seeded random encoder inputs of varied lengths (right-padded, with attention masks), by role.
+
+Token inputs: row 0 has the full length, later rows random lengths in [length/2, length]; padded
+positions hold the pad token and a 0 in the mask.  Feature inputs (Whisper's log-mel frames) are
+standard normal at the graph's fixed shape.  Used by export verification, ``elx compare`` and
+``elx bench`` so that all three see the same kind of batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .manifest import Manifest
+
+
+def random_inputs(manifest: Manifest, batch: int, length: int, rng: np.random.Generator) -> dict:
+    roles = manifest.encoder_inputs()
+    out = {}
+    if "input_ids" in roles:
+        vocab = manifest.dims["vocab_size"]
+        pad = manifest.tokens.get("pad_token_id") or 0
+        special = {t for t in [pad, manifest.tokens.get("bos_token_id"), *(manifest.tokens.get("eos_token_id") or [])]
+                   if t is not None}
+        low = max(special) + 1 if special and max(special) < vocab // 2 else 0
+        ids = rng.integers(low, vocab, size=(batch, length), dtype=np.int64)
+        lengths = [length] + [int(rng.integers(max(1, length // 2), length + 1)) for _ in range(batch - 1)]
+        mask = (np.arange(length)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+        ids[mask == 0] = pad
+        out["input_ids"] = ids
+        if "attention_mask" in roles:
+            out["attention_mask"] = mask
+    for role, spec in roles.items():
+        if role not in ("input_ids", "attention_mask"):
+            shape = [batch, *spec["shape"][1:]]
+            out[role] = rng.standard_normal(shape).astype(np.float32)
+    return out

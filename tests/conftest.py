@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random HF models saved as local folders, and their exports (built once per session)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _t5(**overrides):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                  decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, relative_attention_num_buckets=8)
+    config.update(overrides)
+    return T5ForConditionalGeneration(T5Config(**config))
+
+
+def _bart(**overrides):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = dict(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                  forced_eos_token_id=None)
+    config.update(overrides)
+    return BartForConditionalGeneration(BartConfig(**config))
+
+
+def _whisper(**overrides):
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = dict(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_target_positions=64,
+                  decoder_start_token_id=3, eos_token_id=2, pad_token_id=2, bos_token_id=2,
+                  begin_suppress_tokens=None, suppress_tokens=None)
+    config.update(overrides)
+    return WhisperForConditionalGeneration(WhisperConfig(**config))
+
+
+BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper}
+
+
+def make_model_folder(root: Path, family: str, seed: int = 0, **overrides) -> Path:
+    torch.manual_seed(seed)
+    model = BUILDERS[family](**overrides).eval()
+    folder = root / f"{family}-{seed}"
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def model_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {family: make_model_folder(root, family) for family in BUILDERS}
+
+
+_EXPORTS = {}
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory, model_folders):
+    """``exported(family, passes)`` → folder; each (family, passes) is exported once per session."""
+    from exporter.export import export_model
+
+    root = tmp_path_factory.mktemp("exports")
+
+    def get(family: str, passes: str | None = None) -> Path:
+        key = (family, passes or "")
+        if key not in _EXPORTS:
+            out = root / f"{family}-{(passes or 'base').replace(',', '_').replace('=', '')}"
+            _EXPORTS[key] = export_model(str(model_folders[family]), out, passes=passes, quiet=True)
+        return _EXPORTS[key]
+
+    return get

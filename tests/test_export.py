@@ -1,0 +1,85 @@
+"""Export round trip: graphs, manifest contract, and ORT vs PyTorch at several shapes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from exporter.verify import SHAPES, Shape, verify_export
+from runners.manifest import Manifest
+from runners.ort_backend import OrtBackend
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "whisper"])
+def test_manifest_contract(exported, family):
+    folder = exported(family)
+    manifest = Manifest.load(folder)
+    data = json.loads((folder / "manifest.json").read_text())
+    assert data["family"] == family
+    assert manifest.stages == ["encoder", "cross_kv"] and manifest.step == "decoder"
+    layers = manifest.dims["num_decoder_layers"]
+    decoder = manifest.graphs["decoder"]["inputs"]
+    for i in range(layers):  # Optimum's names
+        assert decoder[f"past_key_values.{i}.decoder.key"]["from"] == f"cache:present.{i}.decoder.key"
+        assert decoder[f"past_key_values.{i}.encoder.value"]["from"] == f"cross_kv:present.{i}.encoder.value"
+    # the cross cache is computed at batch B (once per input), the self cache at rows = B·beams
+    assert decoder["past_key_values.0.encoder.key"]["shape"][0] == "batch"
+    assert decoder["past_key_values.0.decoder.key"]["shape"][0] == "rows"
+    roles = manifest.encoder_inputs()
+    if family == "whisper":
+        assert set(roles) == {"input_features"}  # no token-id assumption
+    else:
+        assert set(roles) == {"input_ids", "attention_mask"}
+    verification = data["verification"]["export"]
+    assert verification["max_abs_logits_diff"] <= 1e-4 and len(verification["shapes"]) == len(SHAPES)
+    for name in manifest.stages + [manifest.step]:
+        model = onnx.load(str(manifest.graph_path(name)), load_external_data=False)
+        assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 17
+        graph_inputs = {i.name for i in model.graph.input}
+        assert graph_inputs == set(manifest.graphs[name]["inputs"])
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "whisper"])
+def test_ort_matches_pytorch_at_new_shapes(exported, model_folders, family):
+    """Shapes the export never saw: batch 1 and 5, beams 1..5, empty and long pasts, steps of 1..3 tokens."""
+    from exporter.sources import resolve_model
+
+    folder = exported(family)
+    model = resolve_model(str(model_folders[family])).model
+    shapes = (Shape(1, 5, 3, 0), Shape(5, 1, 13, 9), Shape(2, 2, 4, 1, 3))
+    report = verify_export(model, OrtBackend(Manifest.load(folder)), shapes=shapes, seed=7)
+    assert report["max_abs_logits_diff"] <= 1e-4
+    assert report["max_abs_encoder_diff"] <= 1e-4
+
+
+def test_self_cache_grows_and_cross_state_is_per_input(exported):
+    """Runner-side state: cross K/V at batch B (not per beam), self cache [rows, h, P, d_kv] growing by 1."""
+    from runners.generate import Generator
+    from runners.inputs import random_inputs
+
+    gen = Generator.from_folder(exported("t5"))
+    inputs = random_inputs(gen.manifest, 3, 9, np.random.default_rng(0))
+    result = gen.generate(inputs, num_beams=4, max_new_tokens=6, min_new_tokens=6, track_memory=True)
+    dims = gen.manifest.dims
+    heads, d_kv, layers = dims["num_heads"], dims["d_kv"], dims["num_decoder_layers"]
+    state = result.memory[0]["state_bytes"]
+    mask_bytes = 3 * 9 * 8
+    assert state == 2 * layers * 3 * heads * 9 * d_kv * 4 + mask_bytes  # batch 3, never 12 rows
+    for step, entry in enumerate(result.memory):
+        assert entry["cache_bytes"] == 2 * layers * 12 * heads * (step + 1) * d_kv * 4
+
+
+def test_random_init_preset_is_recorded(tmp_path):
+    """A hub id with --random-init builds the preset architecture and says so in the manifest."""
+    from exporter.sources import preset_names, resolve_model
+
+    assert {"t5-small", "t5-base", "t5-large", "flan-t5-base", "bart-base", "bart-large"} <= set(preset_names())
+    loaded = resolve_model("google-t5/t5-small", random_init=True, seed=3)
+    assert loaded.source == {"kind": "random-init", "model": "google-t5/t5-small", "preset": "t5-small",
+                             "random_init": True, "seed": 3}
+    assert loaded.model.config.d_model == 512 and loaded.model.config.num_layers == 6
+    again = resolve_model("t5-small", random_init=True, seed=3).model
+    assert torch.equal(loaded.model.shared.weight, again.shared.weight)  # seeded: reproducible for compare

@@ -1,0 +1,148 @@
+"""Sweeps of ``elx bench`` that reproduce the shape of the EL-attention paper's Figure 4 and Table 3.
+
+* ``input``: input length 64 → 1024 at beam 4 (Figure 4, left): seconds per generate and speedup
+  over HF for every system.
+* ``beam``: beams 1, 2, 4, 8 at a long input (Figure 4, right).
+* ``budget``: for each elx pass set, the largest batch whose live generation state (input-related
+  state + self-attention cache at the last step, measured from the runner's tensors at batch 1,
+  which grows linearly with the batch) fits a memory budget, and the throughput reached at that
+  batch (Table 3).
+
+Each sweep writes JSON, a Markdown table and a PNG plot into the output folder.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from .bench import BenchSettings, markdown_table, run_bench
+from .generate import Generator
+from .inputs import random_inputs
+
+INPUT_LENGTHS = (64, 128, 256, 512, 1024)
+BEAMS = (1, 2, 4, 8)
+
+
+def _series(reports: list, key: str) -> dict:
+    out = {}
+    for report in reports:
+        for system in report["systems"]:
+            out.setdefault(system["system"], []).append(system[key])
+    return out
+
+
+def _plot(path: Path, xs, reports: list, xlabel: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, values in _series(reports, "median_s").items():
+        left.plot(xs, values, marker="o", label=name)
+    for name, values in _series(reports, "speedup_vs_hf").items():
+        right.plot(xs, values, marker="o", label=name)
+    left.set(xlabel=xlabel, ylabel="seconds per generate (median)", title=title)
+    right.set(xlabel=xlabel, ylabel="speedup over HF generate (x)", title="ratio, same run")
+    right.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write(out: Path, name: str, payload, tables: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
+    (out / f"{name}.md").write_text(tables + "\n")
+
+
+def sweep_input(folders, settings: BenchSettings, out: Path, lengths=INPUT_LENGTHS, ct2=False, log=print) -> Path:
+    reports = []
+    for length in lengths:
+        log(f"sweep input: length {length}")
+        reports.append(run_bench(folders, replace(settings, input_length=length), ct2=ct2, work=out))
+    tables = "\n\n".join(f"### input {n}\n\n{markdown_table(r)}" for n, r in zip(lengths, reports))
+    _write(out, "sweep_input", {"x": list(lengths), "reports": reports}, tables)
+    _plot(out / "sweep_input.png", lengths, reports, "input length (tokens)",
+          f"beam {settings.num_beams}, batch {settings.batch_size}")
+    return out / "sweep_input.png"
+
+
+def sweep_beam(folders, settings: BenchSettings, out: Path, beams=BEAMS, ct2=False, log=print) -> Path:
+    reports = []
+    for beam in beams:
+        log(f"sweep beam: {beam}")
+        reports.append(run_bench(folders, replace(settings, num_beams=beam), ct2=ct2, work=out))
+    tables = "\n\n".join(f"### beams {b}\n\n{markdown_table(r)}" for b, r in zip(beams, reports))
+    _write(out, "sweep_beam", {"x": list(beams), "reports": reports}, tables)
+    _plot(out / "sweep_beam.png", beams, reports, "beams", f"input {settings.input_length}, batch "
+          f"{settings.batch_size}")
+    return out / "sweep_beam.png"
+
+
+def _bytes_per_item(gen: Generator, settings: BenchSettings) -> int:
+    inputs = random_inputs(gen.manifest, 1, settings.input_length, np.random.default_rng(settings.seed))
+    memory = gen.generate(inputs, track_memory=True, **settings.generation()).memory
+    return max(m["state_bytes"] + m["cache_bytes"] for m in memory)
+
+
+def sweep_budget(folders, settings: BenchSettings, out: Path, budget_mb: float, log=print) -> Path:
+    import time
+
+    rows = []
+    for folder in folders:
+        gen = Generator.from_folder(folder, threads=settings.threads)
+        per_item = _bytes_per_item(gen, settings)
+        batch = max(1, int(budget_mb * 2**20 // per_item))
+        log(f"sweep budget: {folder.name}: {per_item / 2**20:.2f} MB per input → batch {batch}")
+        inputs = random_inputs(gen.manifest, batch, settings.input_length, np.random.default_rng(settings.seed))
+        gen.generate(inputs, **settings.generation())  # warm-up
+        times = []
+        for _ in range(settings.repeats):
+            start = time.perf_counter()
+            gen.generate(inputs, **settings.generation())
+            times.append(time.perf_counter() - start)
+        median = float(np.median(times))
+        rows.append({"system": "elx " + ("+".join(gen.manifest.pass_names()) or "baseline"),
+                     "bytes_per_input": per_item, "max_batch": batch, "median_s": median,
+                     "samples_per_s": batch / median})
+    base = rows[0]
+    lines = [f"memory budget {budget_mb:.0f} MB for live generation state (input-related state + self cache); "
+             f"input {settings.input_length}, beams {settings.num_beams}, {settings.new_tokens} new tokens\n",
+             "| system | MB per input | max batch | median s | samples/s | throughput vs baseline |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['bytes_per_input'] / 2**20:.2f} | {r['max_batch']} | {r['median_s']:.2f} | "
+                     f"{r['samples_per_s']:.2f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x |")
+    _write(out, "sweep_budget", {"budget_mb": budget_mb, "rows": rows}, "\n".join(lines))
+    _plot_budget(out / "sweep_budget.png", rows, budget_mb)
+    return out / "sweep_budget.png"
+
+
+def _plot_budget(path: Path, rows: list, budget_mb: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["system"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(names, [r["max_batch"] for r in rows], color="tab:blue")
+    left.set(ylabel="largest batch", title=f"fits {budget_mb:.0f} MB of live state")
+    right.bar(names, [r["samples_per_s"] for r in rows], color="tab:green")
+    right.set(ylabel="samples / s", title="throughput at that batch")
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=20)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -48,6 +48,8 @@ class DecoderCache:
 
 class Backend(ABC):
     manifest = None
+    needs_history = False  # the step graph reads the token history (in-graph n-gram blocking)
+    returns_log_probs = False  # the step graph already applies log-softmax
 
     @abstractmethod
     def encode(self, inputs: dict) -> EncoderState:
@@ -58,8 +60,11 @@ class Backend(ABC):
         """An empty self-attention cache for ``rows`` decoder rows."""
 
     @abstractmethod
-    def step(self, input_ids: np.ndarray, state: EncoderState, cache: DecoderCache) -> tuple[np.ndarray, DecoderCache]:
-        """One decoder step: tokens [rows, t] → (last-position logits [rows, vocab] float32, new cache)."""
+    def step(self, input_ids: np.ndarray, state: EncoderState, cache: DecoderCache,
+             history: np.ndarray | None = None) -> tuple[np.ndarray, DecoderCache]:
+        """One decoder step: tokens [rows, t] → (last-position logits [rows, vocab] float32, new cache).
+
+        ``history`` [rows, cur_len] is the token history, passed when ``needs_history``."""
 
     def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
         """Rows of the new cache are rows ``rows`` of the old one (beam reordering)."""

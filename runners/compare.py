@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from exporter.plugins.ngram_reference import block_ngrams
 from exporter.sources import reload_model
 
 from .generate import Generator
@@ -57,24 +58,37 @@ def _first_divergence(a: np.ndarray, b: np.ndarray, prompt_len: int) -> int | No
 
 
 def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: np.ndarray, per_item: int):
-    """Max abs logits diff per (row, step) along ``sequences`` ([items·per_item, T]), and the encoder diff."""
+    """Max abs logits diff per (row, step) along ``sequences`` ([items·per_item, T]), and the encoder diff.
+
+    When the step graph returns blocked log-probs (the ``ngram`` pass), the PyTorch logits go
+    through log-softmax and the reference blocking first; equal −inf entries count as equal.
+    """
     backend = generator.backend
     state = backend.encode(inputs)
     rows, length = sequences.shape
     cache = backend.empty_cache(rows)
     ort_steps = []
     for t in range(length - 1):
-        logits, cache = backend.step(np.ascontiguousarray(sequences[:, t: t + 1]), state, cache)
+        history = np.ascontiguousarray(sequences[:, : t + 1]) if backend.needs_history else None
+        logits, cache = backend.step(np.ascontiguousarray(sequences[:, t: t + 1]), state, cache, history)
         ort_steps.append(logits)
     rep = {k: torch.from_numpy(np.repeat(v, per_item, axis=0)) for k, v in inputs.items()}
     with torch.no_grad():
         encoder = model.get_encoder()(**rep).last_hidden_state
         ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
-                    decoder_input_ids=torch.from_numpy(sequences[:, :-1])).logits.numpy()
-    diffs = np.stack([np.abs(ort_steps[t] - ref[:, t]).max(axis=1) for t in range(length - 1)], axis=1)
+                    decoder_input_ids=torch.from_numpy(sequences[:, :-1])).logits
+    if backend.returns_log_probs:
+        ref = torch.log_softmax(ref, dim=-1)
+    ref = ref.numpy()
+    blocks = max((p.get("blocks_ngrams") or 0 for p in generator.manifest.passes), default=0)
+    diffs = []
+    for t in range(length - 1):
+        expected = block_ngrams(sequences[:, : t + 1], ref[:, t], blocks) if blocks else ref[:, t]
+        both_inf = np.isneginf(expected) & np.isneginf(ort_steps[t])
+        diffs.append(np.where(both_inf, 0.0, np.abs(ort_steps[t] - expected)).max(axis=1))
     encoder_ort = state.extras["encoder:last_hidden_state"]
     encoder_diff = float(np.abs(encoder_ort - encoder[::per_item].numpy()).max())
-    return diffs, encoder_diff
+    return np.stack(diffs, axis=1), encoder_diff
 
 
 def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, threads: int | None = None,

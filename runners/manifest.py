@@ -130,4 +130,6 @@ class Manifest:
         for graph in self.graphs.values():
             files.append(graph["file"])
             files.extend(graph.get("external_data", []))
+            if graph.get("tensorrt_file"):
+                files.append(graph["tensorrt_file"])
         return files

@@ -44,6 +44,9 @@ class OrtBackend(Backend):
         self._logits = step.get("logits", "logits")
         self._step_outputs = [self._logits] + [self._cache_map[k] for k in self._cache_map]
         self._token_input = next(n for n, s in self._step_inputs.items() if s["from"] == "step:input_ids")
+        self._history_input = next((n for n, s in self._step_inputs.items() if s["from"] == "step:history"), None)
+        self.needs_history = self._history_input is not None
+        self.returns_log_probs = step.get("logits_kind") == "log_probs"
         self._constant_inputs = {n: s["from"] for n, s in self._step_inputs.items()
                                  if not s["from"].startswith(("step:", "cache:"))}
 
@@ -76,9 +79,13 @@ class OrtBackend(Backend):
             arrays[name] = np.zeros(shape, dtype=_DTYPES[spec.get("dtype", "float32")])
         return DecoderCache(arrays, rows)
 
-    def step(self, input_ids, state: EncoderState, cache: DecoderCache):
+    def step(self, input_ids, state: EncoderState, cache: DecoderCache, history=None):
         feeds = dict(state.feeds)
         feeds.update(cache.arrays)
         feeds[self._token_input] = input_ids
+        if self._history_input is not None:
+            if history is None:
+                raise ElxError("this decoder blocks n-grams in the graph and needs the token history")
+            feeds[self._history_input] = np.ascontiguousarray(history, dtype=np.int64)
         logits, *presents = self.sessions[self.manifest.step].run(self._step_outputs, feeds)
         return logits, DecoderCache(dict(zip(self._cache_map, presents)), cache.rows)

@@ -62,9 +62,10 @@ def greedy_search(backend: Backend, state: EncoderState, settings: GenerationSet
     step_tokens = out[:, :p_len].copy()
     cur_len, memory = p_len, []
     while cur_len < max_len and active.size:
-        logits, cache = backend.step(step_tokens, state, cache)
+        history = out[active, :cur_len]
+        logits, cache = backend.step(step_tokens, state, cache, history if backend.needs_history else None)
         _record(memory, state, cache, track_memory)
-        scores = apply_processors(processors, out[active, :cur_len], logits)
+        scores = apply_processors(processors, history, logits)
         next_tokens = scores.argmax(axis=1)
         out[active, cur_len] = next_tokens
         cur_len += 1
@@ -109,11 +110,12 @@ def beam_search(backend: Backend, state: EncoderState, settings: GenerationSetti
     cur_len, memory = p_len, []
     while True:
         n = active.size
-        logits, cache = backend.step(step_tokens, state, cache)
+        history = running[active, :, :cur_len].reshape(n * k, cur_len)
+        logits, cache = backend.step(step_tokens, state, cache, history if backend.needs_history else None)
         _record(memory, state, cache, track_memory)
         vocab = logits.shape[1]
-        log_probs = log_softmax_(logits)
-        log_probs = apply_processors(processors, running[active, :, :cur_len].reshape(n * k, cur_len), log_probs)
+        log_probs = logits if backend.returns_log_probs else log_softmax_(logits)
+        log_probs = apply_processors(processors, history, log_probs)
         scores = (log_probs.reshape(n, k, vocab) + running_scores[active][:, :, None]).reshape(n, k * vocab)
 
         top_lp, top_idx = topk_desc(scores, keep_k)

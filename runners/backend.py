@@ -16,6 +16,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+_ORT_ITEMSIZE = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(int64)": 8, "tensor(int32)": 4}
+
+
+def array_nbytes(array) -> int:
+    """Bytes of a host array, or of a device ``OrtValue`` (IOBinding backends)."""
+    if hasattr(array, "nbytes"):
+        return int(array.nbytes)
+    return int(np.prod(array.shape())) * _ORT_ITEMSIZE[array.data_type()]
+
+
 @dataclass
 class EncoderState:
     """Per-input state the decoder reads every step, at batch B (shared by the beams of an item).
@@ -28,7 +38,7 @@ class EncoderState:
     extras: dict = field(default_factory=dict)  # stage outputs not fed to the decoder (e.g. for compare)
 
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in self.feeds.values()))
+        return sum(array_nbytes(a) for a in self.feeds.values())
 
 
 @dataclass
@@ -39,7 +49,7 @@ class DecoderCache:
     rows: int
 
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in self.arrays.values()))
+        return sum(array_nbytes(a) for a in self.arrays.values())
 
     def length(self, seq_axis: int = 2) -> int:
         first = next(iter(self.arrays.values()), None)

@@ -39,6 +39,7 @@ class BenchSettings:
     repeats: int = 3
     threads: int | None = None
     seed: int = 0
+    device: str = "cpu"  # "cuda": HF on PyTorch CUDA, elx on ORT's CUDA EP with IOBinding
 
     def generation(self) -> dict:
         return dict(num_beams=self.num_beams, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
@@ -110,6 +111,19 @@ def matmul_peak(threads: int | None = None, size: int = 1024, repeats: int = 5) 
     return 2 * size**3 / best
 
 
+def _cuda_matmul_peak(size: int = 8192) -> float:
+    import torch
+
+    a = torch.randn(size, size, device="cuda")
+    a @ a
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    torch.cuda.synchronize()
+    return 5 * 2 * size**3 / (time.perf_counter() - start)
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -168,7 +182,7 @@ class Ct2Peer:
 
     name = "CTranslate2"
 
-    def __init__(self, hf_model, work: Path, threads: int | None):
+    def __init__(self, hf_model, work: Path, threads: int | None, device: str = "cpu"):
         import ctranslate2
         from ctranslate2.converters import TransformersConverter
 
@@ -178,7 +192,7 @@ class Ct2Peer:
             TransformersConverter(str(src)).convert(str(out), force=True)
             vocab = [f"<t{i}>" for i in range(hf_model.config.vocab_size)]
             (out / "shared_vocabulary.json").write_text(json.dumps(vocab))
-        self.translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=threads or 0)
+        self.translator = ctranslate2.Translator(str(out), device=device, intra_threads=threads or 0)
         self.start = hf_model.generation_config.decoder_start_token_id
 
     def generate(self, inputs: dict, settings: BenchSettings) -> np.ndarray:
@@ -202,19 +216,22 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    generators = [Generator.from_folder(f, threads=settings.threads) for f in folders]
+    generators = [generator_for(f, settings) for f in folders]
     manifest: Manifest = generators[0].manifest
     for g in generators[1:]:
         if g.manifest.data["source"] != manifest.data["source"]:
             raise ElxError("all bench folders must come from the same model export source")
-    model = reload_model(manifest.data["source"])
+    model = reload_model(manifest.data["source"]).to(settings.device)
     inputs = random_inputs(manifest, settings.batch_size, settings.input_length, np.random.default_rng(settings.seed))
-    t_inputs = {k: torch.from_numpy(v) for k, v in inputs.items()}
+    t_inputs = {k: torch.from_numpy(v).to(settings.device) for k, v in inputs.items()}
     options = settings.generation()
 
     def hf():
         with torch.no_grad():
-            return model.generate(**t_inputs, **options).numpy()
+            out = model.generate(**t_inputs, **options)
+        if settings.device == "cuda":
+            torch.cuda.synchronize()
+        return out.cpu().numpy()
 
     systems = {"HF generate (PyTorch)": (hf, None)}
     for g in generators:
@@ -222,7 +239,8 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
         systems[name] = ((lambda g=g: g.generate(inputs, **options).sequences), g)
     if ct2:
         try:
-            peer = Ct2Peer(model, Path(work or "out/bench") / "ct2", settings.threads)
+            peer = Ct2Peer(model.cpu() if settings.device == "cpu" else model, Path(work or "out/bench") / "ct2",
+                           settings.threads, settings.device)
             systems[peer.name] = ((lambda: peer.generate(inputs, settings)), None)
         except Exception as err:  # noqa: BLE001 - an optional peer
             log(f"bench: CTranslate2 unavailable ({type(err).__name__}: {str(err)[:120]}); skipped")
@@ -251,11 +269,19 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
     ffn, gated = _ffn_of(model.config)
     flops = generation_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
                              settings.new_tokens, gated)
-    peak = matmul_peak(settings.threads)
+    peak = matmul_peak(settings.threads) if settings.device == "cpu" else _cuda_matmul_peak()
     hf_median = statistics.median(results["HF generate (PyTorch)"].seconds)
     return {"settings": asdict(settings), "model": manifest.data["source"], "dims": manifest.dims,
             "flops_per_generate": flops, "matmul_peak_gflops": peak / 1e9,
             "systems": [r.summary(settings, hf_median, flops, peak) for r in results.values()]}
+
+
+def generator_for(folder: Path, settings: BenchSettings) -> Generator:
+    if settings.device == "cpu":
+        return Generator.from_folder(folder, threads=settings.threads)
+    from .ort_io_backend import OrtIoBackend
+
+    return Generator(OrtIoBackend(Manifest.load(folder), device=settings.device, threads=settings.threads))
 
 
 def _mb(value) -> str:

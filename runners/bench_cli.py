@@ -21,6 +21,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--no-repeat-ngram-size", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: HF on PyTorch CUDA, elx on ONNX Runtime's CUDA EP with IOBinding (needs onnxruntime-gpu)")
     p.add_argument("--ct2", action="store_true", help="add CTranslate2 as a peer (pip install ctranslate2)")
     p.add_argument("--sweep", choices=["none", "input", "beam", "budget", "all"], default="none")
     p.add_argument("--budget-mb", type=float, default=64.0, help="memory budget of the budget sweep")
@@ -49,7 +51,7 @@ def cmd_bench(args) -> int:
     work = Path(args.work) / Path(model).name
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
-                             repeats=args.repeats, threads=args.threads)
+                             repeats=args.repeats, threads=args.threads, device=args.device)
     folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports")
     out = work / "results"
     out.mkdir(parents=True, exist_ok=True)

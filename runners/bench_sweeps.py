@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import BenchSettings, markdown_table, run_bench
+from .bench import BenchSettings, generator_for, markdown_table, run_bench
 from .generate import Generator
 from .inputs import random_inputs
 
@@ -100,7 +100,7 @@ def sweep_budget(folders, settings: BenchSettings, out: Path, budget_mb: float, 
 
     rows = []
     for folder in folders:
-        gen = Generator.from_folder(folder, threads=settings.threads)
+        gen = generator_for(folder, settings)
         per_item = _bytes_per_item(gen, settings)
         batch = max(1, int(budget_mb * 2**20 // per_item))
         log(f"sweep budget: {folder.name}: {per_item / 2**20:.2f} MB per input → batch {batch}")

@@ -57,12 +57,24 @@ class OrtBackend(Backend):
             graph = self.manifest.graphs[name]
             feeds = {inp: self._resolve(spec["from"], available, name) for inp, spec in graph["inputs"].items()}
             outputs = list(graph["outputs"])
-            for out_name, value in zip(outputs, self.sessions[name].run(outputs, feeds)):
+            for out_name, value in zip(outputs, self._run_graph(name, feeds, outputs)):
                 available[f"{name}:{out_name}"] = value
-        feeds = {inp: self._resolve(src, available, self.manifest.step) for inp, src in self._constant_inputs.items()}
+        feeds = {inp: self._hold(self._resolve(src, available, self.manifest.step))
+                 for inp, src in self._constant_inputs.items()}
         batch = int(next(iter(inputs.values())).shape[0])
-        extras = {k: v for k, v in available.items() if not k.startswith("input:")}
+        extras = {key: self._to_host(available[key]) for key in ("encoder:last_hidden_state",) if key in available}
         return EncoderState(feeds, batch, extras)
+
+    def _run_graph(self, name: str, feeds: dict, outputs: list) -> list:
+        return self.sessions[name].run(outputs, feeds)
+
+    def _hold(self, value):
+        """How per-input state is kept between steps (host arrays here; device buffers with IOBinding)."""
+        return value
+
+    @staticmethod
+    def _to_host(value):
+        return value
 
     @staticmethod
     def _resolve(source: str, available: dict, graph: str):

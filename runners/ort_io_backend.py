@@ -64,22 +64,15 @@ class OrtIoBackend(OrtBackend):
         return self._run(self._gather, {"x": value, "idx": rows.astype(np.int64)}, ["y"])[0]
 
     # -- Backend ---------------------------------------------------------------------------
-    def encode(self, inputs: dict) -> EncoderState:
-        available = {f"input:{role}": np.ascontiguousarray(a) for role, a in inputs.items()}
-        for name in self.manifest.stages:
-            graph = self.manifest.graphs[name]
-            feeds = {inp: self._resolve(spec["from"], available, name) for inp, spec in graph["inputs"].items()}
-            outputs = list(graph["outputs"])
-            for out_name, value in zip(outputs, self._run(self.sessions[name], feeds, outputs)):
-                available[f"{name}:{out_name}"] = value
-        feeds = {}
-        for inp, src in self._constant_inputs.items():
-            value = self._resolve(src, available, self.manifest.step)
-            feeds[inp] = self._to_device(value) if isinstance(value, np.ndarray) else value
-        batch = int(next(iter(inputs.values())).shape[0])
-        extras = {k: (v.numpy() if not isinstance(v, np.ndarray) else v) for k, v in available.items()
-                  if k == "encoder:last_hidden_state"}
-        return EncoderState(feeds, batch, extras)
+    def _run_graph(self, name: str, feeds: dict, outputs: list) -> list:
+        return self._run(self.sessions[name], feeds, outputs)
+
+    def _hold(self, value):
+        return self._to_device(value) if isinstance(value, np.ndarray) else value
+
+    @staticmethod
+    def _to_host(value):
+        return value if isinstance(value, np.ndarray) else value.numpy()
 
     def empty_cache(self, rows: int) -> DecoderCache:
         host = super().empty_cache(rows)

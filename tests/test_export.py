@@ -83,3 +83,22 @@ def test_random_init_preset_is_recorded(tmp_path):
     assert loaded.model.config.d_model == 512 and loaded.model.config.num_layers == 6
     again = resolve_model("t5-small", random_init=True, seed=3).model
     assert torch.equal(loaded.model.shared.weight, again.shared.weight)  # seeded: reproducible for compare
+
+
+def test_external_data_path(tmp_path, model_folders, monkeypatch):
+    """Graphs above the size limit are saved with external data, through export and passes alike.
+
+    The limit (2 GB in real use) is lowered so that a tiny model takes the same code path."""
+    import exporter.onnx_export as onnx_export
+    from exporter.export import export_model
+    from runners.compare import compare
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 10_000)
+    folder = export_model(str(model_folders["t5"]), tmp_path / "ext", passes="el", quiet=True)
+    manifest = Manifest.load(folder)
+    for name in manifest.stages + [manifest.step]:
+        extra = manifest.graphs[name]["external_data"]
+        assert extra == [manifest.graphs[name]["file"] + ".data"] and (folder / extra[0]).stat().st_size > 10_000
+        assert (folder / manifest.graphs[name]["file"]).stat().st_size < (folder / extra[0]).stat().st_size
+    assert sorted(p.name for p in folder.iterdir()) == sorted(manifest.graph_files() + ["manifest.json"])
+    assert compare(folder, batch_size=2, input_length=7, num_beams=2, max_new_tokens=5).all_identical

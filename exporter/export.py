@@ -6,6 +6,7 @@ verification included) succeeded.
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,25 @@ def copy_tokenizer(model_folder: str | None, folder: Path) -> bool:
     return False
 
 
+def run_passes(folder: Path, manifest: Manifest, requests: list, quiet: bool = True) -> None:
+    """Apply parsed pass requests in order; each verifies itself and records its error in the manifest."""
+    for request in requests:
+        record = request.module.apply(folder, manifest, request.argument)
+        manifest.data["passes"].append(record)
+        _log(f"  pass {request.name}: max abs logits diff {record['max_abs_logits_diff']:.2e}", quiet)
+
+
+def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
+    """Apply ``passes`` to a copy of the export in ``source``; ``target`` appears only on success."""
+    requests = parse_passes(passes)
+    with staged_folder(Path(target), force=True) as folder:
+        shutil.copytree(source, folder, dirs_exist_ok=True)
+        manifest = Manifest.load(folder)
+        run_passes(folder, manifest, requests, quiet)
+        manifest.save(folder)
+    return Path(target).absolute()
+
+
 def export_model(model: str, output, random_init: bool = False, passes: str | None = None, seed: int = 0,
                  force: bool = False, quiet: bool = False) -> Path:
     requests = parse_passes(passes)  # validate before any heavy work
@@ -115,10 +135,7 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
         data["verification"]["export"] = report
         _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}, "
              f"encoder {report['max_abs_encoder_diff']:.2e}", quiet)
-        for request in requests:
-            record = request.module.apply(folder, manifest, request.argument)
-            data["passes"].append(record)
-            _log(f"  pass {request.name}: max abs logits diff {record['max_abs_logits_diff']:.2e}", quiet)
+        run_passes(folder, manifest, requests, quiet)
         data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
         manifest.save(folder)
     _log(f"wrote {output}", quiet)

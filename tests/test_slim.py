@@ -21,8 +21,8 @@ from transformers import (BartConfig, BartForConditionalGeneration, T5Config, T5
                           WhisperConfig, WhisperForConditionalGeneration)
 
 from exporter.errors import ElxError
-from exporter.export import export_model
-from exporter.passes import parse_passes, slim, slim_cross
+from exporter.export import apply_passes, export_model
+from exporter.passes import slim, slim_cross
 from exporter.passes.rewrite import load_graph
 from exporter.verify import TOLERANCE, Shape, compare_backends
 from runners.generate import Generator
@@ -105,18 +105,6 @@ def exported(workdir):
         return cache[family]
 
     return get
-
-
-def apply_passes(source: Path, target: Path, passes: str) -> Path:
-    """What ``elx export --pass`` does after exporting, on a copy of an exported folder."""
-    if target.exists():
-        shutil.rmtree(target)
-    shutil.copytree(source, target)
-    manifest = Manifest.load(target)
-    for request in parse_passes(passes):
-        manifest.data["passes"].append(request.module.apply(target, manifest, request.argument))
-    manifest.save(target)
-    return target
 
 
 @pytest.fixture(scope="module")

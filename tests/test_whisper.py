@@ -21,6 +21,7 @@ import pytest
 
 from exporter.cli import main as elx_main
 from exporter.errors import ElxError
+from exporter.export import apply_passes
 from runners.compare import compare
 from runners.generate import Generator
 from runners.manifest import Manifest
@@ -35,18 +36,6 @@ def speech_tools():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def apply_passes(source: Path, target: Path, passes: str) -> Path:
-    """Apply ``passes`` to a copy of an export, as ``export_model`` applies them after exporting."""
-    from exporter.passes import parse_passes
-
-    shutil.copytree(source, target)
-    manifest = Manifest.load(target)
-    for request in parse_passes(passes):
-        manifest.data["passes"].append(request.module.apply(target, manifest, request.argument))
-    manifest.save(target)
-    return target
 
 
 def _identical(report):

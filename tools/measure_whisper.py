@@ -52,28 +52,12 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def apply_passes(source: Path, target: Path, passes: str) -> Path:
-    """``passes`` applied to a copy of an export, as ``export_model`` applies them after exporting."""
-    from exporter.passes import parse_passes
-    from runners.manifest import Manifest
-
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging)
-    manifest = Manifest.load(staging)
-    for request in parse_passes(passes):
-        manifest.data["passes"].append(request.module.apply(staging, manifest, request.argument))
-    manifest.save(staging)
-    staging.rename(target)
-    return target
-
-
 def prepare(workdir: Path) -> dict:
     """HF folder, exports (or the reason a pass refused), clips and the CTranslate2 folder, cached."""
     from exporter.ct2_format import locate_ct2_files
     from exporter.ct2_import import import_ct2
     from exporter.errors import ElxError
-    from exporter.export import export_model
+    from exporter.export import apply_passes, export_model
 
     workdir.mkdir(parents=True, exist_ok=True)
     out = {"hf": workdir / "hf"}

@@ -65,28 +65,27 @@ def _write(out: Path, name: str, payload, tables: str) -> None:
     (out / f"{name}.md").write_text(tables + "\n")
 
 
-def sweep_input(folders, settings: BenchSettings, out: Path, lengths=INPUT_LENGTHS, ct2=False, log=print) -> Path:
+def _sweep(folders, settings: BenchSettings, out: Path, field: str, values, name: str, label: str, xlabel: str,
+           title: str, ct2: bool, log) -> Path:
+    """Run the bench once per value of one setting; write JSON, Markdown and a plot named ``name``."""
     reports = []
-    for length in lengths:
-        log(f"sweep input: length {length}")
-        reports.append(run_bench(folders, replace(settings, input_length=length), ct2=ct2, work=out))
-    tables = "\n\n".join(f"### input {n}\n\n{markdown_table(r)}" for n, r in zip(lengths, reports))
-    _write(out, "sweep_input", {"x": list(lengths), "reports": reports}, tables)
-    _plot(out / "sweep_input.png", lengths, reports, "input length (tokens)",
-          f"beam {settings.num_beams}, batch {settings.batch_size}")
-    return out / "sweep_input.png"
+    for value in values:
+        log(f"sweep {name}: {label} {value}")
+        reports.append(run_bench(folders, replace(settings, **{field: value}), ct2=ct2, work=out))
+    tables = "\n\n".join(f"### {label} {v}\n\n{markdown_table(r)}" for v, r in zip(values, reports))
+    _write(out, name, {"x": list(values), "reports": reports}, tables)
+    _plot(out / f"{name}.png", values, reports, xlabel, title)
+    return out / f"{name}.png"
+
+
+def sweep_input(folders, settings: BenchSettings, out: Path, lengths=INPUT_LENGTHS, ct2=False, log=print) -> Path:
+    return _sweep(folders, settings, out, "input_length", lengths, "sweep_input", "input", "input length (tokens)",
+                  f"beam {settings.num_beams}, batch {settings.batch_size}", ct2, log)
 
 
 def sweep_beam(folders, settings: BenchSettings, out: Path, beams=BEAMS, ct2=False, log=print) -> Path:
-    reports = []
-    for beam in beams:
-        log(f"sweep beam: {beam}")
-        reports.append(run_bench(folders, replace(settings, num_beams=beam), ct2=ct2, work=out))
-    tables = "\n\n".join(f"### beams {b}\n\n{markdown_table(r)}" for b, r in zip(beams, reports))
-    _write(out, "sweep_beam", {"x": list(beams), "reports": reports}, tables)
-    _plot(out / "sweep_beam.png", beams, reports, "beams", f"input {settings.input_length}, batch "
-          f"{settings.batch_size}")
-    return out / "sweep_beam.png"
+    return _sweep(folders, settings, out, "num_beams", beams, "sweep_beam", "beams", "beams",
+                  f"input {settings.input_length}, batch {settings.batch_size}", ct2, log)
 
 
 def _bytes_per_item(gen: Generator, settings: BenchSettings) -> int:

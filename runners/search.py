@@ -12,8 +12,12 @@ Two things differ, neither changes a token:
   finished ones, or ``early_stopping=True`` and all its beams are finished) is dropped from the
   batch: its rows leave the cache and the per-input state, so the decoder stops computing them.
   HF keeps computing them and discards the results (its masks guarantee they cannot enter).
-* Host work is numpy on arrays owned by the search (log-softmax and processors in place, top-k
-  by ``argpartition`` on the [items, beams·vocab] scores).
+* Host work is numpy on arrays owned by the search (log-softmax and processors in place).
+
+Every top-k is ``runners.topk.topk``: ``torch.topk``'s CPU order, ties included.  Peaked models
+produce exactly equal scores (log-probs of 0.0, candidates masked to -1e9, blocked tokens at
+-inf), and which of them comes first decides the tokens; a top-k that breaks ties by index
+returns other sequences than HF for some beam counts (issue 10's first finding).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import Backend, EncoderState
-from .hostops import topk_desc
+from .topk import topk
 from .processors import apply_processors
 from .settings import GenerationSettings
 
@@ -41,6 +45,11 @@ def log_softmax_(x: np.ndarray) -> np.ndarray:
     x -= x.max(axis=-1, keepdims=True)
     x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
     return x
+
+
+def as_float32(logits: np.ndarray) -> np.ndarray:
+    """HF's searches take ``logits.to(copy=True, dtype=torch.float32)`` whatever the model's precision."""
+    return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
 
 def _record(memory: list, state: EncoderState, cache, track: bool) -> None:
@@ -65,7 +74,7 @@ def greedy_search(backend: Backend, state: EncoderState, settings: GenerationSet
         history = out[active, :cur_len]
         logits, cache = backend.step(step_tokens, state, cache, history if backend.needs_history else None)
         _record(memory, state, cache, track_memory)
-        scores = apply_processors(processors, history, logits)
+        scores = apply_processors(processors, history, as_float32(logits))
         next_tokens = scores.argmax(axis=1)
         out[active, cur_len] = next_tokens
         cur_len += 1
@@ -114,11 +123,12 @@ def beam_search(backend: Backend, state: EncoderState, settings: GenerationSetti
         logits, cache = backend.step(step_tokens, state, cache, history if backend.needs_history else None)
         _record(memory, state, cache, track_memory)
         vocab = logits.shape[1]
+        logits = as_float32(logits)
         log_probs = logits if backend.returns_log_probs else log_softmax_(logits)
         log_probs = apply_processors(processors, history, log_probs)
         scores = (log_probs.reshape(n, k, vocab) + running_scores[active][:, :, None]).reshape(n, k * vocab)
 
-        top_lp, top_idx = topk_desc(scores, keep_k)
+        top_lp, top_idx = topk(scores, keep_k)
         top_beam, top_tok = top_idx // vocab, top_idx % vocab
         top_seq = np.take_along_axis(running[active], top_beam[:, :, None], axis=1)
         top_seq[:, :, cur_len] = top_tok
@@ -126,7 +136,7 @@ def beam_search(backend: Backend, state: EncoderState, settings: GenerationSetti
 
         # running beams for the next step: best candidates that did not just stop
         run_lp = top_lp + hits.astype(np.float32) * NEG_1E9
-        _, nxt = topk_desc(run_lp, k)
+        _, nxt = topk(run_lp, k)
         running[active] = np.take_along_axis(top_seq, nxt[:, :, None], axis=1)
         running_scores[active] = np.take_along_axis(run_lp, nxt, axis=1)
         parents = np.take_along_axis(top_beam, nxt, axis=1)
@@ -139,7 +149,7 @@ def beam_search(backend: Backend, state: EncoderState, settings: GenerationSetti
         fin_lp = fin_lp + (~unsatisfied[active]).astype(np.float32) * NEG_1E9
         fin_lp = fin_lp + (~just_done).astype(np.float32) * NEG_1E9
         merged_scores = np.concatenate([beam_scores[active], fin_lp], axis=1)
-        _, best = topk_desc(merged_scores, k)
+        _, best = topk(merged_scores, k)
         merged_seq = np.concatenate([finished_seq[active], top_seq], axis=1)
         merged_len = np.concatenate([finished_len[active], np.full_like(top_tok, cur_len + 1 - p_len)], axis=1)
         merged_fin = np.concatenate([is_finished[active], just_done], axis=1)

@@ -1,0 +1,34 @@
+"""Run elx's searches on HF's own PyTorch logits: separates search bugs from export numerics.
+
+``HfLogitsBackend`` implements the runner's backend interface with the HF model itself: no
+cache, the decoder recomputed over the whole history every step (as ``generate(use_cache=False)``
+does), optionally in float64.  Its logits go to the search as HF hands them to its own search:
+cast to float32.  If elx's search on these logits differs from HF ``generate`` on the same model,
+the difference is in the search, not in ONNX.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runners.backend import Backend, DecoderCache, EncoderState
+
+
+class HfLogitsBackend(Backend):
+    def __init__(self, model):
+        self.model = model
+
+    def encode(self, inputs: dict) -> EncoderState:
+        feeds = {role: np.asarray(a) for role, a in inputs.items()}
+        return EncoderState(feeds, int(next(iter(feeds.values())).shape[0]))
+
+    def empty_cache(self, rows: int) -> DecoderCache:
+        return DecoderCache({"history": np.zeros((rows, 0), dtype=np.int64)}, rows)
+
+    def step(self, input_ids, state: EncoderState, cache: DecoderCache, history=None):
+        tokens = np.concatenate([cache.arrays["history"], input_ids], axis=1)
+        per_item = tokens.shape[0] // state.batch
+        encoder_inputs = {role: torch.from_numpy(np.repeat(a, per_item, axis=0)) for role, a in state.feeds.items()}
+        with torch.no_grad():
+            logits = self.model(**encoder_inputs, decoder_input_ids=torch.from_numpy(tokens)).logits[:, -1]
+        return logits.to(torch.float32).numpy().copy(), DecoderCache({"history": tokens}, cache.rows)

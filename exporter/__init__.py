@@ -1,3 +1,1 @@
-"""elx: lossless faster generation (ONNX export, exact attention passes, ONNX Runtime/TensorRT runners)."""
-
-__version__ = "0.1.0"
+"""elx exporter: HF models to ONNX graphs + manifest, graph passes, verification, compare and bench (needs PyTorch)."""

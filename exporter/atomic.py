@@ -7,7 +7,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ElxError
+from runners.errors import ElxError
 
 
 def check_output(output: Path, force: bool) -> Path:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import ElxError
+from runners.errors import ElxError
 
 SUPPORTED_VERSIONS = range(4, 7)
 BFLOAT16 = "bfloat16"  # numpy has no bfloat16: such variables are returned as float32

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .ct2_format import Ct2Files, Ct2Model, locate_ct2_files, read_ct2_model, resolve
-from .errors import ElxError
+from runners.errors import ElxError
 
 WHISPER_SPEC = "WhisperSpec"
 SAMPLING_RATE = 16000

@@ -14,9 +14,9 @@ from pathlib import Path
 from runners.manifest import FORMAT, VERSION, Manifest
 from runners.ort_backend import OrtBackend
 
-from . import __version__
+from elx import __version__
 from .atomic import check_output, staged_folder
-from .errors import ElxError
+from runners.errors import ElxError
 from .onnx_export import export_cross_kv, export_decoder, export_encoder
 from .passes import parse_passes
 from .sources import resolve_model

@@ -13,7 +13,7 @@ from typing import Callable
 
 from torch import nn
 
-from .errors import ElxError
+from runners.errors import ElxError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ElxError
+from runners.errors import ElxError
 from .families import Family, family_for_architecture
 
 DEFAULT_SEED = 0

@@ -18,7 +18,7 @@ from runners.inputs import random_inputs
 from runners.manifest import Manifest
 from runners.ort_backend import OrtBackend
 
-from .errors import ElxError
+from runners.errors import ElxError
 
 TOLERANCE = 1e-4
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
 TOKENIZER_DIR = "tokenizer"
 _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE

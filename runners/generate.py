@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
 from .backend import Backend
 from .manifest import Manifest

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
 FORMAT = "elx-manifest"
 VERSION = 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
 from .backend import Backend, DecoderCache, EncoderState
 from .manifest import Manifest

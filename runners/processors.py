@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from exporter.plugins.ngram_reference import block_ngrams_inplace
+from runners.ngram_reference import block_ngrams_inplace
 
 from .settings import GenerationSettings
 

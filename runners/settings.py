@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
 from .manifest import Manifest
 

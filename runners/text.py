@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
 from .manifest import Manifest
 

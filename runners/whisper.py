@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
 from .manifest import Manifest
 

@@ -8,7 +8,7 @@ import pytest
 
 
 def test_bench_quick(tmp_path):
-    from runners.bench_cli import main
+    from elx.cli import main
 
     assert main(["bench", "--quick", "--work", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "t5-tiny" / "results" / "bench.json").read_text())
@@ -50,7 +50,7 @@ def test_iobinding_backend_matches_plain_backend(exported, passes):
 def test_cuda_backend_needs_onnxruntime_gpu(exported):
     import onnxruntime as ort
 
-    from exporter.errors import ElxError
+    from runners.errors import ElxError
     from runners.manifest import Manifest
     from runners.ort_io_backend import OrtIoBackend
 

@@ -18,12 +18,12 @@ def test_export_compare_generate(tmp_path, model_folders):
     assert [p["name"] for p in manifest["passes"]] == ["el"]
     assert sorted(p.name for p in out.iterdir()) == ["decoder.el.onnx", "encoder.onnx", "manifest.json"]
 
-    proc = run("-m", "exporter.cli", "compare", str(out), "--batch-size", "3", "--input-length", "12",
+    proc = run("-m", "elx.cli", "compare", str(out), "--batch-size", "3", "--input-length", "12",
                "--num-beams", "4", "--no-repeat-ngram-size", "3", "--max-new-tokens", "10")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3/3 sequences identical to HF generate" in proc.stdout
 
-    proc = run("-m", "exporter.cli", "generate", str(out), "--input-ids", "5 6 7 8; 9 10", "--num-beams", "2",
+    proc = run("-m", "elx.cli", "generate", str(out), "--input-ids", "5 6 7 8; 9 10", "--num-beams", "2",
                "--max-new-tokens", "4")
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("[")]
@@ -42,6 +42,6 @@ def test_compare_fails_when_tokens_differ(tmp_path, model_folders, exported):
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["source"]["path"] = str(other)  # compare will rebuild a different PyTorch model
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    proc = run("-m", "exporter.cli", "compare", str(folder), "--max-new-tokens", "8")
+    proc = run("-m", "elx.cli", "compare", str(folder), "--max-new-tokens", "8")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "DIFFERENT" in proc.stdout

@@ -20,7 +20,7 @@ import torch
 
 from exporter.ct2_format import locate_ct2_files, read_ct2_model
 from exporter.ct2_import import generation_config, import_ct2, whisper_state_dict, whisper_tokens
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
 # ----------------------------------------------------------------------------- a tiny CT2 writer
 

@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 from exporter.export import export_model
-from runners.compare import compare
+from exporter.compare import compare
 from runners.generate import Generator
 from runners.inputs import random_inputs
 from runners.manifest import Manifest

@@ -10,7 +10,7 @@ import pytest
 
 
 def run_elx(*args, cwd=None):
-    proc = subprocess.run([sys.executable, "-m", "exporter.cli", *args], capture_output=True, text=True, cwd=cwd,
+    proc = subprocess.run([sys.executable, "-m", "elx.cli", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=600)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -77,7 +77,7 @@ def test_unknown_and_repeated_pass(tmp_path, model_folders):
 def test_failed_verification_writes_nothing(tmp_path, model_folders, monkeypatch):
     """If verification fails (here: a tolerance no float can meet), the output folder never appears."""
     import exporter.verify as verify
-    from exporter.errors import ElxError
+    from runners.errors import ElxError
     from exporter.export import export_model
 
     monkeypatch.setattr(verify, "TOLERANCE", -1.0)

@@ -91,7 +91,7 @@ def test_external_data_path(tmp_path, model_folders, monkeypatch):
     The limit (2 GB in real use) is lowered so that a tiny model takes the same code path."""
     import exporter.onnx_export as onnx_export
     from exporter.export import export_model
-    from runners.compare import compare
+    from exporter.compare import compare
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 10_000)
     folder = export_model(str(model_folders["t5"]), tmp_path / "ext", passes="el", quiet=True)

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 from exporter.plugins.ngram import ORT_DOMAIN, ort_node
-from exporter.plugins.ngram_reference import block_ngrams
-from runners.compare import compare
+from runners.ngram_reference import block_ngrams
+from exporter.compare import compare
 from runners.manifest import Manifest
 
 

@@ -20,7 +20,7 @@ import torch
 from transformers import (BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration,
                           WhisperConfig, WhisperForConditionalGeneration)
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 from exporter.export import apply_passes, export_model
 from exporter.passes import slim, slim_cross
 from exporter.passes.rewrite import load_graph

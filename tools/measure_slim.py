@@ -39,7 +39,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from exporter.errors import ElxError  # noqa: E402
+from runners.errors import ElxError  # noqa: E402
 from exporter.export import export_model  # noqa: E402
 from exporter.passes import parse_passes  # noqa: E402
 from runners.backend import DecoderCache  # noqa: E402

@@ -56,7 +56,7 @@ def prepare(workdir: Path) -> dict:
     """HF folder, exports (or the reason a pass refused), clips and the CTranslate2 folder, cached."""
     from exporter.ct2_format import locate_ct2_files
     from exporter.ct2_import import import_ct2
-    from exporter.errors import ElxError
+    from runners.errors import ElxError
     from exporter.export import apply_passes, export_model
 
     workdir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from ..errors import ElxError
+from runners.errors import ElxError
 
 # name → module; the order of application is each module's ORDER.
 KNOWN = {"el": "el", "slim": "slim", "slim-cross": "slim_cross", "ngram": "ngram"}

@@ -41,7 +41,7 @@ import onnx_graphsurgeon as gs
 
 from runners.manifest import Manifest
 
-from ..errors import ElxError
+from runners.errors import ElxError
 from .rewrite import (Builder, commit, constant_value, linear_before, load_graph, only_consumer, refuse_twice,
                       save_graph, through_shape_ops_down, through_shape_ops_up)
 

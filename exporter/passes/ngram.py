@@ -30,9 +30,9 @@ from runners.inputs import random_inputs
 from runners.manifest import Manifest
 from runners.ort_backend import OrtBackend
 
-from ..errors import ElxError
+from runners.errors import ElxError
 from ..plugins.ngram import ort_node, tensorrt_node
-from ..plugins.ngram_reference import block_ngrams
+from runners.ngram_reference import block_ngrams
 from ..verify import SHAPES, TOLERANCE, _random_step, require_within_tolerance
 from .rewrite import Builder, load_graph, refuse_twice, save_graph
 

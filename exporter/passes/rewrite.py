@@ -11,7 +11,7 @@ import onnx_graphsurgeon as gs
 from runners.manifest import Manifest
 from runners.ort_backend import OrtBackend
 
-from ..errors import ElxError
+from runners.errors import ElxError
 from ..onnx_export import save_model
 from ..verify import SHAPES, compare_backends, require_within_tolerance
 

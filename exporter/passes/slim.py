@@ -71,7 +71,7 @@ import onnx_graphsurgeon as gs
 from runners.manifest import Manifest
 from runners.ort_backend import OrtBackend
 
-from ..errors import ElxError
+from runners.errors import ElxError
 from ..verify import SHAPES, TOLERANCE, compare_backends
 from .rewrite import Builder, constant_value, load_graph, producer, refuse_twice, save_graph
 

@@ -38,7 +38,7 @@ import onnx_graphsurgeon as gs
 from runners.manifest import Manifest
 from runners.ort_backend import OrtBackend
 
-from ..errors import ElxError
+from runners.errors import ElxError
 from ..verify import compare_backends
 from .rewrite import Builder, load_graph, refuse_twice, save_graph
 from .slim import (Analysis, Original, Projection, Unfit, adopt, analyse, next_file, parse_argument, projection,

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.errors import ElxError
+from runners.errors import ElxError
 
-from .generate import Generator
-from .inputs import random_inputs
-from .manifest import Manifest
+from runners.generate import Generator
+from runners.inputs import random_inputs
+from runners.manifest import Manifest
 
 
 @dataclass
@@ -278,7 +278,7 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
 def generator_for(folder: Path, settings: BenchSettings) -> Generator:
     if settings.device == "cpu":
         return Generator.from_folder(folder, threads=settings.threads)
-    from .ort_io_backend import OrtIoBackend
+    from runners.ort_io_backend import OrtIoBackend
 
     return Generator(OrtIoBackend(Manifest.load(folder), device=settings.device, threads=settings.threads))
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .bench import BenchSettings, generator_for, markdown_table, run_bench
-from .generate import Generator
-from .inputs import random_inputs
+from runners.generate import Generator
+from runners.inputs import random_inputs
 
 INPUT_LENGTHS = (64, 128, 256, 512, 1024)
 BEAMS = (1, 2, 4, 8)

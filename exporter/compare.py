@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from exporter.plugins.ngram_reference import block_ngrams
+from runners.ngram_reference import block_ngrams
 from exporter.sources import reload_model
 
-from .generate import Generator
-from .inputs import random_inputs
+from runners.generate import Generator
+from runners.inputs import random_inputs
 
 
 @dataclass
@@ -98,7 +98,7 @@ def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, 
     hf_options = {k: v for k, v in options.items() if v is not None}
     whisper = generator.manifest.family == "whisper"
     if whisper:  # the language elx uses where HF would detect one (runners/whisper.py)
-        from .whisper import full_sequences, hf_language, hf_sequences
+        from runners.whisper import full_sequences, hf_language, hf_sequences
 
         language = hf_language(generator.manifest, options.get("language"), options.get("task"))
         if language is not None:

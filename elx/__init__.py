@@ -1,0 +1,37 @@
+"""elx: text generation with transformer models, faster, with HF ``generate``'s exact tokens.
+
+The public Python API (heavy modules load on first use)::
+
+    import elx
+    folder = elx.export("t5-small", "t5-small-el", passes="el", random_init=True)
+    generator = elx.Generator.from_folder(folder)           # ONNX Runtime; no PyTorch needed
+    out = generator.generate(input_ids=[[37, 423, 5]], num_beams=4, max_new_tokens=20)
+    out.sequences, out.sequences_scores, out.text
+
+Errors a user can fix are ``elx.ElxError`` (one line saying what is wrong and what to do).
+"""
+from __future__ import annotations
+
+from runners.errors import ElxError
+
+__version__ = "0.1.0"
+__all__ = ["ElxError", "Generator", "export", "__version__"]
+
+
+def export(model: str, output, *, passes: str | None = None, random_init: bool = False, seed: int = 0,
+           force: bool = False, quiet: bool = True):
+    """Export ``model`` (a local HF folder, a hub id in the local cache, or with ``random_init`` a preset) to
+    ``output``: ONNX graphs + ``manifest.json``, passes applied and verified. Returns the folder's path.
+
+    Needs the export extra (PyTorch, transformers): ``pip install 'elx[export]'``."""
+    from exporter.export import export_model
+
+    return export_model(model, output, random_init=random_init, passes=passes, seed=seed, force=force, quiet=quiet)
+
+
+def __getattr__(name: str):
+    if name == "Generator":
+        from runners.generate import Generator
+
+        return Generator
+    raise AttributeError(f"module 'elx' has no attribute {name!r}")

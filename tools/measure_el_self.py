@@ -119,7 +119,8 @@ def measure_model(model: str, args, work: Path) -> dict:
     source, random_init = source_of(model, work)
     baseline = work / "baseline"
     started = time.perf_counter()
-    export_model(source, baseline, random_init=random_init, seed=args.seed, force=True, quiet=True)
+    if not (args.reuse and (baseline / "manifest.json").is_file()):
+        export_model(source, baseline, random_init=random_init, seed=args.seed, force=True, quiet=True)
     print(f"{model}: exported in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     manifest = Manifest.load(baseline)
     batch = args.batch or BATCH.get(model, 2)
@@ -179,7 +180,7 @@ def measure_model(model: str, args, work: Path) -> dict:
 def markdown(result: dict) -> str:
     dims = result["dims"]
     pasts = list(next((r["step_ms"] for r in result["variants"] if "step_ms" in r), {}))
-    source = "random init" if result["random_init"] else "real weights"
+    source = "random init" if result["random_init"] else "loaded weights"
     lines = [f"### {result['model']} ({source}; D {dims['d_model']}, h·d_k {dims['num_heads'] * dims['d_kv']}, "
              f"{dims['num_decoder_layers']} decoder layers; batch {result['batch']}, beam {result['beams']}, "
              + (f"input {result['input_len']}, " if result["input_len"] else "")
@@ -223,6 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="where exports go (default: a temporary folder)")
+    parser.add_argument("--reuse", action="store_true", help="reuse the baseline exports already in --workdir")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]

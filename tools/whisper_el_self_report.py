@@ -194,9 +194,9 @@ def print_report(result: dict) -> None:
                      f"{s['logits_fp32']['positions']})" if s else "-")
         cond = f"{s['cond_W_K']:9.3g}" if s else "        -"
         o = onnx_rows[i]
-        print(f"{i:5d}  {cond} | {slim_text:22} | {row['max_abs_diff']:9.2e} ({row['argmax_changed']:3d}/"
-              f"{row['positions']}) | {o['speech']['max_abs_diff']:9.2e} ({o['speech']['argmax_changed']:3d}/"
-              f"{o['speech']['positions']})     | {o['random_states']:9.2e}")
+        el_text = f"{row['max_abs_diff']:9.2e} ({row['argmax_changed']:3d}/{row['positions']})"
+        onnx_text = f"{o['speech']['max_abs_diff']:9.2e} ({o['speech']['argmax_changed']:3d}/{o['speech']['positions']})"
+        print(f"{i:5d}  {cond} | {slim_text:22} | {el_text:22} | {onnx_text:28} | {o['random_states']:9.2e}")
     print(f"export (baseline vs PyTorch): {result['export_verification']:.2e}")
     for passes, row in result["all_layers"].items():
         records = ", ".join(f"{k} {v:.2e}" for k, v in row["records"].items())

@@ -18,8 +18,9 @@ position and layer.  EL-attention caches X instead and moves W_K, W_V to the oth
 
 One [rows, t, D] cache per layer instead of two [rows, h, t, d_k]: D/(2·h·d_k) of the self
 cache.  No matrix is inverted (unlike ``slim``): every product is a regrouping of the original
-ones, so the result is exact to fp32 rounding on any weights.  The price is h× more attention
-FLOPs (scores and values run at width D per head instead of d_k), as for ``el``.
+ones, so the result is exact up to rounding on any weights (see Rounding below; no conditioning
+enters).  The price is h× more attention FLOPs (scores and values run at width D per head
+instead of d_k), as for ``el``.
 
 Pattern (by structure; the manifest names the cache inputs/outputs), per decoder layer:
     x ─MatMul(W_K)[+b_K]─Reshape─Transpose(0,2,1,3)─┐
@@ -40,11 +41,25 @@ Rewrite (the cache layout is ``past_hidden.{i}.decoder`` [rows, P, D], seq_axis 
 All heads of a row share one product with X_all (the cache is read once per step, §3.1.1), and
 each head's W_K, W_V is read once per step for all rows (one [R·t, ·] product per head).
 
+Rounding.  Every product regroups the original's sums, but the score sum changes: the original
+adds d_k terms q_c·K_c, EL-attention D terms q̃_j·X_j, and the layer-normed X of trained models
+carries a few large outlier features, so Σ_j |q̃_j·X_j| can exceed Σ_c |q_c·K_c| (whisper-base
+decoder layer 1 on speech: 11.7 against 3.5) and the fp32 accumulation of the scores rounds
+more.  Measured on whisper-base, speech, teacher-forced (``tools/whisper_el_self_report.py``):
+max abs logits diff to a float64 PyTorch reference 7.5e-5 for the baseline export, 1.55e-4 with
+``el-self``, 7.7e-5 with ``--pass el-self=fp64``, which accumulates that one product
+(q_i·W_K,iᵀ)·Xᵀ in float64 (Cast of q̃ and X, a double MatMul, Cast back; the cache stays
+fp32).  Tokens are identical to HF ``generate`` either way; fp64 costs step time (measured by
+``tools/measure_el_self.py``) and is not for engines without float64 (TensorRT).
+
 Verification: the rewritten folder against the original through the runner's backend at several
 (batch, beam, source, past, step) shapes; the random pasts come from random states X (the
 original's K = X·W_K + b_K and V = X·W_V + b_V, the rewrite's cache X itself), since independent
-random K and V are not representable by an X cache.  Nothing is written when the max abs
-logits diff exceeds 1e-4.  ``slim`` replaces the same cache and is refused together with it.
+random K and V are not representable by an X cache.  The states are drawn as the layer norm
+shapes them, X = γ ⊙ n + β with n ~ N(0, 1) and the norm's own γ, β (T5: γ only), so that the
+outlier features of real weights are present (whisper-base: 9.0e-5 instead of 3.5e-5 with
+X ~ N(0, 1)).  Nothing is written when the max abs logits diff exceeds 1e-4.  ``slim`` replaces
+the same cache and is refused together with it.
 """
 from __future__ import annotations
 
@@ -52,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from runners.errors import ElxError
@@ -65,6 +81,7 @@ CONFLICTS = ("slim",)
 PAST = "past_hidden.{}.decoder"
 PRESENT = "present_hidden.{}.decoder"
 SCORE_OPS = ("Mul", "Div", "Add")
+FP64 = "fp64"  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ accumulates in float64
 
 
 class Unfit(Exception):
@@ -93,6 +110,7 @@ class SelfLayer:
     v: Projection | None = None
     qk: gs.Node | None = None  # MatMul(q, present Kᵀ)
     pv: gs.Node | None = None  # MatMul(P, present V)
+    norm: tuple | None = None  # (γ, β) of the layer norm producing x, when it has constant ones
 
     @property
     def past(self) -> str:
@@ -143,6 +161,24 @@ def _projection(tensor, d_model: int, heads: int, d_kv: int) -> Projection:
     return Projection(node.inputs[0], np.asarray(weight), None if bias is None else np.asarray(bias))
 
 
+def _norm_of(x, d_model: int) -> tuple | None:
+    """(γ, β) when ``x`` = LayerNormalization(·, γ, β) or T5's RMS norm γ ⊙ (·): used to draw realistic states."""
+    node = producer(x)
+    if node is None:
+        return None
+    if node.op == "LayerNormalization" and len(node.inputs) >= 2:
+        scale = constant_value(node.inputs[1])
+        shift = constant_value(node.inputs[2]) if len(node.inputs) > 2 else np.zeros(d_model)
+        if scale is not None and shift is not None and scale.shape == shift.shape == (d_model,):
+            return np.asarray(scale, np.float64), np.asarray(shift, np.float64)
+    if node.op == "Mul":
+        for i in (0, 1):
+            scale = constant_value(node.inputs[i])
+            if scale is not None and scale.shape == (d_model,):
+                return np.asarray(scale, np.float64), np.zeros(d_model)
+    return None
+
+
 def _reader(tensor, what: str) -> gs.Node:
     """The one non-Shape consumer of ``tensor``."""
     users = [n for n in tensor.outputs if n.op != "Shape"]
@@ -166,6 +202,7 @@ def match(graph: gs.Graph, layer: SelfLayer, d_model: int, heads: int, d_kv: int
         setattr(layer, kind, _projection(concat.inputs[1], d_model, heads, d_kv))
     if layer.k.x is not layer.v.x:
         raise Unfit("K and V project different inputs")
+    layer.norm = _norm_of(layer.k.x, d_model)
     transpose = _reader(tensors[layer.key_output], layer.key_output)
     if transpose.op != "Transpose" or list(transpose.attrs.get("perm", [])) != [0, 1, 3, 2]:
         raise Unfit(f"{layer.key_output} feeds a {transpose.op}, expected Transpose(0,1,3,2) into QKᵀ")
@@ -216,7 +253,7 @@ class _Consts:
 
 
 def _rewrite_layer(build: Builder, k: _Consts, graph: gs.Graph, layer: SelfLayer, d_model: int, heads: int,
-                   d_kv: int) -> tuple[gs.Variable, gs.Variable]:
+                   d_kv: int, wide: frozenset = frozenset()) -> tuple[gs.Variable, gs.Variable]:
     op, const, tag = build.op, build.const, f"layer{layer.index}"
     past = gs.Variable(layer.past, dtype=np.float32, shape=["rows", "past_sequence", d_model])
     present = gs.Variable(layer.present, dtype=np.float32,
@@ -236,8 +273,13 @@ def _rewrite_layer(build: Builder, k: _Consts, graph: gs.Graph, layer: SelfLayer
     qe = op("Reshape", [qe, op("Concat", [h_r_t, k.d], f"{tag}_h_R_t_D", axis=0)], f"{tag}_q_expanded4")
     qe = op("Transpose", [qe], f"{tag}_q_expanded_rows", perm=[1, 0, 2, 3])  # [R, h, t, D]
     qe = op("Reshape", [qe, k.rows_stack_d], f"{tag}_q_stacked")  # [R, h·t, D]
-    x_t = op("Transpose", [present], f"{tag}_X_T", perm=[0, 2, 1])  # [R, D, S] (ORT fuses it into the MatMul)
+    x64 = op("Cast", [present], f"{tag}_X64", to=onnx.TensorProto.DOUBLE) if wide else None
+    if "scores" in wide:
+        qe = op("Cast", [qe], f"{tag}_q64", to=onnx.TensorProto.DOUBLE)
+    x_t = op("Transpose", [x64 if "scores" in wide else present], f"{tag}_X_T", perm=[0, 2, 1])  # [R, D, S]
     scores = op("MatMul", [qe, x_t], f"{tag}_scores")  # [R, h·t, S]
+    if "scores" in wide:
+        scores = op("Cast", [scores], f"{tag}_scores32", to=onnx.TensorProto.FLOAT)
     r_h_t = op("Gather", [q_shape, k.idx_r_h_t], f"{tag}_R_h_t", axis=0)
     scores = op("Reshape", [scores, op("Concat", [r_h_t, k.minus1], f"{tag}_R_h_t_S", axis=0)], f"{tag}_scores4")
     _become(layer.qk, scores)
@@ -248,7 +290,11 @@ def _rewrite_layer(build: Builder, k: _Consts, graph: gs.Graph, layer: SelfLayer
     p3_shape = op("Concat", [op("Gather", [p_shape, k.idx_r], f"{tag}_P_R", axis=0), k.minus1,
                              op("Gather", [p_shape, k.idx_s], f"{tag}_P_S", axis=0)], f"{tag}_R_ht_S", axis=0)
     p = op("Reshape", [probs, p3_shape], f"{tag}_P_stacked")  # [R, h·t, S]
-    ctx = op("MatMul", [p, present], f"{tag}_PX")  # [R, h·t, D]
+    if "values" in wide:
+        ctx = op("MatMul", [op("Cast", [p], f"{tag}_P64", to=onnx.TensorProto.DOUBLE), x64], f"{tag}_PX64")
+        ctx = op("Cast", [ctx], f"{tag}_PX", to=onnx.TensorProto.FLOAT)
+    else:
+        ctx = op("MatMul", [p, present], f"{tag}_PX")  # [R, h·t, D]
     p_r_h_t = op("Gather", [p_shape, k.idx_r_h_t], f"{tag}_P_R_h_t", axis=0)
     ctx = op("Reshape", [ctx, op("Concat", [p_r_h_t, k.d], f"{tag}_R_h_t_D", axis=0)], f"{tag}_PX4")
     ctx = op("Transpose", [ctx], f"{tag}_PX_by_head", perm=[1, 0, 2, 3])  # [h, R, t, D]
@@ -285,14 +331,15 @@ def _redirect_shape_reads(build: Builder, k: _Consts, tensor, x) -> None:
         _become(node, part)
 
 
-def rewrite(graph: gs.Graph, layers: list[SelfLayer], d_model: int, heads: int, d_kv: int) -> None:
+def rewrite(graph: gs.Graph, layers: list[SelfLayer], d_model: int, heads: int, d_kv: int,
+            wide: frozenset = frozenset()) -> None:
     """Rewrite matched ``layers`` in ``graph``: their K/V cache inputs/outputs become X cache ones in place."""
     build = Builder(graph, NAME)
     consts = _Consts(build, d_model, heads, d_kv)
     tensors = graph.tensors()
     swap_in, swap_out = {}, {}
     for layer in layers:
-        past, present = _rewrite_layer(build, consts, graph, layer, d_model, heads, d_kv)
+        past, present = _rewrite_layer(build, consts, graph, layer, d_model, heads, d_kv, wide)
         for name in (layer.key_input, layer.value_input):
             _redirect_shape_reads(build, consts, tensors[name], past)
         for name in (layer.key_output, layer.value_output):
@@ -321,7 +368,8 @@ def _swap(entries: dict, layers: list[SelfLayer], new: dict) -> dict:
     return out
 
 
-def candidate(manifest: Manifest, graph_file: str, indices=None) -> tuple[Manifest, list[SelfLayer]]:
+def candidate(manifest: Manifest, graph_file: str, indices=None, wide: frozenset = frozenset()
+              ) -> tuple[Manifest, list[SelfLayer]]:
     """A copy of ``manifest`` whose decoder (saved as ``graph_file``) caches X for the layers ``indices``
     (default: all).  Returns it and the matched layers (their projections, for ``consistent_past``)."""
     dims = manifest.dims
@@ -333,7 +381,7 @@ def candidate(manifest: Manifest, graph_file: str, indices=None) -> tuple[Manife
             match(graph, layer, d_model, heads, d_kv)
         except Unfit as why:
             raise ElxError(f"pass {NAME}: decoder self-attention layer {layer.index}: {why}; nothing was written")
-    rewrite(graph, layers, d_model, heads, d_kv)
+    rewrite(graph, layers, d_model, heads, d_kv, wide)
     after = manifest.copy()
     step = after.graphs[after.step]
     step["external_data"] = save_graph(graph, after.folder, graph_file)
@@ -365,7 +413,10 @@ def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 
         out = dict(past)
         for layer in layers:
             rows, _, length, _ = past[layer.key_input].shape
-            x = rng.standard_normal((rows, length, layer.k.w.shape[0])).astype(np.float32)
+            x = rng.standard_normal((rows, length, layer.k.w.shape[0]))
+            if layer.norm is not None:  # as the layer norm shapes them: γ ⊙ n + β (outlier features included)
+                x = x * layer.norm[0] + layer.norm[1]
+            x = x.astype(np.float32)
             for name, proj in ((layer.key_input, layer.k), (layer.value_input, layer.v)):
                 y = x.astype(np.float64) @ proj.w.astype(np.float64)
                 past[name] = split(y if proj.b is None else y + proj.b)
@@ -382,8 +433,9 @@ def next_file(current: str) -> str:
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     refuse_twice(manifest, NAME)
-    if argument:
-        raise ElxError(f"pass {NAME} takes no argument (got {argument!r}); use --pass {NAME}")
+    if argument not in (None, "", FP64):
+        raise ElxError(f"pass {NAME} takes no argument or {FP64!r} (got {argument!r}); e.g. --pass {NAME}={FP64}")
+    wide = frozenset({"scores"}) if argument == FP64 else frozenset()
     applied = [name for name in manifest.pass_names() if name in CONFLICTS]
     if applied:
         raise ElxError(f"pass {NAME} replaces the self-attention K/V cache that {applied[0]} already shrank; "
@@ -394,7 +446,7 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
                        f"{[e['input'] for e in manifest.cache_entries][:4]} (slim or {NAME} applied?); "
                        "export again from the model")
     before = manifest.copy()
-    after, layers = candidate(manifest, next_file(manifest.graphs[manifest.step]["file"]))
+    after, layers = candidate(manifest, next_file(manifest.graphs[manifest.step]["file"]), wide=wide)
     dims = manifest.dims
     try:
         report = commit(folder, before, after, past_from=consistent_past(layers, dims["num_heads"], dims["d_kv"]),
@@ -406,7 +458,8 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
         if manifest.data.get(key) != value:
             manifest.data[key] = value
     d_model, heads, d_kv = dims["d_model"], dims["num_heads"], dims["d_kv"]
-    return {"name": NAME, "layers": [layer.index for layer in layers],
+    return {"name": NAME, "argument": argument or None, "layers": [layer.index for layer in layers],
+            "scores_accumulate": "float64" if wide else "float32",
             "cache": f"{PAST.format('{i}')} [rows, past_sequence, {d_model}] per layer instead of K and V "
                      f"[rows, {heads}, past_sequence, {d_kv}]",
             "self_cache_ratio": d_model / (2 * heads * d_kv), **report}

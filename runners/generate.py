@@ -12,6 +12,7 @@ from .manifest import Manifest
 from .processors import build_processors
 from .search import SearchResult, beam_search, greedy_search
 from .settings import GenerationSettings, resolve_settings
+from .validation import check_encoder_inputs, check_memory
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Generator:
         """``inputs`` by role (``input_ids``/``attention_mask`` or ``input_features``), batch B."""
         settings = settings or self.settings(**options)
         inputs = _check_inputs(self.manifest, inputs)
+        check_memory(self.manifest, settings, inputs)  # runners/validation.py: refuse what cannot fit
         if settings.input_repeats > 1:  # Whisper's num_return_sequences (runners/whisper.py)
             inputs = {k: np.repeat(v, settings.input_repeats, axis=0) for k, v in inputs.items()}
         prompt_len = len(settings.prompt())
@@ -65,4 +67,5 @@ def _check_inputs(manifest: Manifest, inputs: dict) -> dict:
         if shape and len(actual) != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, actual)):
             expected = ", ".join(str(d) for d in shape)
             raise ElxError(f"encoder input {role!r} has shape {list(actual)}; this model takes [{expected}]")
+    check_encoder_inputs(manifest, out)  # runners/validation.py: token ids in the vocabulary, lengths, values
     return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from runners.errors import ElxError
 
 from .manifest import Manifest
+from .validation import check_settings
 
 HF_DEFAULT_MAX_LENGTH = 20
 _UNSUPPORTED = {"do_sample": False, "repetition_penalty": 1.0, "bad_words_ids": None,
@@ -108,7 +109,9 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
 
 def _validate(s: GenerationSettings) -> None:
     if s.decoder_start_token_id is None:
-        raise ElxError("no decoder_start_token_id in the manifest or options; pass --decoder-start-token-id")
+        raise ElxError("no decoder_start_token_id in the manifest or options; set it in the model's "
+                       "generation_config.json and re-run 'elx export' (Python: pass decoder_start_token_id=ID)")
+    check_settings(s)  # runners/validation.py: types, ranges, total length vs the model's positions
     if s.input_repeats < 1:
         raise ElxError(f"input_repeats must be >= 1, got {s.input_repeats}")
     if s.num_beams < 1:

@@ -8,6 +8,7 @@ import numpy as np
 from runners.errors import ElxError
 
 from .manifest import Manifest
+from .validation import check_token_rows
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -22,6 +23,7 @@ def _token_rows(text: str) -> list[list[int]]:
 def pad_rows(rows: list[list[int]], pad: int) -> dict:
     if not rows or not all(rows):
         raise ElxError("no input tokens given; pass --input-ids '1 2 3' or --text")
+    check_token_rows(rows)  # runners/validation.py: ids that do not fit in int64
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), pad, dtype=np.int64)
     mask = np.zeros((len(rows), width), dtype=np.int64)

@@ -38,11 +38,12 @@ from .rewrite import Builder, load_graph, refuse_twice, save_graph
 
 NAME = "ngram"
 ORDER = 90  # last: it consumes the final logits
+CONFLICTS: dict = {}
 HISTORY_INPUT = "decoder_input_ids_history"
 OUTPUT = "log_probs"
 
 
-def _parse(argument: str | None) -> int:
+def parse_argument(argument: str | None) -> int:
     try:
         n = int(argument)
     except (TypeError, ValueError):
@@ -98,7 +99,7 @@ def _verify(before: Manifest, after: Manifest, n: int) -> dict:
 
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
-    n = _parse(argument)
+    n = parse_argument(argument)
     refuse_twice(manifest, NAME)
     before = manifest.copy()
     step = manifest.graphs[manifest.step]

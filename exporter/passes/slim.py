@@ -77,6 +77,7 @@ from .rewrite import Builder, constant_value, load_graph, producer, refuse_twice
 
 NAME = "slim"
 ORDER = 20
+CONFLICTS: dict = {}
 SKIP_BAD = "skip-bad"
 COND_LIMIT = 1e6  # fp32 rounding of K (2^-24 relative) may grow by cond(W_K): 1e6 → up to ~6% of |V|
 RECON_SAMPLES = 256
@@ -378,7 +379,7 @@ def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 
 
 # -- apply ----------------------------------------------------------------------------------------------
 
-def parse_argument(argument: str | None, name: str) -> bool:
+def parse_argument(argument: str | None, name: str = NAME) -> bool:
     if argument in (None, ""):
         return False
     if argument == SKIP_BAD:

@@ -41,12 +41,14 @@ from runners.ort_backend import OrtBackend
 from runners.errors import ElxError
 from ..verify import compare_backends
 from .rewrite import Builder, load_graph, refuse_twice, save_graph
-from .slim import (Analysis, Original, Projection, Unfit, adopt, analyse, next_file, parse_argument, projection,
+from .slim import (Analysis, Original, Projection, Unfit, adopt, analyse, next_file, projection,
                    read_shapes_from, record, replace_with, same_head_split, values_from_keys, values_matmul,
                    verified_rewrite)
+from .slim import parse_argument as parse_skip_bad
 
 NAME = "slim-cross"
 ORDER = 15
+CONFLICTS: dict = {}  # el declares its conflict with slim-cross
 STAGE = "cross_kv"
 WHERE = "decoder cross-attention"
 
@@ -152,9 +154,13 @@ def _verify(original: Original, after: Manifest) -> dict:
     return compare_backends(original.backend, OrtBackend(after))
 
 
+def parse_argument(text: str | None) -> bool:
+    return parse_skip_bad(text, NAME)
+
+
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     refuse_twice(manifest, NAME)
-    skip_bad = parse_argument(argument, NAME)
+    skip_bad = parse_argument(argument)
     if "el" in manifest.pass_names():
         raise ElxError("pass slim-cross shrinks the cross-attention cache that el removes; use one of them")
     if STAGE not in manifest.graphs or STAGE not in manifest.stages:

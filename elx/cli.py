@@ -88,26 +88,26 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import numpy as np
-
     from runners.generate import Generator
-    from runners.text import decode, encode_request
+    from runners.text import token_rows
 
+    if args.input_ids:
+        source = {"input_ids": token_rows(args.input_ids)}
+    elif args.text:
+        source = {"text": args.text}
+    elif args.audio:
+        source = {"audio": args.audio}
+    else:
+        raise ElxError("nothing to generate from; pass --input-ids, --text or --audio")
     generator = Generator.from_folder(args.folder, threads=args.threads)
-    settings = generator.settings(**generation_options(args))
-    inputs = encode_request(generator.manifest, args.folder, input_ids=args.input_ids, text=args.text,
-                            audio=args.audio)
-    result = generator.generate(inputs, settings=settings)
-    rows = result.sequences
-    if generator.manifest.family == "whisper":  # print what HF's Whisper generate returns: no prompt, no EOS
-        from runners.whisper import generated_rows
-
-        rows = generated_rows(result.sequences, len(settings.prompt()), settings.eos_token_id, settings.pad_token_id)
-    for i, row in enumerate(rows):
+    if generator.manifest.data.get("source", {}).get("random_init"):
+        print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",
+              file=sys.stderr)
+    out = generator.generate(**source, **generation_options(args))
+    for i, row in enumerate(out.sequences):  # the rows HF generate returns for this family
         tokens = " ".join(str(int(t)) for t in row)
-        text = decode(generator.manifest, args.folder, row)
-        print(f"[{i}] {tokens}" + (f"\n    {text}" if text is not None else ""))
-    return 0 if np.all(result.sequences >= 0) else 1
+        print(f"[{i}] {tokens}" + (f"\n    {out.text[i]}" if out.text is not None else ""))
+    return 0
 
 
 def cmd_compare(args) -> int:

@@ -1,6 +1,7 @@
 """Run elx's searches on HF's own PyTorch logits: separates search bugs from export numerics.
 
-``HfLogitsBackend`` implements the runner's backend interface with the HF model itself: no
+``HfLogitsBackend`` is a stand-in for ``runners.model.Model`` (what the searches drive) built on
+the HF model itself: no
 cache, the decoder recomputed over the whole history every step (as ``generate(use_cache=False)``
 does), optionally in float64.  Its logits go to the search as HF hands them to its own search:
 cast to float32.  If elx's search on these logits differs from HF ``generate`` on the same model,
@@ -11,10 +12,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runners.backend import Backend, DecoderCache, EncoderState
+from runners.backend import DecoderCache, EncoderState
 
 
-class HfLogitsBackend(Backend):
+class HfLogitsBackend:
+    needs_history = False
+    returns_log_probs = False
+
     def __init__(self, model):
         self.model = model
 
@@ -32,3 +36,15 @@ class HfLogitsBackend(Backend):
         with torch.no_grad():
             logits = self.model(**encoder_inputs, decoder_input_ids=torch.from_numpy(tokens)).logits[:, -1]
         return logits.to(torch.float32).numpy().copy(), DecoderCache({"history": tokens}, cache.rows)
+
+    def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
+        return DecoderCache({"history": cache.arrays["history"][rows]}, int(rows.shape[0]))
+
+    def select(self, state: EncoderState, items: np.ndarray) -> EncoderState:
+        return EncoderState({k: v[items] for k, v in state.feeds.items()}, int(items.shape[0]))
+
+    def state_bytes(self, state: EncoderState) -> int:
+        return sum(a.nbytes for a in state.feeds.values())
+
+    def cache_bytes(self, cache: DecoderCache) -> int:
+        return int(cache.arrays["history"].nbytes)

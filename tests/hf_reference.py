@@ -6,8 +6,13 @@ cache, the decoder recomputed over the whole history every step (as ``generate(u
 does), optionally in float64.  Its logits go to the search as HF hands them to its own search:
 cast to float32.  If elx's search on these logits differs from HF ``generate`` on the same model,
 the difference is in the search, not in ONNX.
+
+``hf_numpy_features`` runs transformers' ``WhisperFeatureExtractor`` on its numpy path, the
+reference elx's own log-mel features are bit-equal to.
 """
 from __future__ import annotations
+
+from unittest import mock
 
 import numpy as np
 import torch
@@ -48,3 +53,15 @@ class HfLogitsBackend:
 
     def cache_bytes(self, cache: DecoderCache) -> int:
         return int(cache.arrays["history"].nbytes)
+
+
+def hf_numpy_features(extractor, audio: list, **kwargs):
+    """``extractor(audio, sampling_rate=…, return_tensors="np")`` on HF's numpy path.
+
+    With torch installed HF computes the STFT through ``torch.stft`` (float32) instead; its numpy path,
+    the one it takes without torch, is what elx reproduces bit for bit.  Returns HF's BatchFeature.
+    """
+    from transformers.models.whisper import feature_extraction_whisper
+
+    with mock.patch.object(feature_extraction_whisper, "is_torch_available", lambda: False):
+        return extractor(audio, sampling_rate=extractor.sampling_rate, return_tensors="np", **kwargs)

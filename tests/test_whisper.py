@@ -301,6 +301,7 @@ def speech(tiny_en, tmp_path_factory):
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     from runners.audio import features_from_files
+    from tests.hf_reference import hf_numpy_features
 
     tools = speech_tools()
     root = tmp_path_factory.mktemp("speech")
@@ -311,8 +312,7 @@ def speech(tiny_en, tmp_path_factory):
     features = features_from_files(tiny_en["base"], files)["input_features"]
     model = WhisperForConditionalGeneration.from_pretrained(str(tiny_en["hf"]), local_files_only=True).eval()
     processor = WhisperProcessor.from_pretrained(str(tiny_en["hf"]), local_files_only=True)
-    reference = processor.feature_extractor([tools.read_wav(f)[0] for f in files], sampling_rate=16000,
-                                            return_tensors="np").input_features
+    reference = hf_numpy_features(processor.feature_extractor, [tools.read_wav(f)[0] for f in files]).input_features
     hf = {}
     with torch.no_grad():
         for beams in (1, 4):

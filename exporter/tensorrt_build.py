@@ -185,6 +185,9 @@ def _build_step_with_ngram(build: _Build, mode: str, n: int) -> tuple[dict, str,
     reason = None
     if mode != "host":
         try:
+            if not step.get("tensorrt_file"):
+                raise ElxError(f"{step['file']} has no TensorRT sibling graph (an export from an older elx); "
+                               "re-export with --pass ngram")
             if build.runtime.name == "tensorrt_rtx":
                 library = ngram_engines.compiled_library("kernel", build.targets, build.staging)
                 plugin = {"kind": "python"}

@@ -71,7 +71,6 @@ class TensorRTBackend(_Base):
                            "again (engines run only on the TensorRT version that built them)")
         self.torch = torch = _torch()
         self.device, self.device_id = f"cuda:{device_id}", device_id
-        torch.cuda.set_device(device_id)
         folder = Path(manifest.folder)
         self.ngram_blocking = (self.engines.get("ngram") or {}).get("blocking")
         self._log: list[str] = []
@@ -79,18 +78,9 @@ class TensorRTBackend(_Base):
         if self.ngram_blocking == "engine":
             self._register_plugin(folder / self.engines["ngram"]["library"])
         self._engines, self._contexts, self._profile = {}, {}, {}
-        for graph in [*manifest.stages, manifest.step]:
-            spec = self.engines["graphs"][graph]
-            engine = self._runtime.deserialize_cuda_engine((folder / spec["file"]).read_bytes())
-            if engine is None:
-                major, minor = torch.cuda.get_device_capability(device_id)
-                raise ElxError(f"{self.label} cannot load {folder / spec['file']} on this GPU (compute capability "
-                               f"{major}.{minor}; built for {', '.join(self.engines['compute_capabilities'])}): "
-                               f"{self._last_error()}")
-            self._check_io(graph, engine, spec)
-            self._engines[graph] = engine
-            self._contexts[graph] = engine.create_execution_context()
-            self._profile[graph] = 0
+        with torch.cuda.device(device_id):  # TensorRT works on the thread's current CUDA device
+            for graph in [*manifest.stages, manifest.step]:
+                self._load(folder, graph)
         step_inputs = self.engines["graphs"][manifest.step]["inputs"]
         self.needs_history = any(manifest.graphs[manifest.step]["inputs"].get(n, {}).get("from") == "step:history"
                                  for n in step_inputs)
@@ -110,6 +100,19 @@ class TensorRTBackend(_Base):
                     log.append(" ".join(str(msg).split()))
 
         return Collect()
+
+    def _load(self, folder: Path, graph: str) -> None:
+        spec = self.engines["graphs"][graph]
+        engine = self._runtime.deserialize_cuda_engine((folder / spec["file"]).read_bytes())
+        if engine is None:
+            major, minor = self.torch.cuda.get_device_capability(self.device_id)
+            raise ElxError(f"{self.label} cannot load {folder / spec['file']} on this GPU (compute capability "
+                           f"{major}.{minor}; built for {', '.join(self.engines['compute_capabilities'])}): "
+                           f"{self._last_error()}")
+        self._check_io(graph, engine, spec)
+        self._engines[graph] = engine
+        self._contexts[graph] = engine.create_execution_context()
+        self._profile[graph] = 0
 
     def _last_error(self) -> str:
         return self._log[-1] if self._log else "no message from TensorRT"
@@ -205,6 +208,7 @@ class TensorRTBackend(_Base):
             buffer = torch.empty(shape, dtype=getattr(torch, out["dtype"]), device=self.device)
             context.set_tensor_address(name, self._address(buffer))
             results[name] = buffer
-        if not context.execute_async_v3(stream):
-            raise ElxError(f"{self.label} failed running the {graph} engine: {self._last_error()}")
+        with torch.cuda.device(self.device_id):
+            if not context.execute_async_v3(stream):
+                raise ElxError(f"{self.label} failed running the {graph} engine: {self._last_error()}")
         return [results[o].cpu().numpy() if o in host_outputs else results[o] for o in outputs]

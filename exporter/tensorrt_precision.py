@@ -9,7 +9,9 @@ way, so an fp16 engine is an fp32 graph with chosen parts rewritten to fp16.  Th
   streams) and the activation is cast to fp16 in front of the MatMul and back to fp32 after it.
 * **fp32, everything else**: residual stream, layer/RMS norms, softmax and log-softmax, attention
   scores and probabilities·V (activation × activation MatMuls, T5 has no 1/√d scaling), position bias,
-  masks, biases, the caches and every graph input and output (the engines' IO match the manifest).
+  masks, biases, the caches and every graph input and output (the engines' IO match the manifest), and
+  embedding tables (a Gather reads only the rows it needs: fp16 there would shrink the file, not the
+  bytes a step reads).
 * **fp32 by exception**: T5's feed-forward output projection ``wo`` (HF keeps it in fp32 too,
   ``_keep_in_fp32_modules``; its fp16 output overflows on trained T5 checkpoints), recognised as a
   weight MatMul whose reduction dimension is none of d_model, heads·d_kv, d_kv (it is d_ff); and slim's

@@ -140,7 +140,7 @@ def test_ngram_plugin_in_the_engine_blocks_like_onnx_runtime(exported, tmp_path)
     from runners.backend import DecoderCache
     from runners.inputs import random_inputs
 
-    manifest = _engines(exported, tmp_path, "t5", "ngram=3", ngram="engine")
+    manifest = _engines(exported, tmp_path, "bart", "ngram=2", ngram="engine")
     backend, ort = _backend(manifest), OrtBackend(manifest)
     assert backend.ngram_blocking == "engine" and backend.needs_history
     rng = np.random.default_rng(2)

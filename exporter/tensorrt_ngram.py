@@ -9,11 +9,12 @@ with the plugin that fits the runtime, and the code the plugin runs is shipped n
   nvcc and TensorRT headers).
 
 ``host``: when that cannot be done (no nvcc, no CUDA sources, a build failure) and ``ngram="auto"``,
-the decoder engine is built from the same graph with the plugin node removed (``strip_blocking``; the
-log-softmax stays), the engine takes no token history, and the manifest's ``engines.ngram`` says
-``"blocking": "host"`` with the reason: the runner then blocks n-grams on the host, as HF does.
-Never dropped silently.  The stripped graph is verified like a pass: its output with the reference
-blocking applied equals the export's own ``decoder.ngram.onnx`` (ORT's NGramRepeatBlock).
+the decoder engine is built from the same graph with the blocking branch removed (``strip_blocking``:
+the NGramRepeatBlock node, its log-softmax, the ``blocked`` output and the token history input), so
+the engine returns the plain ``logits`` only; the manifest's ``engines.ngram`` says ``"blocking":
+"host"`` with the reason, and the TensorRT backend tells the run plan that the step graph blocks
+nothing (``TensorRTBackend.adapt``): the search then blocks n-grams on the host, as HF does.  Never
+dropped silently.  The stripped graph is verified like a pass: its logits equal the export's.
 """
 from __future__ import annotations
 
@@ -26,23 +27,21 @@ import onnx
 
 from runners.errors import ElxError
 from runners.manifest import Manifest
-from runners.ngram_reference import block_ngrams
 from runners.tensorrt_ngram import KERNEL_LIBRARY, OP_TYPE
 
 from .onnx_export import save_model
-from .tensorrt_verify import max_abs_diff, step_outputs, with_files
+from .tensorrt_verify import with_files
+from .verify import require_within_tolerance, verify_rewrite
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "tools" / "build_plugin.py"
 PLUGIN_LIBRARY = "libelx_ngram_plugin.so"
-TOLERANCE = 1e-5  # the stripped graph computes the same log-softmax; only the blocking moves
 
 
 def ngram_size(manifest: Manifest) -> int | None:
-    for record in manifest.passes:
-        if record.get("blocks_ngrams"):
-            return int(record["blocks_ngrams"])
-    return None
+    """The n-gram size the step graph blocks (the ``ngram`` pass), or None."""
+    blocked = manifest.graphs[manifest.step].get("blocked") or {}
+    return int(blocked["ngram_size"]) if blocked.get("ngram_size") else None
 
 
 def history_inputs(manifest: Manifest) -> list[str]:
@@ -51,7 +50,8 @@ def history_inputs(manifest: Manifest) -> list[str]:
 
 
 def strip_blocking(source: Path, target: Path) -> Path:
-    """``source`` without its NGramRepeatBlock node: the graph output becomes the node's scores input."""
+    """``source`` without its blocking branch: NGramRepeatBlock, the log-softmax feeding only it, the blocked
+    output and the history input go; the plain ``logits`` output stays."""
     model = onnx.load(str(source))
     graph = model.graph
     blocks = [n for n in graph.node if n.op_type == OP_TYPE]
@@ -59,13 +59,14 @@ def strip_blocking(source: Path, target: Path) -> Path:
         raise ElxError(f"{source.name} has {len(blocks)} {OP_TYPE} nodes, expected 1; re-run 'elx export'")
     block = blocks[0]
     history, scores = block.input
-    output = block.output[0]
-    producers = [n for n in graph.node if scores in n.output]
-    if len(producers) != 1 or any(scores in n.input for n in graph.node if n is not block):
-        raise ElxError(f"{source.name}: the scores of {OP_TYPE} are not a single node's private output")
-    producer = producers[0]
-    producer.output[list(producer.output).index(scores)] = output
+    blocked = block.output[0]
     graph.node.remove(block)
+    for node in [n for n in graph.node if scores in n.output]:
+        if not any(scores in n.input for n in graph.node):
+            graph.node.remove(node)  # the log-softmax computed only for the blocking
+    kept_outputs = [o for o in graph.output if o.name != blocked]
+    del graph.output[:]
+    graph.output.extend(kept_outputs)
     if not any(history in n.input for n in graph.node):
         kept = [i for i in graph.input if i.name != history]
         del graph.input[:]
@@ -74,16 +75,20 @@ def strip_blocking(source: Path, target: Path) -> Path:
     return target
 
 
+def host_manifest(manifest: Manifest, stripped_ort: Path) -> Manifest:
+    """The export described with the stripped step graph: plain logits, no history, nothing blocked."""
+    step = manifest.graphs[manifest.step]
+    host = with_files(manifest, {manifest.step: stripped_ort}, {manifest.step: history_inputs(manifest)},
+                      {manifest.step: [step["blocked"]["output"]]})
+    host.graphs[host.step].pop("blocked")
+    return host
+
+
 def verify_stripped(manifest: Manifest, stripped_ort: Path, n: int) -> dict:
-    """``stripped_ort`` (ORT-runnable) + reference blocking on the host == the export's in-graph blocking."""
-    expected = step_outputs(manifest)
-    host = with_files(manifest, {manifest.step: stripped_ort}, {manifest.step: history_inputs(manifest)})
-    got = step_outputs(host)
-    diff = max(max_abs_diff(e, block_ngrams(h, g, n)) for (h, e), (_, g) in zip(expected, got))
-    if not diff <= TOLERANCE:
-        raise ElxError(f"the decoder without in-graph n-gram blocking differs from the export by {diff:.3g}; "
-                       "re-run 'elx export'")
-    return {"max_abs_logprob_diff": diff, "tolerance": TOLERANCE}
+    """``stripped_ort``'s logits equal the export's (the blocking moves to the host's processor, as HF does)."""
+    report = verify_rewrite(manifest, host_manifest(manifest, stripped_ort))
+    require_within_tolerance(report, "the decoder without in-graph n-gram blocking")
+    return {**report, "ngram_size": n}
 
 
 def _cache_dir() -> Path:

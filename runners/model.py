@@ -25,7 +25,7 @@ from .plan import INPUT, RunPlan
 class Model:
     def __init__(self, manifest: Manifest, backend: Backend, plan: RunPlan | None = None):
         self.manifest, self.backend = manifest, backend
-        self.plan = plan or RunPlan.from_manifest(manifest)
+        self.plan = backend.adapt(plan or RunPlan.from_manifest(manifest))
         self._scores = self.plan.logits
         self.returns_log_probs = False  # the scores read are log-softmaxed with n-grams blocked (ngram pass)
 

@@ -19,11 +19,12 @@ tokens go up and the last-position logits (``host_outputs``) come down.
 * **n-gram blocking**: ``ngram_blocking`` is ``"engine"`` when the step engine blocks n-grams itself
   (its plugin is registered here before deserializing: the Python plugin of ``runners/tensorrt_ngram.py``
   for TensorRT for RTX, the C++ library for NVIDIA TensorRT), ``"host"`` when the build left it to
-  the host (the step engine then takes no history and the search must apply its own n-gram processor),
-  ``None`` for exports without the ngram pass.
+  the host (the step engine returns plain logits only; ``adapt`` tells the run plan, so the search
+  applies its own n-gram processor), ``None`` for exports without the ngram pass.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +32,9 @@ import numpy as np
 from runners.errors import ElxError
 
 from . import tensorrt_engines
+from .backend import Backend
+from .plan import RunPlan
 from .tensorrt_runtime import RUNTIMES, load, version
-
-from . import backend as _seam
-
-# The device-level seam (``Backend`` with abstract ``run``/``to_device``/``to_host``/``take``) is landing in
-# runners/backend.py; until it has, this class stands alone (the older ABC there is search-level).
-_Base = _seam.Backend if "run" in getattr(_seam.Backend, "__abstractmethods__", ()) else object
 
 _NUMPY = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_,
           "int8": np.int8, "uint8": np.uint8}
@@ -53,7 +50,7 @@ def _torch():
     return torch
 
 
-class TensorRTBackend(_Base):
+class TensorRTBackend(Backend):
     name = "tensorrt"
 
     def __init__(self, manifest, *, device: str = "cuda", device_id: int = 0, threads: int | None = None):
@@ -81,11 +78,13 @@ class TensorRTBackend(_Base):
         with torch.cuda.device(device_id):  # TensorRT works on the thread's current CUDA device
             for graph in [*manifest.stages, manifest.step]:
                 self._load(folder, graph)
-        step_inputs = self.engines["graphs"][manifest.step]["inputs"]
-        self.needs_history = any(manifest.graphs[manifest.step]["inputs"].get(n, {}).get("from") == "step:history"
-                                 for n in step_inputs)
-        self.returns_log_probs = manifest.graphs[manifest.step].get("logits_kind") == "log_probs"
         self._empty = torch.empty(256, dtype=torch.uint8, device=self.device)  # address for zero-size tensors
+
+    def adapt(self, plan: RunPlan) -> RunPlan:
+        """An engine built with n-gram blocking left to the host has no blocked output and no history input."""
+        if self.ngram_blocking == "host":
+            return dataclasses.replace(plan, blocked=None, ngram_size=0, history_input=None)
+        return plan
 
     # -- setup -------------------------------------------------------------------------------
     def _logger(self):

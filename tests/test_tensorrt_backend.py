@@ -142,7 +142,9 @@ def test_ngram_plugin_in_the_engine_blocks_like_onnx_runtime(exported, tmp_path)
 
     manifest = _engines(exported, tmp_path, "bart", "ngram=2", ngram="engine")
     backend, ort = _backend(manifest), OrtBackend(manifest)
-    assert backend.ngram_blocking == "engine" and backend.needs_history
+    from runners.model import Model
+
+    assert backend.ngram_blocking == "engine" and Model(manifest, backend).needs_history
     rng = np.random.default_rng(2)
     inputs = random_inputs(manifest, 2, 9, rng)
     tokens, cache = _step_feeds(manifest, 4, 3, rng)

@@ -231,21 +231,23 @@ def test_ngram_blocking_in_the_engine_then_on_the_host(exported, tmp_path, monke
     record = host["ngram"]
     assert record["blocking"] == "host" and "nvcc not found" in record["reason"]
     assert record["removed_inputs"] == ["decoder_input_ids_history"]
-    assert record["verification"]["max_abs_logprob_diff"] <= record["verification"]["tolerance"]
+    assert record["verification"]["max_abs_logits_diff"] <= record["verification"]["tolerance"]
     assert "decoder_input_ids_history" not in host["graphs"]["decoder"]["inputs"]
     assert not (folder / "engines" / "libelx_ngram_kernel.so").exists()
-    assert list(host["graphs"]["decoder"]["outputs"])[0] == "log_probs"
+    outputs = list(host["graphs"]["decoder"]["outputs"])  # plain logits only: the host blocks, as HF does
+    assert outputs[0] == "logits" and "log_probs" not in outputs
 
 
 def test_stripped_decoder_plus_host_blocking_equals_the_export(exported, tmp_path):
-    """The host-blocking graph (no TensorRT needed to check it): reference blocking restores the export's output."""
+    """The host-blocking graph (no TensorRT needed to check it): the export's plain logits, nothing blocked."""
     manifest = Manifest.load(exported("bart", "ngram=2"))
     step = manifest.graphs[manifest.step]
     stripped = tensorrt_ngram.strip_blocking(manifest.folder / step["file"], tmp_path / "host.onnx")
     model = onnx.load(str(stripped))
     assert not [n for n in model.graph.node if n.op_type == "NGramRepeatBlock"]
+    assert not [n for n in model.graph.node if n.op_type == "LogSoftmax"]
     assert "decoder_input_ids_history" not in [i.name for i in model.graph.input]
-    assert [o.name for o in model.graph.output][0] == "log_probs"
+    assert [o.name for o in model.graph.output][0] == "logits" and "log_probs" not in [o.name for o in model.graph.output]
     check = tensorrt_ngram.verify_stripped(manifest, stripped, 2)
-    assert check["max_abs_logprob_diff"] <= 1e-5
-    assert np.isfinite(check["max_abs_logprob_diff"])
+    assert check["max_abs_logits_diff"] <= 1e-5
+    assert np.isfinite(check["max_abs_logits_diff"])

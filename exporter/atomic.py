@@ -76,6 +76,9 @@ def elx_files(folder: Path) -> set[str] | None:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return None
     names = {FILENAME, TOKENIZER_DIR}
+    for section in data.values():  # folders a section of the manifest names (build-engine's "engines")
+        if isinstance(section, dict) and isinstance(section.get("folder"), str):
+            names.add(Path(section["folder"]).name)
     graphs = data.get("graphs")
     for graph in graphs.values() if isinstance(graphs, dict) else ():
         if isinstance(graph, dict):

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 from runners.manifest import FORMAT, VERSION, Manifest
-from runners.ort_backend import OrtBackend
 
 from elx import __version__
 from .atomic import check_output, output_path, staged_folder
@@ -56,6 +55,10 @@ def base_manifest(model, family, source: dict) -> dict:
         value = getattr(gen, name, None)
         if value is not None:
             defaults[name] = value
+    if defaults.get("lang_to_id"):  # Whisper: language names for --language english (the runtime has no transformers)
+        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+        defaults["language_codes"] = dict(TO_LANGUAGE_CODE)
     return {
         "format": FORMAT, "version": VERSION, "elx_version": __version__,
         "family": family.name, "architecture": type(model).__name__, "is_encoder_decoder": True,
@@ -131,7 +134,7 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
         data = base_manifest(loaded.model, loaded.family, loaded.source)
         export_graphs(loaded.model, loaded.family, folder, data, quiet)
         manifest = Manifest(data, folder)
-        report = verify_export(loaded.model, OrtBackend(manifest))
+        report = verify_export(loaded.model, manifest)
         require_within_tolerance(report, "exported graphs vs PyTorch")
         data["verification"]["export"] = report
         _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}, "

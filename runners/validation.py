@@ -231,14 +231,16 @@ def first_step_bytes(manifest, settings, batch: int) -> int:
     buffers (beam search keeps about 8 such copies: running, finished, candidates, merged) and the first
     step's [rows, vocab] float32 scores (about 4 copies: logits, log-probs, processors, beam scores)."""
     beams = settings.num_beams
-    rows = batch * settings.input_repeats * beams
+    rows = batch * beams  # ``batch``: the inputs the search runs on (Whisper's repeats included)
     length = settings.total_max_length(len(settings.prompt()))
     copies = 8 if beams > 1 else 2
     return rows * length * 8 * copies + rows * vocab_size(manifest) * 4 * 4
 
 
 def check_memory(manifest, settings, inputs: dict) -> None:
-    """Refuse a run whose first step alone cannot fit in the memory left (instead of being OOM-killed)."""
+    """Refuse a run whose first step alone cannot fit in the memory left (instead of being OOM-killed).
+
+    ``inputs``: the encoder inputs as the search gets them (after the family's repeats)."""
     available = available_memory()
     if available is None or not inputs:
         return

@@ -40,7 +40,7 @@ _DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 def output_path(output) -> Path:
     """``output`` as an absolute path (``~`` expanded, ``..`` folded); an empty name is refused."""
     if output is None or not str(output).strip():
-        raise ElxError("--output is empty; name the folder to write, e.g. --output t5-small-elx")
+        raise ElxError("--output is empty; name the folder to write, e.g. --output my-export")
     path = Path(os.path.abspath(Path(str(output)).expanduser()))
     if path == path.parent:
         raise ElxError(f"output {path} is the root of the file system; name a new folder to write")
@@ -172,10 +172,8 @@ def _lock_holder(fd: int) -> str:
     return f" (pid {text})" if text.isdigit() else ""
 
 
-@contextmanager
-def output_lock(output: Path):
-    """Hold an exclusive lock for writing ``output``; refuse at once when another process holds it."""
-    path = _lock_path(output)
+def _acquire(path: Path, output: Path) -> int:
+    """The descriptor of ``path`` locked exclusively (created if needed); ElxError when another process holds it."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -190,18 +188,27 @@ def output_lock(output: Path):
         except FileNotFoundError:
             same = False
         if same:
-            break
+            return fd
         os.close(fd)
+
+
+@contextmanager
+def output_lock(output: Path):
+    """Hold an exclusive lock for writing ``output``; refuse at once when another process holds it."""
+    path, fd = _lock_path(output), None
     try:
+        with _signals_deferred():  # a signal lands after ``fd`` is set, inside the try: the lock file goes
+            fd = _acquire(path, output)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        os.close(fd)
+        if fd is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            os.close(fd)
 
 
 def _leftover_pattern(output: Path) -> re.Pattern:
@@ -293,8 +300,10 @@ def staged_folder(output, force: bool = False):
     """Yield a temporary folder next to ``output``; on success it becomes ``output``, on error it vanishes
     (with the parent folders it had to create)."""
     output = check_output(output, force)
-    created = _make_parents(output.parent)
+    created = []
     try:
+        with _signals_deferred():  # a signal lands after ``created`` is set, inside the try
+            created = _make_parents(output.parent)
         with output_lock(output):
             clean_stale_leftovers(output)
             output = check_output(output, force)  # again, under the lock
@@ -314,10 +323,13 @@ def staged_folder(output, force: bool = False):
 @contextmanager
 def _partial_folder(output: Path):
     """A new ``.NAME.PID-XXXXXXXX.partial`` beside ``output``, removed again if the block fails."""
-    partial = _make_partial(output)
+    partial = None
     try:
+        with _signals_deferred():  # a signal lands after ``partial`` is set, inside the try
+            partial = _make_partial(output)
         yield partial
     except BaseException:
-        with _signals_deferred():
-            shutil.rmtree(partial, ignore_errors=True)
+        if partial is not None:
+            with _signals_deferred():
+                shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -53,12 +53,19 @@ def check_manifest(data: dict, where) -> None:
         if not isinstance(inputs, dict) or not all(isinstance(s, dict) and isinstance(s.get("from"), str)
                                                    for s in inputs.values()):
             raise _corrupted(where, f"graph {name!r} has no valid inputs")
+        if not _inside_folder(graph.get("file")):
+            raise _corrupted(where, f"graph {name!r} names the file {graph.get('file')!r}, not one inside the folder")
         for input_name, spec in inputs.items():
             if not _known_source(spec["from"], data["graphs"]):
                 raise _corrupted(where, f"input {input_name!r} of graph {name!r} comes from {spec['from']!r}")
     step = data["graphs"].get(data["step"])
     if isinstance(step, dict) and not any(s["from"] == "step:input_ids" for s in step["inputs"].values()):
         raise _corrupted(where, f"the step graph {data['step']!r} has no input from 'step:input_ids'")
+
+
+def _inside_folder(file) -> bool:
+    """A relative path that stays inside the export folder."""
+    return isinstance(file, str) and bool(file) and not Path(file).is_absolute() and ".." not in Path(file).parts
 
 
 def _known_source(source: str, graphs: dict) -> bool:

@@ -159,9 +159,13 @@ def test_force_refuses_a_file_and_a_symlink(tmp_path, capsys, model_folders):
 
 
 def test_force_replaces_an_earlier_elx_export(tmp_path, exported):
-    """What --force is for: an elx export folder (graphs + manifest) is replaced, nothing else is left."""
+    """What --force is for: an elx export folder (graphs, manifest, engines it lists) is replaced, nothing else is
+    left."""
     out = tmp_path / "out"
     shutil.copytree(exported("t5"), out)
+    (out / "engines").mkdir()  # as elx build-engine records them
+    (out / "engines" / "decoder.engine").write_bytes(b"engine")
+    edit_manifest(out, lambda m: m.update(engines={"folder": "engines"}))
     with staged_folder(out, force=True) as folder:
         (folder / "manifest.json").write_text(json.dumps({**ELX_MANIFEST, "new": True}))
     assert json.loads((out / "manifest.json").read_text())["new"] is True
@@ -512,6 +516,8 @@ def test_corrupted_manifest(capsys, t5_copy):
     (lambda m: m.update(dims={}), "vocab_size"),
     (lambda m: m["graphs"]["decoder"]["inputs"].update(extra=None), "graph 'decoder'"),
     (lambda m: m["graphs"]["decoder"]["inputs"]["input_ids"].update({"from": "bogus"}), "'bogus'"),
+    (lambda m: m["graphs"]["encoder"].update(file="/etc/passwd"), "not one inside the folder"),
+    (lambda m: m["graphs"]["encoder"].update(file="../encoder.onnx"), "not one inside the folder"),
 ])
 def test_hand_edited_manifest(capsys, t5_copy, edit, expected):
     edit_manifest(t5_copy, edit)

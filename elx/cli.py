@@ -91,8 +91,11 @@ def cmd_generate(args) -> int:
     from runners.generate import Generator
     from runners.text import token_rows
 
-    if args.input_file or args.output_file:
+    if args.input_file:
         return cmd_generate_file(args)
+    given = [f"--{name.replace('_', '-')}" for name in DATASET_KEYS if getattr(args, name) not in (None, False)]
+    if given:
+        raise ElxError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --input-file")
     if args.input_ids:
         source = {"input_ids": token_rows(args.input_ids)}
     elif args.text:
@@ -115,7 +118,7 @@ def cmd_generate(args) -> int:
 def add_dataset_options(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("datasets (--input-file IN --output-file OUT; see runners/dataset.py)")
     d.add_argument("--output-file", help="JSONL results, one line per input, in input order")
-    d.add_argument("--batch-size", type=int, default=16, help="inputs per batch (default 16)")
+    d.add_argument("--batch-size", type=int, help="inputs per batch (default 16)")
     d.add_argument("--max-tokens-per-batch", type=int, help="at most this many padded input tokens per batch")
     d.add_argument("--sort-window", type=int, help="inputs read and length-sorted together (default 1024)")
     d.add_argument("--resume", action="store_true", help="continue OUT: skip the ids already in it")
@@ -130,14 +133,19 @@ def add_dataset_options(p: argparse.ArgumentParser) -> None:
                    help="ship the export folder to the Ray workers (default: they read DIR at the same path)")
 
 
-def cmd_generate_file(args) -> int:
-    from runners.dataset import generate_file
+DATASET_KEYS = ("output_file", "batch_size", "max_tokens_per_batch", "sort_window", "resume", "force", "skip_bad",
+                "quiet", "ray", "ray_actors", "ray_ship")
 
-    if not (args.input_file and args.output_file):
-        raise ElxError("--input-file IN and --output-file OUT go together")
+
+def cmd_generate_file(args) -> int:
+    from runners.dataset import DEFAULT_BATCH_SIZE, generate_file
+
+    if not args.output_file:
+        raise ElxError("--input-file needs --output-file OUT (JSONL results)")
+    batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
     try:
         summary = generate_file(
-            args.folder, args.input_file, args.output_file, batch_size=args.batch_size,
+            args.folder, args.input_file, args.output_file, batch_size=batch_size,
             max_tokens_per_batch=args.max_tokens_per_batch, window=args.sort_window, resume=args.resume,
             force=args.force, skip_bad=args.skip_bad, progress="none" if args.quiet else "auto", threads=args.threads,
             ray=args.ray, ray_actors=args.ray_actors, ray_ship=args.ray_ship, **generation_options(args))

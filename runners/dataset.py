@@ -343,6 +343,8 @@ class Progress:
         self.mode, self.total = mode, total
         self.items = self.tokens = 0
         self.start = self.shown = time.monotonic()
+        self.first = None  # (time, items, tokens) of the first update: rates and ETA count from there, not from
+        # the model loading or the Ray start-up before it
         self.bar = None
         if mode == "bar":
             from tqdm.auto import tqdm
@@ -351,25 +353,38 @@ class Progress:
                             desc="elx generate")
 
     def update(self, items: int, tokens: int) -> None:
+        now = time.monotonic()
         self.items += items
         self.tokens += tokens
-        now = time.monotonic()
+        if self.first is None:
+            self.first = (now, self.items, self.tokens)
+            if self.bar is not None:
+                self.bar.unpause()  # tqdm's rate and ETA: from the first batch on, not from the loading
         if self.bar is not None:
             self.bar.update(items)
             if now - self.shown >= 0.5:
-                self.bar.set_postfix_str(f"{self.tokens / max(now - self.start, 1e-9):.0f} tok/s", refresh=False)
+                self.bar.set_postfix_str(f"{self.rates(now)[1]:.0f} tok/s", refresh=False)
                 self.shown = now
         elif self.mode == "plain" and now - self.shown >= PLAIN_PROGRESS_SECONDS:
             self.shown = now
             print(f"elx: {self.line(now)}", file=self.stream, flush=True)
 
+    def rates(self, now: float | None = None) -> tuple[float, float]:
+        """Items/s and generated tokens/s since the first finished batch (0 before a second one)."""
+        if self.first is None:
+            return 0.0, 0.0
+        start, items, tokens = self.first
+        elapsed = (now or time.monotonic()) - start
+        if elapsed <= 0 or self.items == items:
+            return 0.0, 0.0
+        return (self.items - items) / elapsed, (self.tokens - tokens) / elapsed
+
     def line(self, now: float | None = None) -> str:
-        elapsed = max((now or time.monotonic()) - self.start, 1e-9)
-        rate = self.items / elapsed
+        rate, token_rate = self.rates(now)
         eta = (self.total - self.items) / rate if rate > 0 else float("nan")
         eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if np.isfinite(eta) else "?"
-        return (f"{self.items}/{self.total} items, {rate:.2f} items/s, {self.tokens / elapsed:.0f} tokens/s, "
-                f"ETA {eta_text}")
+        return f"{self.items}/{self.total} items, {rate:.2f} items/s, {token_rate:.0f} tokens/s, ETA {eta_text}"
+
 
     def close(self) -> None:
         if self.bar is not None:

@@ -24,7 +24,7 @@ from runners import dataset
 from runners.dataset import Progress, generate_file
 from runners.errors import ElxError
 from runners.generate import Generator
-from tests.test_runtime_imports import _word_tokenizer
+from tests.test_runtime_imports import BLOCKER, _word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = dict(num_beams=3, max_new_tokens=6)
@@ -94,6 +94,19 @@ def test_order_restored_and_tokens_equal_per_item_generation(tmp_path, folder, g
         for tokens, expected in zip(line["tokens"], alone.sequences):
             assert tokens == unpadded(expected, len(tokens), 0)
         assert line["score"] == pytest.approx(alone.sequences_scores.tolist(), abs=1e-5)
+
+
+def test_batches_are_length_sorted_and_capped():
+    from runners.dataset_io import Record
+
+    lengths = [5, 40, 3, 41, 17, 2, 39, 18, 90]
+    records = [Record(i, i + 1, i, "input_ids", None, tokens=[7] * n) for i, n in enumerate(lengths)]
+    batches = dataset.plan_batches(records, batch_size=3, max_tokens=100, sort=True)
+    assert [[len(r.tokens) for r in b] for b in batches] == [[90], [41, 40], [39, 18], [17, 5, 3], [2]]
+    assert all(len(b) * len(b[0].tokens) <= 100 for b in batches if len(b) > 1)  # rows × longest
+    assert sorted(r.index for b in batches for r in b) == list(range(9))
+    plain = dataset.plan_batches(records, batch_size=4, max_tokens=None, sort=False)
+    assert [[r.index for r in b] for b in plain] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
 
 
 def test_batching_does_not_change_the_output(tmp_path, folder, generator):
@@ -200,7 +213,10 @@ def test_resume_after_sigkill_gives_the_uninterrupted_output(tmp_path, folder):
     out = tmp_path / "out.jsonl"
     args = [str(folder), "--input-file", str(source), "--output-file", str(out), "--batch-size", "4",
             "--sort-window", "64", "--num-beams", "4", "--max-new-tokens", "12", "--quiet"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    blocker = tmp_path / "blocker"  # the runs also show that the dataset runtime imports neither torch nor transformers
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(_cli(*args), env=env, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -278,10 +294,12 @@ def test_progress_bar_and_plain_lines():
     assert "4/10" in term.text and "item/s" in term.text and "tok/s" in term.text
     plain = Progress(10, "auto", stream=type("Pipe", (Terminal,), {"isatty": lambda self: False})())
     assert plain.mode == "plain"
-    plain.start -= 2.0
-    plain.update(5, 50)
+    plain.update(1, 10)
+    plain.first = (plain.first[0] - 2.0, *plain.first[1:])  # the first batch came 2 s ago
+    plain.update(4, 40)
+    assert plain.rates() == pytest.approx((2.0, 20.0), rel=0.05)
     line = plain.line()
-    assert line.startswith("5/10 items") and "items/s" in line and "tokens/s" in line and "ETA 00:00:0" in line
+    assert line.startswith("5/10 items, 2.0") and "20 tokens/s" in line and "ETA 00:00:0" in line
 
 
 def test_audio_inputs_on_whisper(tmp_path, exported):

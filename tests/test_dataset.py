@@ -240,18 +240,20 @@ def test_resume_after_sigkill_gives_the_uninterrupted_output(tmp_path, folder):
     assert out.read_bytes() == expected.read_bytes()
 
 
-@pytest.mark.parametrize("stage", ["generate", "write"])
+@pytest.mark.parametrize("stage", ["read", "generate", "write"])
 def test_a_failing_stage_stops_cleanly_and_keeps_finished_lines(tmp_path, folder, generator, monkeypatch, stage):
     source = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": r} for r in token_rows(24, seed=13)])
     expected = tmp_path / "expected.jsonl"
-    generate_file(folder, source, expected, generator=generator, batch_size=3, progress="none", **OPTIONS)
+    run = dict(generator=generator, batch_size=3, window=6, progress="none", **OPTIONS)
+    generate_file(folder, source, expected, **run)
     calls = []
-    target = "run_batch" if stage == "generate" else "result_text"
+    # read: the 10th input's check (2nd window); generate: the 4th batch; write: the 4th line
+    target, when = {"read": ("check_tokens", 10), "generate": ("run_batch", 4), "write": ("result_text", 4)}[stage]
     original = getattr(dataset, target)
 
     def flaky(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == when:
             raise RuntimeError(f"{stage} broke")
         return original(*args, **kwargs)
 
@@ -259,13 +261,15 @@ def test_a_failing_stage_stops_cleanly_and_keeps_finished_lines(tmp_path, folder
     out = tmp_path / "out.jsonl"
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=f"{stage} broke"):
-        generate_file(folder, source, out, generator=generator, batch_size=3, progress="none", **OPTIONS)
+        generate_file(folder, source, out, **run)
     assert time.monotonic() - started < 60  # no hang
     finished = len(out.read_text().splitlines())
-    assert finished == (9 if stage == "generate" else 3)  # all that finished before the failure: 3 batches, 3 lines
+    if stage == "read":  # the batches generated before the reader failed (the others were dropped unstarted)
+        assert finished in (0, 3, 6)
+    else:  # everything that finished before the failure: 3 batches, or 3 lines
+        assert finished == (9 if stage == "generate" else 3)
     monkeypatch.setattr(dataset, target, original)
-    summary = generate_file(folder, source, out, generator=generator, batch_size=3, progress="none", resume=True,
-                            **OPTIONS)
+    summary = generate_file(folder, source, out, resume=True, **run)
     assert summary.skipped == finished and summary.written == 24 - finished
     assert out.read_bytes() == expected.read_bytes()
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from .dataset_io import (InputRules, OutputFile, Record, check_tokens, error_line, put_in_order, read_output,
-                         read_records, result_line, where)
+                         read_records, result_line, unit, where)
 from .errors import ElxError
 from .families import rules_for
 from .manifest import Manifest
@@ -159,8 +159,8 @@ def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH
     for record in read_records(source, rules):
         count += 1
         if record.id in order:
-            raise ElxError(f"{where(source, record.line)}: id {record.id!r} "
-                           f"already on line {lines[record.id]}; ids must be unique (the output is keyed by them)")
+            raise ElxError(f"{where(source, record.line)}: id {record.id!r} already on {unit(source)} "
+                           f"{lines[record.id]}; ids must be unique (the output is keyed by them)")
         order[record.id], lines[record.id] = record.index, record.line
         if record.error and not skip_bad:
             raise ElxError(f"{where(source, record.line)}: {record.error}; "

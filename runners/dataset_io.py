@@ -68,9 +68,14 @@ def input_format(path: Path) -> str:
     return kind
 
 
+def unit(path: Path) -> str:
+    """What a record's number counts: lines, or rows in Parquet."""
+    return "row" if input_format(path) == "parquet" else "line"
+
+
 def where(path: Path, line: int) -> str:
-    """How the user finds a record: ``IN line 7`` (``row 7`` in Parquet)."""
-    return f"{path} {'row' if input_format(path) == 'parquet' else 'line'} {line}"
+    """How the user finds a record: ``IN line 7`` (``IN row 7`` in Parquet)."""
+    return f"{path} {unit(path)} {line}"
 
 
 def read_records(path: Path, rules: InputRules):

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--docs", default="docs/measurements")
     args = ap.parse_args()
 
+    load_start = os.getloadavg()[0]
     work = ROOT / args.work
     work.mkdir(parents=True, exist_ok=True)
     folder = work / "t5-small"
@@ -139,7 +140,11 @@ def main() -> None:
     for r in results:
         lines.append(f"| {r['name']} | {r['workers']} | {r['seconds']:.1f} | {r['items_per_s']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {r['items_per_s'] / base:.2f}× |")
-    lines += ["", f"All outputs identical: {'yes' if identical else 'NO'}."]
+    lines += ["", f"All outputs identical: {'yes' if identical else 'NO'}.", "",
+              f"Load average (1 min) at the start and the end: {load_start:.1f}, {os.getloadavg()[0]:.1f}. One run "
+              "each: on a machine shared with other work, differences of ~20% are within its noise. Ray's actors are "
+              "separate processes; where the cores are oversubscribed they also win a larger share of them than one "
+              "process does, so compare the Ray row with the one-thread row and read it with that in mind."]
     table = "\n".join(lines) + "\n"
     print(table)
     docs = ROOT / args.docs

@@ -131,6 +131,11 @@ def cmd_generate(args) -> int:
     from runners.generate import Generator
     from runners.text import token_rows
 
+    if args.input_file:
+        return cmd_generate_file(args)
+    given = [f"--{name.replace('_', '-')}" for name in DATASET_KEYS if getattr(args, name) not in (None, False)]
+    if given:
+        raise ElxError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --input-file")
     if args.input_ids:
         source = {"input_ids": token_rows(args.input_ids)}
     elif args.text:
@@ -147,6 +152,52 @@ def cmd_generate(args) -> int:
     for i, row in enumerate(out.sequences):  # the rows HF generate returns for this family
         tokens = " ".join(str(int(t)) for t in row)
         print(f"[{i}] {tokens}" + (f"\n    {out.text[i]}" if out.text is not None else ""))
+    return 0
+
+
+def add_dataset_options(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("datasets (--input-file IN --output-file OUT; see runners/dataset.py)")
+    d.add_argument("--output-file", help="JSONL results, one line per input, in input order")
+    d.add_argument("--batch-size", type=int, help="inputs per batch (default 16)")
+    d.add_argument("--max-tokens-per-batch", type=int, help="at most this many padded input tokens per batch")
+    d.add_argument("--sort-window", type=int, help="inputs read and length-sorted together (default 1024)")
+    d.add_argument("--resume", action="store_true", help="continue OUT: skip the ids already in it")
+    d.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    d.add_argument("--skip-bad", action="store_true", help="a bad input gets an error line instead of stopping the run")
+    d.add_argument("--quiet", action="store_true", help="no progress and no summary")
+    d.add_argument("--ray", nargs="?", const=True, metavar="ADDRESS",
+                   help="run on Ray Data: a local instance (or $RAY_ADDRESS), or the cluster at ADDRESS")
+    d.add_argument("--ray-actors", type=int, help="Ray actors, one Generator each (default: one per --threads "
+                                                  "CPUs of the cluster)")
+    d.add_argument("--ray-ship", action="store_true",
+                   help="ship the export folder to the Ray workers (default: they read DIR at the same path)")
+
+
+DATASET_KEYS = ("output_file", "batch_size", "max_tokens_per_batch", "sort_window", "resume", "force", "skip_bad",
+                "quiet", "ray", "ray_actors", "ray_ship")
+
+
+def cmd_generate_file(args) -> int:
+    from runners.dataset import DEFAULT_BATCH_SIZE, generate_file
+
+    if not args.output_file:
+        raise ElxError("--input-file needs --output-file OUT (JSONL results)")
+    batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+    try:
+        summary = generate_file(
+            args.folder, args.input_file, args.output_file, batch_size=batch_size,
+            max_tokens_per_batch=args.max_tokens_per_batch, window=args.sort_window, resume=args.resume,
+            force=args.force, skip_bad=args.skip_bad, progress="none" if args.quiet else "auto", threads=args.threads,
+            ray=args.ray, ray_actors=args.ray_actors, ray_ship=args.ray_ship, **generation_options(args))
+    except KeyboardInterrupt:
+        print(f"elx: interrupted; the finished lines are in {args.output_file}: rerun with --resume to continue",
+              file=sys.stderr)
+        return 130
+    if not args.quiet:
+        s = summary
+        print(f"elx: {s.written} lines written to {s.output} ({s.errors} errors, {s.skipped} already there) in "
+              f"{s.seconds:.1f} s: {s.items_per_second:.2f} items/s, {s.tokens_per_second:.0f} generated tokens/s",
+              file=sys.stderr)
     return 0
 
 
@@ -277,7 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input-ids", help="token ids, space separated; ';' separates batch rows")
     src.add_argument("--text", action="append", help="input text (needs a tokenizer in the folder); repeatable")
     src.add_argument("--audio", action="append", help="a .wav file (Whisper exports); repeatable")
+    src.add_argument("--input-file", help="a dataset: .txt (one text per line), .jsonl (id and text, input_ids or "
+                                          "audio per line) or .parquet; results go to --output-file")
     add_generation_options(p)
+    add_dataset_options(p)
     p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("compare", help="compare the runner's tokens and logits with HF generate in PyTorch")

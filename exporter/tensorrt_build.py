@@ -44,7 +44,6 @@ from . import tensorrt_ngram as ngram_engines
 from .tensorrt_precision import convert as convert_fp16
 from .tensorrt_precision import verify as verify_fp16
 from .tensorrt_profiles import Limits, axis_ranges, input_profiles
-from .tensorrt_verify import with_files
 
 ENGINES = "engines"
 PRECISIONS = ("fp32", "fp16")
@@ -220,7 +219,8 @@ def _build_step_with_ngram(build: _Build, mode: str, n: int) -> tuple[dict, str,
     if not result["ok"]:
         raise ElxError("cannot build the engine " + _error_text(manifest.step, source, result))
     record = {"size": n, "blocking": "host", "reason": reason or "asked for (--ngram host)",
-              "removed_inputs": ngram_engines.history_inputs(manifest), "verification": check}
+              "removed_inputs": ngram_engines.history_inputs(manifest), "removed_outputs": [step["blocked"]["output"]],
+              "verification": check}
     return result, source, record
 
 
@@ -229,8 +229,7 @@ def _verify_fp16(build: _Build, step_host_file: Path | None) -> dict:
     manifest = build.manifest
     reference = manifest
     if step_host_file is not None:  # host blocking: the reference is the unblocked decoder the engine comes from
-        reference = with_files(manifest, {manifest.step: step_host_file},
-                               {manifest.step: ngram_engines.history_inputs(manifest)})
+        reference = ngram_engines.host_manifest(manifest, step_host_file)
     return verify_fp16(reference, build.fp16_twins)
 
 

@@ -115,7 +115,8 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     both_blocked = np.isneginf(a) & np.isneginf(b)
     if not np.array_equal(np.isneginf(a), np.isneginf(b)):
         return float("inf")  # different tokens blocked
-    return float(np.where(both_blocked, 0.0, np.abs(a.astype(np.float64) - b)).max())
+    a, b = np.where(both_blocked, 0.0, a.astype(np.float64)), np.where(both_blocked, 0.0, b.astype(np.float64))
+    return float(np.abs(a - b).max())
 
 
 def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int = 0, past_from=None,

@@ -114,8 +114,11 @@ class Generator:
 
     def generate(self, inputs: dict | None = None, *, text=None, audio=None, input_ids=None, attention_mask=None,
                  input_features=None, settings: GenerationSettings | None = None, track_memory: bool = False,
-                 **options) -> GenerationOutput:
-        """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, ...)."""
+                 decode: bool = True, **options) -> GenerationOutput:
+        """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, ...).
+
+        ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
+        writer thread)."""
         settings = settings or self.settings(**options)
         inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
                                      audio=audio, input_features=input_features)
@@ -127,7 +130,7 @@ class Generator:
         search = greedy_search if settings.num_beams == 1 else beam_search
         result = search(model, state, settings, processors, track_memory=track_memory)
         sequences = self.rules.output_sequences(result.sequences, settings)
-        text_out = self.text.decode(sequences) if self.text is not None else None
+        text_out = self.text.decode(sequences) if decode and self.text is not None else None
         return GenerationOutput(sequences, result.scores, text_out, result.sequences, settings, result.steps,
                                 result.memory)
 

@@ -77,7 +77,7 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
     extra = {name: overrides.pop(name, None) for name in rules.options}
     for name, value in overrides.items():
         if name not in _NAMES and value is not None:
-            owners = sorted(family for family, r in RULES.items() if name in r.options)
+            owners = sorted(family.capitalize() for family, r in RULES.items() if name in r.options)
             if owners:
                 raise ElxError(f"generation option {name!r} applies to {', '.join(owners)} models only")
             raise ElxError(f"unknown generation option {name!r}")

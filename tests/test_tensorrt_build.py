@@ -65,15 +65,17 @@ def _check_engines(folder: Path, precision: str = "fp32") -> dict:
         assert plan.is_file() and plan.stat().st_size == built["bytes"] > 0
         assert built["source"] in (graph["file"], graph.get("tensorrt_file"))
         wanted_inputs = {n: s for n, s in graph["inputs"].items() if n in built["inputs"]}
-        removed = (engines.get("ngram") or {}).get("removed_inputs", []) if name == manifest.step else []
+        ngram = (engines.get("ngram") or {}) if name == manifest.step else {}
+        removed, removed_out = ngram.get("removed_inputs", []), ngram.get("removed_outputs", [])
         assert sorted(built["inputs"]) == sorted(n for n in graph["inputs"] if n not in removed)
         for n, spec in wanted_inputs.items():
             got = built["inputs"][n]
             assert got["dtype"] == spec["dtype"], (name, n)
             assert got["profiles"] == [_expected_profile(spec["shape"], axes)], (name, n)
             assert [d if isinstance(d, int) else -1 for d in spec["shape"]] == got["shape"], (name, n)
-        assert list(built["outputs"]) == list(graph["outputs"])
-        assert {n: o["dtype"] for n, o in built["outputs"].items()} == {n: o["dtype"] for n, o in graph["outputs"].items()}
+        outputs = {n: o for n, o in graph["outputs"].items() if n not in removed_out}
+        assert list(built["outputs"]) == list(outputs)
+        assert {n: o["dtype"] for n, o in built["outputs"].items()} == {n: o["dtype"] for n, o in outputs.items()}
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".")], "temporary files left behind"
     assert json.loads((folder / "engines" / "build.json").read_text())["build_id"] == engines["build_id"]
     return engines

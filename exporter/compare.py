@@ -18,6 +18,7 @@ from exporter.sources import reload_model
 
 from runners.generate import Generator
 from runners.inputs import random_inputs
+from runners.validation import check_encoder_inputs
 
 
 @dataclass
@@ -57,36 +58,38 @@ def _first_divergence(a: np.ndarray, b: np.ndarray, prompt_len: int) -> int | No
     return None if len(a) == len(b) else n - prompt_len
 
 
-def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: np.ndarray, per_item: int):
+def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: np.ndarray, per_item: int,
+                         no_repeat_ngram_size: int = 0):
     """Max abs logits diff per (row, step) along ``sequences`` ([items·per_item, T]), and the encoder diff.
 
-    When the step graph returns blocked log-probs (the ``ngram`` pass), the PyTorch logits go
-    through log-softmax and the reference blocking first; equal −inf entries count as equal.
+    When the run reads the step graph's blocked log-probs (the ``ngram`` pass with the run's
+    n-gram size), the PyTorch logits go through log-softmax and the reference blocking first;
+    equal −inf entries count as equal.
     """
-    backend = generator.backend
-    state = backend.encode(inputs)
+    runner = generator.model.for_run(no_repeat_ngram_size)
+    state = runner.encode(inputs)
     rows, length = sequences.shape
-    cache = backend.empty_cache(rows)
+    cache = runner.empty_cache(rows)
     ort_steps = []
     for t in range(length - 1):
-        history = np.ascontiguousarray(sequences[:, : t + 1]) if backend.needs_history else None
-        logits, cache = backend.step(np.ascontiguousarray(sequences[:, t: t + 1]), state, cache, history)
+        history = np.ascontiguousarray(sequences[:, : t + 1]) if runner.needs_history else None
+        logits, cache = runner.step(np.ascontiguousarray(sequences[:, t: t + 1]), state, cache, history)
         ort_steps.append(logits)
     rep = {k: torch.from_numpy(np.repeat(v, per_item, axis=0)) for k, v in inputs.items()}
     with torch.no_grad():
         encoder = model.get_encoder()(**rep).last_hidden_state
         ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
                     decoder_input_ids=torch.from_numpy(sequences[:, :-1])).logits
-    if backend.returns_log_probs:
+    if runner.returns_log_probs:
         ref = torch.log_softmax(ref, dim=-1)
     ref = ref.numpy()
-    blocks = max((p.get("blocks_ngrams") or 0 for p in generator.manifest.passes), default=0)
+    blocks = runner.plan.ngram_size if runner.returns_log_probs else 0
     diffs = []
     for t in range(length - 1):
         expected = block_ngrams(sequences[:, : t + 1], ref[:, t], blocks) if blocks else ref[:, t]
         both_inf = np.isneginf(expected) & np.isneginf(ort_steps[t])
         diffs.append(np.where(both_inf, 0.0, np.abs(ort_steps[t] - expected)).max(axis=1))
-    encoder_ort = state.extras["encoder:last_hidden_state"]
+    encoder_ort = state.kept["encoder:last_hidden_state"]
     encoder_diff = float(np.abs(encoder_ort - encoder[::per_item].numpy()).max())
     return np.stack(diffs, axis=1), encoder_diff
 
@@ -95,29 +98,25 @@ def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, 
             inputs: dict | None = None, **options) -> CompareReport:
     generator = Generator.from_folder(folder, threads=threads)
     settings = generator.settings(**options)
-    hf_options = {k: v for k, v in options.items() if v is not None}
-    whisper = generator.manifest.family == "whisper"
-    if whisper:  # the language elx uses where HF would detect one (runners/whisper.py)
-        from runners.whisper import full_sequences, hf_language, hf_sequences
-
-        language = hf_language(generator.manifest, options.get("language"), options.get("task"))
-        if language is not None:
-            hf_options["language"] = language
+    rules = generator.rules
+    hf_options = rules.hf_options(generator.manifest, {k: v for k, v in options.items() if v is not None})
     model = reload_model(generator.manifest.data["source"])
     if inputs is None:
         inputs = random_inputs(generator.manifest, batch_size, input_length, np.random.default_rng(seed))
+    check_encoder_inputs(generator.manifest, inputs)  # before HF sees them (torch fails with a traceback)
     started = time.perf_counter()
     hf = _hf_generate(model, inputs, hf_options)
     hf_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    elx = generator.generate(inputs, settings=settings).sequences
+    out = generator.generate(inputs, settings=settings)
     elx_seconds = time.perf_counter() - started
-    per_item = settings.num_return_sequences * settings.input_repeats  # rows per input (Whisper: repeats)
-    prompt_len = len(settings.prompt())
-    forced = hf
-    if whisper:  # HF Whisper returns the generated tokens only (no prompt, no EOS): compare in that form
-        elx, forced, prompt_len = hf_sequences(elx, settings), full_sequences(hf, settings), 0
-    diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item)
+    elx = out.sequences  # HF's layout for the family
+    per_item = rules.rows_per_input(settings)
+    # where HF's layout keeps the decoder prompt, divergence is counted from the first generated token
+    prompt_len = len(settings.prompt()) if out.sequences is out.raw_sequences else 0
+    forced = rules.full_sequences(hf, settings)
+    diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item,
+                                               settings.no_repeat_ngram_size)
     rows = []
     for r in range(hf.shape[0]):
         a, b = hf[r], elx[r] if r < elx.shape[0] else np.array([], dtype=np.int64)

@@ -56,14 +56,6 @@ def max_target_positions(manifest: Manifest) -> int:
     return int(value)
 
 
-def _language_codes() -> dict:
-    try:
-        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-    except ImportError:  # pragma: no cover - codes and <|xx|> tokens still work
-        return {}
-    return dict(TO_LANGUAGE_CODE)
-
-
 def language_id(defaults: dict, language: str) -> int:
     """HF's ``language_to_id``: ``"<|en|>"``, ``"en"`` or ``"english"`` (any case) → the token id."""
     lang_to_id = defaults.get("lang_to_id") or {}
@@ -71,7 +63,7 @@ def language_id(defaults: dict, language: str) -> int:
     if lowered in lang_to_id:
         token = lowered
     else:
-        codes = _language_codes()
+        codes = defaults.get("language_codes") or {}  # language name → code, saved at export from transformers
         if lowered in codes:
             token = f"<|{codes[lowered]}|>"
         elif lowered in codes.values() or f"<|{lowered}|>" in lang_to_id:

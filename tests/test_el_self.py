@@ -24,12 +24,11 @@ from exporter.compare import compare
 from exporter.export import apply_passes
 from exporter.passes import el_self, parse_passes
 from exporter.passes.rewrite import load_graph
-from exporter.verify import TOLERANCE, Shape, compare_backends
+from exporter.verify import TOLERANCE, Shape, verify_rewrite
 from runners.errors import ElxError
 from runners.generate import Generator
 from runners.inputs import random_inputs
 from runners.manifest import Manifest
-from runners.ort_backend import OrtBackend
 
 FAMILIES = ["t5", "t5-wide", "bart-biased", "whisper-biased"]
 TOKEN_FAMILIES = ["t5", "t5-wide", "bart-biased"]
@@ -136,7 +135,7 @@ def test_el_self_matches_original(family, exported, variant):
     # layer norm's own γ (and β) as the pass draws them
     matched = _matched_layers(original)
     assert all(layer.norm is not None and layer.norm[0].shape == (d_model,) for layer in matched)
-    report = compare_backends(OrtBackend(before), OrtBackend(after), shapes=EXTRA_SHAPES, seed=7,
+    report = verify_rewrite(before, after, shapes=EXTRA_SHAPES, seed=7,
                               past_from=el_self.consistent_past(matched, heads, d_kv, seed=11))
     assert report["max_abs_logits_diff"] <= TOLERANCE
 
@@ -156,7 +155,7 @@ def test_comparison_notices_a_wrong_rewrite(exported, variant, tmp_path):
                 for n, a in out.items()}
 
     shapes = EXTRA_SHAPES[:2]
-    assert compare_backends(OrtBackend(before), OrtBackend(after), shapes=shapes, past_from=unrelated)[
+    assert verify_rewrite(before, after, shapes=shapes, past_from=unrelated)[
         "max_abs_logits_diff"] > 100 * TOLERANCE
     broken = tmp_path / "no_b_v"
     shutil.copytree(variant("bart-biased", "el-self"), broken)
@@ -167,7 +166,7 @@ def test_comparison_notices_a_wrong_rewrite(exported, variant, tmp_path):
     for tensor in biases:
         tensor.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(tensor)), tensor.name))
     onnx.save(model, str(path))
-    assert compare_backends(OrtBackend(before), OrtBackend(Manifest.load(broken)), shapes=shapes, past_from=good)[
+    assert verify_rewrite(before, Manifest.load(broken), shapes=shapes, past_from=good)[
         "max_abs_logits_diff"] > 100 * TOLERANCE
 
 
@@ -268,8 +267,10 @@ def _one_line(err) -> str:
 
 def test_refused_with_slim(exported, variant, tmp_path):
     original = exported("t5")
-    assert el_self.CONFLICTS == ("slim",)
-    assert [r.name for r in parse_passes("el-self,slim,el")] == ["el", "slim", "el-self"]
+    assert set(el_self.CONFLICTS) == {"slim"}
+    assert [r.name for r in parse_passes("el-self,ngram=3,el")] == ["el", "el-self", "ngram"]
+    with pytest.raises(ElxError, match="cannot be combined"):
+        parse_passes("el-self,slim,el")  # refused before any work
     with pytest.raises(ElxError) as err:
         apply_passes(original, tmp_path / "both", "el-self,slim")
     assert "slim" in _one_line(err) and "el-self" in _one_line(err)
@@ -278,7 +279,8 @@ def test_refused_with_slim(exported, variant, tmp_path):
     folder = variant("t5", "el-self")
     with pytest.raises(ElxError) as err:
         apply_passes(folder, tmp_path / "slim_after", "slim")
-    assert "key/value" in _one_line(err) and not (tmp_path / "slim_after").exists()
+    assert "already applied" in _one_line(err) and "el-self" in _one_line(err)
+    assert not (tmp_path / "slim_after").exists()
 
 
 def test_applied_twice_refused(exported, variant, tmp_path):

@@ -11,7 +11,7 @@ transcription of it (teacher-forced, the real decoder states):
   softmax(c·(q_i·W_K,iᵀ)·Xᵀ + mask)·X·W_V,i + b_V,i;
   ``el-self onnx``: the exported decoder with only that layer rewritten by the pass, against the
   exported original through the runner (teacher-forced on the speech; and the pass's own
-  verification on random states, ``compare_backends`` with consistent pasts);
+  verification on random states, ``verify_rewrite`` with consistent pasts);
 * all layers: the ``el-self`` and ``el,el-self`` pass records (their verification error), the
   teacher-forced speech diff against the original export, and whether the transcriptions are
   token-identical to HF ``generate`` (greedy and beam 4; ``exporter.compare``).
@@ -40,8 +40,9 @@ from exporter.compare import compare  # noqa: E402
 from exporter.export import apply_passes, export_model  # noqa: E402
 from exporter.passes import el_self  # noqa: E402
 from exporter.passes.rewrite import load_graph  # noqa: E402
-from exporter.verify import compare_backends  # noqa: E402
+from exporter.verify import RuntimeSide, verify_rewrite  # noqa: E402
 from runners.manifest import Manifest  # noqa: E402
+from runners.model import Model  # noqa: E402
 from runners.ort_backend import OrtBackend  # noqa: E402
 from tools.whisper_slim_report import layer_report, model_folder, speech_features, transcribe  # noqa: E402
 
@@ -94,8 +95,9 @@ def torch_layer_errors(model, features, sequences, mask) -> list[dict]:
 
 # -- ONNX: the pass on one layer, teacher-forced on speech -----------------------------------------------
 
-def forced_logits(backend: OrtBackend, inputs: dict, sequences: np.ndarray) -> np.ndarray:
-    """Step logits [rows, T-1, vocab] along ``sequences`` through the runner's backend (its own cache)."""
+def forced_logits(manifest: Manifest, inputs: dict, sequences: np.ndarray) -> np.ndarray:
+    """Step logits [rows, T-1, vocab] along ``sequences`` through the runner's model (its own cache)."""
+    backend = Model(manifest, OrtBackend(manifest))
     state = backend.encode(inputs)
     cache = backend.empty_cache(sequences.shape[0])
     out = []
@@ -119,16 +121,15 @@ def onnx_layer_errors(base: Path, work: Path, inputs: dict, sequences: np.ndarra
     shutil.copytree(base, probe)
     manifest = Manifest.load(probe)
     dims = manifest.dims
-    original = OrtBackend(manifest)
+    original = RuntimeSide(manifest)
     rows = []
     for layer in el_self.self_layers(manifest):
         after, matched = el_self.candidate(manifest, f"decoder.probe{layer.index}.onnx", indices={layer.index})
         try:
-            backend = OrtBackend(after)
-            verified = compare_backends(original, backend, past_from=el_self.consistent_past(
+            verified = verify_rewrite(manifest, after, reference=original, past_from=el_self.consistent_past(
                 matched, dims["num_heads"], dims["d_kv"]))
             rows.append({"layer": layer.index, "random_states": verified["max_abs_logits_diff"],
-                         "speech": speech_diff(reference, forced_logits(backend, inputs, sequences), mask)})
+                         "speech": speech_diff(reference, forced_logits(after, inputs, sequences), mask)})
         finally:
             (probe / after.graphs["decoder"]["file"]).unlink(missing_ok=True)
     return rows
@@ -157,18 +158,18 @@ def report_model(name: str, workdir: Path, with_slim: bool) -> dict:
     out["export_verification"] = Manifest.load(base).data["verification"]["export"]["max_abs_logits_diff"]
     inputs = {"input_features": features_np}
     seq, valid = sequences.numpy(), mask.numpy()
-    reference = forced_logits(OrtBackend(Manifest.load(base)), inputs, seq)
+    reference = forced_logits(Manifest.load(base), inputs, seq)
     out["el_self_onnx"] = onnx_layer_errors(base, workdir / f"{name}-probe", inputs, seq, valid, reference)
     print(f"{name}: ONNX per-layer numbers ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
 
     out["all_layers"] = {}
     el_folder = apply_passes(base, workdir / f"{name}-el", "el")
-    el_reference = forced_logits(OrtBackend(Manifest.load(el_folder)), inputs, seq)
+    el_reference = forced_logits(Manifest.load(el_folder), inputs, seq)
     for passes, against in (("el-self", reference), ("el,el-self", el_reference)):
         folder_p = apply_passes(base, workdir / f"{name}-{passes.replace(',', '+')}", passes)
         manifest = Manifest.load(folder_p)
         row = {"records": {p["name"]: p["max_abs_logits_diff"] for p in manifest.passes},
-               "speech_vs_original": speech_diff(against, forced_logits(OrtBackend(manifest), inputs, seq), valid)}
+               "speech_vs_original": speech_diff(against, forced_logits(manifest, inputs, seq), valid)}
         for beams in (1, 4):
             report = compare(folder_p, inputs=inputs, num_beams=beams)
             row[f"identical_to_hf_beam{beams}"] = report.all_identical

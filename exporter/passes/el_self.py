@@ -73,11 +73,11 @@ import onnx_graphsurgeon as gs
 from runners.errors import ElxError
 from runners.manifest import Manifest
 
-from .rewrite import Builder, commit, constant_value, load_graph, producer, refuse_twice, save_graph
+from .rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
 
 NAME = "el-self"
 ORDER = 25  # after el (10), slim-cross (15) and slim (20), before ngram (90)
-CONFLICTS = ("slim",)
+CONFLICTS = {"slim": "both replace the self-attention K/V cache (slim keeps K only, el-self keeps X)"}
 PAST = "past_hidden.{}.decoder"
 PRESENT = "present_hidden.{}.decoder"
 SCORE_OPS = ("Mul", "Div", "Add")
@@ -401,7 +401,7 @@ def candidate(manifest: Manifest, graph_file: str, indices=None, wide: frozenset
 
 
 def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 1):
-    """``past_from`` for ``compare_backends``: random states X [R, P, D] become the rewrite's cache, and
+    """``past_from`` for ``verify_rewrite``: random states X [R, P, D] become the rewrite's cache, and
     the original's K = X·W_K + b_K, V = X·W_V + b_V (overwritten in its past, in place; float64 products)."""
 
     def split(y: np.ndarray) -> np.ndarray:  # [R, P, h·d_k] → [R, h, P, d_k]
@@ -427,14 +427,16 @@ def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 
     return past_from
 
 
-def next_file(current: str) -> str:
-    return f"{current[: -len('.onnx')]}.{NAME}.onnx"
+def parse_argument(text: str | None) -> str | None:
+    if text not in (None, "", FP64):
+        raise ElxError(f"pass {NAME} takes no argument or {FP64!r} (got {text!r}); e.g. --pass {NAME} or "
+                       f"--pass {NAME}={FP64}")
+    return text or None
 
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     refuse_twice(manifest, NAME)
-    if argument not in (None, "", FP64):
-        raise ElxError(f"pass {NAME} takes no argument or {FP64!r} (got {argument!r}); e.g. --pass {NAME}={FP64}")
+    argument = parse_argument(argument)
     wide = frozenset({"scores"}) if argument == FP64 else frozenset()
     applied = [name for name in manifest.pass_names() if name in CONFLICTS]
     if applied:
@@ -446,7 +448,7 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
                        f"{[e['input'] for e in manifest.cache_entries][:4]} (slim or {NAME} applied?); "
                        "export again from the model")
     before = manifest.copy()
-    after, layers = candidate(manifest, next_file(manifest.graphs[manifest.step]["file"]), wide=wide)
+    after, layers = candidate(manifest, pass_file(manifest.graphs[manifest.step]["file"], NAME), wide=wide)
     dims = manifest.dims
     try:
         report = commit(folder, before, after, past_from=consistent_past(layers, dims["num_heads"], dims["d_kv"]),

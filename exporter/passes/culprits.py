@@ -1,0 +1,104 @@
+"""Culprit search: rewrite the layers a pass can, verify, and find the layers that break the tolerance.
+
+A per-layer rewrite (slim, slim-cross) may be exact in principle yet lose accuracy in fp32 on
+some layers (ill-conditioned weights).  ``verified_rewrite`` rewrites every layer that passed the
+pass's own checks and verifies the result; beyond the tolerance it measures each layer rewritten
+alone and either refuses naming the worst layer, or (``skip-bad``) leaves layers out, worst first,
+until the rest verifies.  Candidates that are not kept are deleted; nothing else stays written.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runners.errors import ElxError
+from runners.manifest import Manifest
+
+from ..verify import TOLERANCE
+
+SKIP_BAD = "skip-bad"
+
+
+def skip_bad_argument(argument: str | None, name: str) -> bool:
+    """A per-layer pass's argument: none, or ``skip-bad`` (leave out the layers that fail instead of refusing)."""
+    if argument in (None, ""):
+        return False
+    if argument == SKIP_BAD:
+        return True
+    raise ElxError(f"pass {name} takes no argument or {SKIP_BAD!r} (got {argument!r}); e.g. --pass {name}={SKIP_BAD}")
+
+
+def refuse(name: str, where: str, index: int, reason: str) -> ElxError:
+    return ElxError(f"pass {name}: {where} layer {index}: {reason}; nothing was written "
+                    f"(--pass {name}={SKIP_BAD} keeps K and V for such layers)")
+
+
+def remove_new_files(folder: Path, before: Manifest, after: Manifest) -> None:
+    """Delete the graph files ``after`` names that ``before`` does not (a rejected candidate)."""
+    for file in set(after.graph_files()) - set(before.graph_files()):
+        (Path(folder) / file).unlink(missing_ok=True)
+
+
+def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, layers: list, bad: dict,
+                     skip_bad: bool, candidate, verify) -> tuple[Manifest, list, dict]:
+    """Rewrite the layers not in ``bad``, verify, and on an accuracy failure find the culprit layers.
+
+    ``candidate(layers, suffix) -> Manifest`` writes graphs with those layers rewritten (file
+    names carry ``suffix``); ``verify(after, layers) -> report`` compares them with ``manifest``.
+    Refuses naming a layer unless ``skip_bad``; then layers are left out (joining ``bad``, in
+    place), worst first by their error when rewritten alone, until the rest verifies.
+    Returns (the verified manifest, the rewritten layers, the report); nothing else stays written.
+    """
+    if bad and not skip_bad:
+        index = min(bad)
+        raise refuse(name, where, index, bad[index])
+    todo = [layer for layer in layers if layer.index not in bad]
+    if not todo:
+        index = min(bad)
+        raise ElxError(f"pass {name}: no {where} layer can be rewritten (layer {index}: {bad[index]}); "
+                       "nothing was written")
+    after = candidate(todo, name)
+    report = verify(after, todo)
+    if report["max_abs_logits_diff"] <= TOLERANCE:
+        return after, todo, report
+    remove_new_files(folder, manifest, after)
+    alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
+    worst = max(alone, key=lambda i: alone[i])
+    if not skip_bad:
+        together = report["max_abs_logits_diff"]
+        detail = (f"max abs logits diff {alone[worst]:.3g} exceeds {TOLERANCE:g}" if alone[worst] > TOLERANCE else
+                  f"max abs logits diff {together:.3g} with all layers exceeds {TOLERANCE:g} "
+                  f"(this layer alone: {alone[worst]:.3g}, the largest)")
+        raise refuse(name, where, worst, detail)
+    while todo:
+        for layer in [layer for layer in todo if alone[layer.index] > TOLERANCE] or [
+                max(todo, key=lambda layer: alone[layer.index])]:
+            bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {TOLERANCE:g}"
+                                if alone[layer.index] > TOLERANCE else
+                                f"left out: with the other layers the max abs logits diff reached "
+                                f"{report['max_abs_logits_diff']:.3g} (this layer alone: {alone[layer.index]:.3g})")
+            alone[layer.index] = -1.0  # handled
+        todo = [layer for layer in todo if layer.index not in bad]
+        if not todo:
+            break
+        after = candidate(todo, name)
+        report = verify(after, todo)
+        if report["max_abs_logits_diff"] <= TOLERANCE:
+            return after, todo, report
+        remove_new_files(folder, manifest, after)
+    raise ElxError(f"pass {name}: no {where} layer is accurate enough to rewrite (max abs logits diff beyond "
+                   f"{TOLERANCE:g}); nothing was written")
+
+
+def _errors_alone(folder: Path, manifest: Manifest, name: str, layers: list, candidate, verify) -> dict:
+    """{layer index: max abs logits diff with only that layer rewritten}."""
+    alone = {}
+    for layer in layers:
+        probe = candidate([layer], f"{name}-probe")
+        try:
+            diff = verify(probe, [layer])["max_abs_logits_diff"]
+        finally:
+            remove_new_files(folder, manifest, probe)
+        alone[layer.index] = diff if np.isfinite(diff) else float("inf")  # NaN counts as the worst
+    return alone

@@ -14,10 +14,10 @@ from pathlib import Path
 from runners.manifest import FORMAT, VERSION, Manifest
 
 from elx import __version__
-from .atomic import check_output, staged_folder
+from .atomic import check_output, output_path, staged_folder
 from runners.errors import ElxError
 from .onnx_export import export_cross_kv, export_decoder, export_encoder
-from .passes import parse_passes
+from .passes import check_not_applied, parse_passes
 from .precision_export import check_precision, fp16_checks, refuse_fp16
 from .sources import resolve_model
 from .verify import require_within_tolerance, verify_export
@@ -121,12 +121,13 @@ def run_passes(folder: Path, manifest: Manifest, requests: list, quiet: bool = T
 def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
     """Apply ``passes`` to a copy of the export in ``source``; ``target`` appears only on success."""
     requests = parse_passes(passes)
-    with staged_folder(Path(target), force=True) as folder:
+    with staged_folder(target, force=True) as folder:
         shutil.copytree(source, folder, dirs_exist_ok=True)
         manifest = Manifest.load(folder)
+        check_not_applied(requests, manifest.pass_names())
         run_passes(folder, manifest, requests, quiet)
         manifest.save(folder)
-    return Path(target).absolute()
+    return output_path(target)
 
 
 def export_model(model: str, output, random_init: bool = False, passes: str | None = None, seed: int = 0,
@@ -135,11 +136,11 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
     (``exporter/precision_export.py``)."""
     requests = parse_passes(passes)  # validate before any heavy work
     check_precision(precision)
-    output = check_output(Path(output), force)
-    loaded = resolve_model(model, random_init=random_init, seed=seed)
-    note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
-    _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
-    with staged_folder(output, force) as folder:
+    output = check_output(output, force)
+    with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
+        loaded = resolve_model(model, random_init=random_init, seed=seed)
+        note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
+        _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
         data = base_manifest(loaded.model, loaded.family, loaded.source)
         export_graphs(loaded.model, loaded.family, folder, data, quiet)
         manifest = Manifest(data, folder)

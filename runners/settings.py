@@ -13,6 +13,7 @@ from runners.errors import ElxError
 
 from .families import RULES, rules_for
 from .manifest import Manifest
+from .validation import check_settings
 
 HF_DEFAULT_MAX_LENGTH = 20
 _UNSUPPORTED = {"do_sample": False, "repetition_penalty": 1.0, "bad_words_ids": None,
@@ -103,6 +104,7 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
 def _validate(s: GenerationSettings) -> None:
     if s.decoder_start_token_id is None:
         raise ElxError("the manifest names no decoder_start_token_id; re-export from a model whose config sets it")
+    check_settings(s)  # runners/validation.py: types, ranges, total length vs the model's positions
     if s.input_repeats < 1:
         raise ElxError(f"input_repeats must be >= 1, got {s.input_repeats}")
     if s.num_beams < 1:

@@ -24,9 +24,12 @@ from .precision_check import arithmetic_twin
 
 
 def twin_folder(folder, work: Path) -> Path:
-    """A folder whose manifest runs ``folder``'s fp16-arithmetic twins (graph files by absolute path)."""
-    twin = arithmetic_twin(Manifest.load(folder), Path(work) / "graphs")
-    twin.folder = Path(work)
+    """A folder whose manifest runs ``folder``'s fp16-arithmetic twins (written inside it, named relative to it)."""
+    work = Path(work).absolute()
+    twin = arithmetic_twin(Manifest.load(folder), work / "graphs")
+    for spec in twin.graphs.values():
+        spec["file"] = str(Path(spec["file"]).relative_to(work))
+    twin.folder = work
     twin.data["has_tokenizer"] = False
     twin.save(work)
     return Path(work)

@@ -115,6 +115,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_int, default=0, help="seed of --random-init weights (default 0)")
     p.add_argument("--pass", dest="passes", default=None, help="graph passes, comma-separated: el, slim, ...")
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty; see --force)")
+    p.add_argument("--precision", default="fp32", help="fp32 (default) or fp16: weight MatMuls, caches and per-input "
+                                                       "state in fp16, checked against fp32 (exporter/precision.py)")
     p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
     p.add_argument("--quiet", action="store_true")
 
@@ -123,7 +125,7 @@ def cmd_export(args) -> int:
     from exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
-                 force=args.force, quiet=args.quiet)
+                 force=args.force, quiet=args.quiet, precision=args.precision)
     return 0
 
 

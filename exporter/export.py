@@ -18,6 +18,7 @@ from .atomic import check_output, output_path, staged_folder
 from runners.errors import ElxError
 from .onnx_export import export_cross_kv, export_decoder, export_encoder
 from .passes import check_not_applied, parse_passes
+from .precision_export import check_precision, fp16_checks, refuse_fp16
 from .sources import resolve_model
 from .verify import require_within_tolerance, verify_export
 
@@ -68,7 +69,7 @@ def base_manifest(model, family, source: dict) -> dict:
         "generation_defaults": defaults,
         "graphs": {}, "stages": ["encoder", "cross_kv"], "step": "decoder",
         "cache": {"self": [], "cross": {"kind": "beam-shared", "batch": "batch"}},
-        "passes": [], "verification": {},
+        "passes": [], "verification": {}, "precision": "fp32",
     }
 
 
@@ -103,12 +104,18 @@ def copy_tokenizer(model_folder: str | None, folder: Path) -> bool:
     return False
 
 
-def run_passes(folder: Path, manifest: Manifest, requests: list, quiet: bool = True) -> None:
-    """Apply parsed pass requests in order; each verifies itself and records its error in the manifest."""
+def run_passes(folder: Path, manifest: Manifest, requests: list, quiet: bool = True, after_each=None) -> None:
+    """Apply parsed pass requests in order; each verifies itself and records its error in the manifest.
+
+    ``after_each(manifest, record)`` runs after each pass (the fp16 export checks each pass in fp16)."""
+    if requests:
+        refuse_fp16(manifest, "apply passes")
     for request in requests:
         record = request.module.apply(folder, manifest, request.argument)
         manifest.data["passes"].append(record)
         _log(f"  pass {request.name}: max abs logits diff {record['max_abs_logits_diff']:.2e}", quiet)
+        if after_each is not None:
+            after_each(manifest, record)
 
 
 def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
@@ -124,8 +131,11 @@ def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
 
 
 def export_model(model: str, output, random_init: bool = False, passes: str | None = None, seed: int = 0,
-                 force: bool = False, quiet: bool = False) -> Path:
+                 force: bool = False, quiet: bool = False, precision: str = "fp32") -> Path:
+    """Export, verify (fp32), apply passes; with ``precision="fp16"`` convert and check last
+    (``exporter/precision_export.py``)."""
     requests = parse_passes(passes)  # validate before any heavy work
+    check_precision(precision)
     output = check_output(output, force)
     with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
         loaded = resolve_model(model, random_init=random_init, seed=seed)
@@ -139,7 +149,10 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
         data["verification"]["export"] = report
         _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}, "
              f"encoder {report['max_abs_encoder_diff']:.2e}", quiet)
-        run_passes(folder, manifest, requests, quiet)
+        with fp16_checks(precision, loaded.model, manifest, lambda message: _log(message, quiet)) as fp16:
+            run_passes(folder, manifest, requests, quiet, fp16.check_pass if fp16 else None)
+            if fp16 is not None:
+                fp16.finish(folder, manifest)
         data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
         manifest.save(folder)
     _log(f"wrote {output}", quiet)

@@ -52,6 +52,7 @@ class Case:
     tokens: np.ndarray  # [rows, step]
     past: dict  # self-cache input name → [rows, ...] host array (the reference's layout)
     history: np.ndarray  # [rows, length] tokens with planted repeats (for in-graph n-gram blocking)
+    prefix: np.ndarray  # [rows, past] tokens a prefilled side runs first (its own cache instead of ``past``)
 
     @property
     def rows(self) -> int:
@@ -71,27 +72,34 @@ def make_case(manifest: Manifest, shape: Shape, seed: int) -> Case:
         past[entry["input"]] = rng.standard_normal(dims).astype(np.float32)
     history = rng.integers(3, min(vocab, 6), size=(rows, shape.past + shape.step + 10), dtype=np.int64)
     history[:, 0] = 0  # a three-token alphabet: repeated n-grams everywhere
-    return Case(shape, inputs, tokens, past, history)
+    prefix = np.random.default_rng([seed, 1]).integers(3, vocab, size=(rows, shape.past), dtype=np.int64)
+    return Case(shape, inputs, tokens, past, history, prefix)
 
 
 class RuntimeSide:
     """An export folder's graphs through the runtime's own ``Model`` on ONNX Runtime (CPU)."""
 
-    def __init__(self, manifest: Manifest, no_repeat_ngram_size: int = 0):
+    def __init__(self, manifest: Manifest, no_repeat_ngram_size: int = 0, prefill: bool = False):
         self.model = Model(manifest, OrtBackend(manifest)).for_run(no_repeat_ngram_size)
+        self.prefill = prefill
 
     def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray | None]:
         state = self.model.encode(case.inputs)
         history = case.history if self.model.needs_history else None
-        scores, _ = self.model.step(case.tokens, state, DecoderCache(past, case.rows), history)
+        cache = DecoderCache(past, case.rows)
+        if self.prefill:
+            cache = self.model.empty_cache(case.rows)
+            if case.prefix.shape[1]:
+                _, cache = self.model.step(case.prefix, state, cache, history)
+        scores, _ = self.model.step(case.tokens, state, cache, history)
         return scores, state.kept.get("encoder:last_hidden_state")
 
 
 class TorchSide:
     """HF's own forward in PyTorch with per-row self-attention caches."""
 
-    def __init__(self, model, manifest: Manifest):
-        self.model, self.layers = model, manifest.dims["num_decoder_layers"]
+    def __init__(self, model, manifest: Manifest, prefill: bool = False):
+        self.model, self.layers, self.prefill = model, manifest.dims["num_decoder_layers"], prefill
 
     def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -101,6 +109,11 @@ class TorchSide:
         rep = {role: torch.from_numpy(a).repeat_interleave(beams, 0) for role, a in case.inputs.items()}
         with torch.no_grad():
             encoder = self.model.get_encoder()(**rep).last_hidden_state
+            if self.prefill:
+                tokens = torch.from_numpy(np.concatenate([case.prefix, case.tokens], axis=1))
+                out = self.model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
+                                 decoder_input_ids=tokens, use_cache=False)
+                return out.logits[:, -1, :].numpy(), encoder[::beams].numpy()
             pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"]),
                       torch.from_numpy(past[f"past_key_values.{i}.decoder.value"])) for i in range(self.layers)]
             cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())

@@ -38,6 +38,8 @@ class GenerationSettings:
     begin_suppress_tokens: list | None = None
     decoder_prompt: list = field(default_factory=list)  # tokens after the start token (Whisper's lang/task)
     input_repeats: int = 1  # Whisper: HF runs num_return_sequences=r as r copies of each input (runners/whisper.py)
+    # the caller passed eos_token_id as a list: HF's Whisper output then keeps a final EOS (runners/whisper.py)
+    eos_listed: bool = False
 
     def prompt(self) -> list[int]:
         return [int(self.decoder_start_token_id), *map(int, self.decoder_prompt)]
@@ -95,6 +97,8 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
             raise ElxError(f"unknown generation option {name!r}")
         if value is not None:
             values[name] = _eos_list(value) if name == "eos_token_id" else value
+            if name == "eos_token_id":
+                values["eos_listed"] = isinstance(value, (list, tuple))
     if manifest.family == "whisper":
         from .whisper import apply_rules
 

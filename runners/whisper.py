@@ -188,9 +188,17 @@ def hf_language(manifest: Manifest, language: str | None, task: str | None) -> s
     return effective_language(manifest, language, task)
 
 
-def generated_rows(sequences: np.ndarray, prompt_len: int, eos: list, pad: int | None) -> list[list[int]]:
-    """Per row, the tokens HF Whisper keeps: prompt cut, padding stripped (EOS kept if pad == EOS), EOS cut."""
-    eos_id = int(eos[0]) if eos else None
+def generated_rows(sequences: np.ndarray, prompt_len: int, eos: list, pad: int | None,
+                   eos_listed: bool = False) -> list[list[int]]:
+    """Per row, the tokens HF Whisper keeps: prompt cut, padding stripped (EOS kept if pad == EOS), EOS cut.
+
+    HF quirk, mirrored: ``generate_with_fallback`` compares the last token with
+    ``generation_config.eos_token_id`` as given.  When the caller passed a list (even of one id),
+    ``tensor == list`` is plain ``False`` in PyTorch: no final EOS is cut and ``pad == eos`` never
+    holds (every pad token counts as padding).  ``eos_listed`` says the EOS came as a list.
+    Defaults from the manifest count as an int (every Whisper checkpoint's config has one).
+    """
+    eos_id = int(eos[0]) if eos and not eos_listed else None
     rows = []
     for row in np.asarray(sequences)[:, prompt_len:]:
         row = [int(t) for t in row]
@@ -209,7 +217,8 @@ def generated_rows(sequences: np.ndarray, prompt_len: int, eos: list, pad: int |
 def hf_sequences(sequences: np.ndarray, settings) -> np.ndarray:
     """elx sequences (prompt included) → what HF Whisper ``generate`` returns: [B, longest] right-padded."""
     pad = settings.pad_token_id
-    rows = generated_rows(sequences, len(settings.prompt()), settings.eos_token_id, pad)
+    rows = generated_rows(sequences, len(settings.prompt()), settings.eos_token_id, pad,
+                          getattr(settings, "eos_listed", False))
     width = max((len(r) for r in rows), default=0)
     out = np.full((len(rows), width), pad if pad is not None else -1, dtype=np.int64)
     for i, row in enumerate(rows):

@@ -220,6 +220,9 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
     rep = {k: torch.from_numpy(np.repeat(v, per_item, axis=0)) for k, v in inputs.items()}
     with torch.no_grad():
         encoder = model.get_encoder()(**rep).last_hidden_state
+        encoder_diff = float(np.abs(state.extras["encoder:last_hidden_state"] - encoder[::per_item].numpy()).max())
+        if length < 2:  # nothing to teacher-force
+            return np.zeros((rows, 0)), encoder_diff
         ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
                     decoder_input_ids=torch.from_numpy(sequences[:, :-1])).logits
     if backend.returns_log_probs:
@@ -231,9 +234,7 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
         expected = block_ngrams(sequences[:, : t + 1], ref[:, t], blocks) if blocks else ref[:, t]
         both_inf = np.isneginf(expected) & np.isneginf(ort_steps[t])
         diffs.append(np.where(both_inf, 0.0, np.abs(ort_steps[t] - expected)).max(axis=1))
-    encoder_ort = state.extras["encoder:last_hidden_state"]
-    encoder_diff = float(np.abs(encoder_ort - encoder[::per_item].numpy()).max())
-    return np.stack(diffs, axis=1) if diffs else np.zeros((rows, 0)), encoder_diff
+    return np.stack(diffs, axis=1), encoder_diff
 
 
 def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, threads: int | None = None,
@@ -277,6 +278,9 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     forced = hf
     if whisper:  # HF Whisper returns the generated tokens only (no prompt, no EOS): compare in that form
         elx, forced, prompt_len = hf_sequences(elx, settings), full_sequences(hf, settings), 0
+        # one more position, so that the step after HF's last kept token (its cut EOS) is checked too,
+        # and an output of no tokens at all (EOS first) still has a step to check
+        forced = np.concatenate([forced, np.full((forced.shape[0], 1), settings.pad_token_id or 0, np.int64)], 1)
     diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item)
     fill = output_fill(settings, whisper)
     rows = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -115,10 +116,11 @@ class Loaded:
 class ExportPool:
     """Model folders, exports and loaded runners, each built once per session."""
 
-    def __init__(self, root: Path, shared_export=None):
+    def __init__(self, root: Path, shared_export=None, reuse: bool = False):
         self.root = Path(root)
         self.shared_export = shared_export  # conftest's ``exported`` fixture, for shared specs
-        self._folders, self._exports, self._models, self._loaded = {}, {}, {}, {}
+        self.reuse = reuse  # take exports already in ``root`` (scripts that investigate one finding)
+        self._folders, self._exports, self._models, self._loaded, self._refused = {}, {}, {}, {}, {}
 
     def model_folder(self, spec: ModelSpec) -> Path:
         if spec.name not in self._folders:
@@ -128,9 +130,16 @@ class ExportPool:
         return self._folders[spec.name]
 
     def export(self, spec: ModelSpec, passes: str = "") -> Path:
+        """The export of ``spec`` with ``passes``; a pass that refuses raises its ``ElxError`` (remembered)."""
         from exporter.export import apply_passes, export_model
 
         key = (spec.name, passes)
+        if key in self._refused:
+            raise self._refused[key]
+        name = passes.replace(",", "+").replace("=", "")
+        existing = self.root / "exports" / (f"{spec.name}.{name}" if passes else spec.name)
+        if key not in self._exports and self.reuse and (existing / "manifest.json").is_file():
+            self._exports[key] = existing
         if key not in self._exports:
             if not passes:
                 if spec.shared and self.shared_export is not None:
@@ -139,8 +148,11 @@ class ExportPool:
                     folder = export_model(str(self.model_folder(spec)), self.root / "exports" / spec.name,
                                           quiet=True)
             else:
-                name = passes.replace(",", "+").replace("=", "")
-                folder = apply_passes(self.export(spec, ""), self.root / "exports" / f"{spec.name}.{name}", passes)
+                try:
+                    folder = apply_passes(self.export(spec, ""), existing, passes)
+                except ElxError as err:
+                    self._refused[key] = err
+                    raise
             self._exports[key] = folder
         return self._exports[key]
 
@@ -157,6 +169,16 @@ class ExportPool:
             model, variants = self._models[spec.name]
             self._loaded[key] = Loaded(generator, model, variants)
         return self._loaded[key]
+
+
+_SESSION_POOL: list = []
+
+
+def session_pool(tmp_path_factory, exported) -> ExportPool:
+    """One pool per test session, whichever module asks first (exports are the cost)."""
+    if not _SESSION_POOL:
+        _SESSION_POOL.append(ExportPool(tmp_path_factory.mktemp("differential"), shared_export=exported))
+    return _SESSION_POOL[0]
 
 
 # -- strategies ------------------------------------------------------------------------------------
@@ -181,6 +203,16 @@ class ModelInfo:
         if spec is not None:
             features = tuple(int(d) for d in spec["shape"][1:])
         return cls(manifest.family, int(manifest.dims["vocab_size"]), pad, specials, features)
+
+
+def uniform():
+    """A ``random.Random`` seeded by hypothesis, for choices that must cover their range evenly.
+
+    Hypothesis favours small and early values (``integers``, ``sampled_from``, even ``randoms()``):
+    num_beams came out 1 in 40% of the examples and Whisper in 6-9%.  A drawn seed keeps the example
+    reproducible (the failure records hold the values) and the choices uniform.
+    """
+    return st.integers(0, 2**64 - 1).map(random.Random)
 
 
 @st.composite
@@ -208,10 +240,11 @@ def generation_options(draw, ngram: int | None = None) -> dict:
     ``ngram``: the size an ``ngram=N`` export blocks in its graph; the run then asks for exactly
     that size (the graph blocks N-grams whatever the run asks, issue 10 item 3).
     """
-    beams = draw(st.integers(1, 8), label="num_beams")
+    rnd = draw(uniform(), label="uniform")
+    beams = rnd.randint(1, 8)
     options = {"num_beams": beams}
     if beams > 1:
-        options["num_return_sequences"] = draw(st.integers(1, beams), label="num_return_sequences")
+        options["num_return_sequences"] = rnd.randint(1, beams)
     if ngram is not None:
         options["no_repeat_ngram_size"] = ngram
     else:
@@ -282,6 +315,7 @@ class Stats:
     fragile_rows: int = 0
     excused_examples: int = 0  # examples with >= 1 fragile row and no failure
     hf_refused: int = 0  # HF raised on the drawn settings (and so did elx)
+    pass_refused: Counter = field(default_factory=Counter)  # spec/pass set -> examples skipped: the pass refused
     failures: list = field(default_factory=list)
     kinds: Counter = field(default_factory=Counter)  # spec/pass set (export) or family (search) -> examples
     beams: Counter = field(default_factory=Counter)
@@ -295,6 +329,9 @@ class Stats:
                  f"{self.identical_rows} rows identical, {self.fragile_rows} fragile rows excused "
                  f"(HF's eager fp32 / sdpa fp32 / fp64 disagree) in {self.excused_examples} examples; "
                  f"HF refused {self.hf_refused}; {len(self.failures)} failures"]
+        if self.pass_refused:
+            lines.append(f"  skipped, the pass refused the model ({sum(self.pass_refused.values())}): "
+                         + ", ".join(f"{k} {v}" for k, v in sorted(self.pass_refused.items())))
         if self.variant == "export":
             lines.append(f"  worst teacher-forced logits diff {self.max_logits_diff:.2e}")
         lines.append("  beams: " + " ".join(f"{k}:{v}" for k, v in sorted(self.beams.items())))
@@ -317,11 +354,17 @@ def run_export_example(stats: Stats, pool: ExportPool, spec: ModelSpec, passes: 
                        eos_mode: str = "default", eos_rank: int = 0) -> None:
     """One export example: compare elx with HF generate, record the outcome."""
     where = dict(spec=spec.name, passes=passes or "baseline", options=options, inputs=inputs)
+    try:
+        loaded = pool.loaded(spec, passes)
+    except ElxError as err:  # a pass may refuse a model (slim: not accurate enough): it writes nothing, says why
+        if not passes or "nothing was written" not in str(err):
+            raise
+        stats.pass_refused[f"{spec.name}/{passes}"] += 1
+        return
     stats.examples += 1
     stats.kinds[f"{spec.name}/{passes or 'baseline'}"] += 1
     stats.beams[options.get("num_beams", 1)] += 1
     try:
-        loaded = pool.loaded(spec, passes)
         options = dict(options)
         eos = eos_override(eos_mode, eos_rank, loaded.model, inputs, loaded.generator.manifest)
         if eos is not None:
@@ -367,7 +410,7 @@ def run_export_example(stats: Stats, pool: ExportPool, spec: ModelSpec, passes: 
 @st.composite
 def random_configs(draw) -> tuple[str, int, dict]:
     """(family, seed, config overrides) of a random tiny model; ``init`` scales the weights (peakedness)."""
-    family = draw(st.sampled_from(["t5", "t5", "bart", "whisper"]), label="family")
+    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper"])
     seed = draw(st.integers(0, 10_000), label="model_seed")
     vocab = draw(st.integers(24, 400), label="vocab_size")
     layers = draw(st.integers(1, 2), label="layers")

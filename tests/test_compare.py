@@ -199,3 +199,16 @@ def test_hf_variants_are_different_computations(model_folders):
 def test_same_row(a, b, fill, same):
     assert same_row(a, b, fill) is same
     assert same_row(b, a, fill) is same
+
+
+def test_whisper_output_without_tokens(exported):
+    """Found by the differential test: EOS = the token a random Whisper emits first, so HF returns
+    no tokens at all (width 0, its EOS cut); teacher forcing crashed on an empty decoder input.
+    Now the step that chose the EOS is checked (one step per row)."""
+    folder = exported("whisper")
+    first = compare(folder, batch_size=3, max_new_tokens=1, check_stability=False).rows[0].hf_tokens[0]
+    report = compare(folder, batch_size=3, num_beams=1, no_repeat_ngram_size=2, max_new_tokens=16,
+                     eos_token_id=first)
+    assert all(r.hf_tokens == [] for r in report.rows)
+    assert report.all_identical and report.passed
+    assert all(len(r.step_logits_diff) == 1 for r in report.rows)

@@ -48,8 +48,9 @@ Verification: per layer cond(W_K) (refused above ``COND_LIMIT``, singular or non
 W_K refused) and the K→V reconstruction error on random states (fp32; fp16 K cache with fp32
 W_KV; fp16 W_KV), then the rewritten folder against the original through the runner's backend
 at several shapes, with pasts generated from random states X (K = X·W_K + b_K, V = X·W_V + b_V:
-independent random K and V are not representable by a K-only cache).  Nothing is written when
-the max abs logits diff exceeds 1e-4.  ``--pass slim=skip-bad`` keeps K and V for the layers
+independent random K and V are not representable by a K-only cache), each shape at three seeds.
+Nothing is written when the max abs logits diff exceeds half the 1e-4 tolerance (``VERIFY_LIMIT``:
+generation on other inputs measured up to 1.9× the verified max).  ``--pass slim=skip-bad`` keeps K and V for the layers
 that fail (listed in the record) instead of refusing.
 
 Accuracy, measured (``tools/measure_slim.py``, random-init presets): the fp32 K→V error is about
@@ -78,6 +79,12 @@ from .rewrite import Builder, constant_value, load_graph, producer, refuse_twice
 NAME = "slim"
 ORDER = 20
 SKIP_BAD = "skip-bad"
+# A rewrite is accepted only within half the tolerance.  Its verification samples a few shapes; generation
+# on other inputs reached up to 1.9x the verified max (issue 10's differential test: t5-gated-square's slim
+# layers, verified at 8.4e-5 against 1e-4, gave 1.1e-4 along a real 20-token decode, and `elx compare` rightly
+# failed the export).  Half leaves that headroom; the tolerance itself stays 1e-4.
+VERIFY_LIMIT = TOLERANCE / 2
+_LIMIT = f"{VERIFY_LIMIT:g} (half the {TOLERANCE:g} tolerance)"
 COND_LIMIT = 1e6  # fp32 rounding of K (2^-24 relative) may grow by cond(W_K): 1e6 → up to ~6% of |V|
 RECON_SAMPLES = 256
 FP16_NOTE = "W_KV is stored in float32; an fp16 engine must compute P·K and ·W_KV in fp32"
@@ -447,10 +454,22 @@ class Original:
         return self._backend
 
 
+VERIFY_SEEDS = (0, 1, 2)  # each shape at three seeds: the error varies by input more than one sample shows
+
+
+def worst_of(reports: list) -> dict:
+    """One verification report from several (the max over them; every shape listed)."""
+    worst = max(reports, key=lambda r: r["max_abs_logits_diff"] if r["max_abs_logits_diff"] == r["max_abs_logits_diff"]
+                else float("inf"))
+    return {**worst, "shapes": [s for r in reports for s in r["shapes"]]}
+
+
 def _verify(original: Original, after: Manifest, layers: list[SelfLayer], shapes=SHAPES) -> dict:
     dims = original.manifest.dims
-    return compare_backends(original.backend, OrtBackend(after), shapes=shapes,
-                            past_from=consistent_past(layers, dims["num_heads"], dims["d_kv"]))
+    candidate = OrtBackend(after)
+    return worst_of([compare_backends(original.backend, candidate, shapes=shapes, seed=seed,
+                                      past_from=consistent_past(layers, dims["num_heads"], dims["d_kv"], seed + 1))
+                     for seed in VERIFY_SEEDS])
 
 
 def remove_new_files(folder: Path, before: Manifest, after: Manifest) -> None:
@@ -484,22 +503,22 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
                        "nothing was written")
     after = candidate(todo, name)
     report = verify(after, todo)
-    if report["max_abs_logits_diff"] <= TOLERANCE:
+    if report["max_abs_logits_diff"] <= VERIFY_LIMIT:
         return after, todo, report
     remove_new_files(folder, manifest, after)
     alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
     worst = max(alone, key=lambda i: alone[i])
     if not skip_bad:
         together = report["max_abs_logits_diff"]
-        detail = (f"max abs logits diff {alone[worst]:.3g} exceeds {TOLERANCE:g}" if alone[worst] > TOLERANCE else
-                  f"max abs logits diff {together:.3g} with all layers exceeds {TOLERANCE:g} "
+        detail = (f"max abs logits diff {alone[worst]:.3g} exceeds {_LIMIT}" if alone[worst] > VERIFY_LIMIT else
+                  f"max abs logits diff {together:.3g} with all layers exceeds {_LIMIT} "
                   f"(this layer alone: {alone[worst]:.3g}, the largest)")
         raise refuse(name, where, worst, detail)
     while todo:
-        for layer in [layer for layer in todo if alone[layer.index] > TOLERANCE] or [
+        for layer in [layer for layer in todo if alone[layer.index] > VERIFY_LIMIT] or [
                 max(todo, key=lambda layer: alone[layer.index])]:
-            bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {TOLERANCE:g}"
-                                if alone[layer.index] > TOLERANCE else
+            bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {_LIMIT}"
+                                if alone[layer.index] > VERIFY_LIMIT else
                                 f"left out: with the other layers the max abs logits diff reached "
                                 f"{report['max_abs_logits_diff']:.3g} (this layer alone: {alone[layer.index]:.3g})")
             alone[layer.index] = -1.0  # handled
@@ -508,11 +527,11 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
             break
         after = candidate(todo, name)
         report = verify(after, todo)
-        if report["max_abs_logits_diff"] <= TOLERANCE:
+        if report["max_abs_logits_diff"] <= VERIFY_LIMIT:
             return after, todo, report
         remove_new_files(folder, manifest, after)
     raise ElxError(f"pass {name}: no {where} layer is accurate enough to rewrite (max abs logits diff beyond "
-                   f"{TOLERANCE:g}); nothing was written")
+                   f"{_LIMIT}); nothing was written")
 
 
 def _errors_alone(folder: Path, manifest: Manifest, name: str, layers: list, candidate, verify) -> dict:

@@ -41,9 +41,9 @@ from runners.ort_backend import OrtBackend
 from runners.errors import ElxError
 from ..verify import compare_backends
 from .rewrite import Builder, load_graph, refuse_twice, save_graph
-from .slim import (Analysis, Original, Projection, Unfit, adopt, analyse, next_file, parse_argument, projection,
+from .slim import (VERIFY_SEEDS, Analysis, Original, Projection, Unfit, adopt, analyse, next_file, parse_argument, projection,
                    read_shapes_from, record, replace_with, same_head_split, values_from_keys, values_matmul,
-                   verified_rewrite)
+                   verified_rewrite, worst_of)
 
 NAME = "slim-cross"
 ORDER = 15
@@ -149,7 +149,8 @@ def _candidate(manifest: Manifest, layers: list[CrossLayer], suffix: str) -> Man
 
 
 def _verify(original: Original, after: Manifest) -> dict:
-    return compare_backends(original.backend, OrtBackend(after))
+    candidate = OrtBackend(after)
+    return worst_of([compare_backends(original.backend, candidate, seed=seed) for seed in VERIFY_SEEDS])
 
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:

@@ -233,7 +233,8 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
     for t in range(length - 1):
         expected = block_ngrams(sequences[:, : t + 1], ref[:, t], blocks) if blocks else ref[:, t]
         both_inf = np.isneginf(expected) & np.isneginf(ort_steps[t])
-        diffs.append(np.where(both_inf, 0.0, np.abs(ort_steps[t] - expected)).max(axis=1))
+        with np.errstate(invalid="ignore"):  # -inf - -inf, masked by both_inf
+            diffs.append(np.where(both_inf, 0.0, np.abs(ort_steps[t] - expected)).max(axis=1))
     return np.stack(diffs, axis=1), encoder_diff
 
 

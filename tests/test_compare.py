@@ -157,15 +157,12 @@ def test_fragile_rows_on_a_peaked_model(peaked_export):
 
 
 @pytest.fixture(scope="module")
-def peaked_export(tmp_path_factory):
-    from exporter.export import export_model
-    from tests.conftest import make_model_folder
+def peaked_export(tmp_path_factory, exported):
+    from tests.differential import SPECS, session_pool
 
-    root = tmp_path_factory.mktemp("peaked")
-    model = make_model_folder(root, "t5", seed=3, vocab_size=300, d_model=64, d_kv=8, d_ff=64, num_heads=4,
-                              feed_forward_proj="gated-gelu", tie_word_embeddings=False)
-    folder = export_model(str(model), root / "export", quiet=True)
-    return folder, dict(num_beams=3, num_return_sequences=2, max_new_tokens=14)
+    spec = next(s for s in SPECS if s.name == "t5-fragile")
+    return session_pool(tmp_path_factory, exported).export(spec), dict(num_beams=3, num_return_sequences=2,
+                                                                       max_new_tokens=14)
 
 
 def test_hf_variants_are_different_computations(model_folders):

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from tests.differential import (EOS_MODES, SPECS, ModelInfo, Stats, batches, generation_options, pass_sets,
                                 random_configs, run_export_example, run_search_example, session_pool, uniform,
+                                one_torch_thread,
                                 with_ngram)
 
 EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
@@ -63,6 +64,12 @@ def examples_floor(stats: Stats) -> int:
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, exported):
     return session_pool(tmp_path_factory, exported)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
 
 
 def test_differential_exports(pool, capsys):

@@ -10,7 +10,7 @@ import pytest
 
 from exporter.compare import _hf_generate, compare_loaded
 from runners.errors import ElxError
-from tests.differential import SPECS, Stats, build_fp64, run_search_example, session_pool
+from tests.differential import SPECS, Stats, build_fp64, one_torch_thread, run_search_example, session_pool
 
 # search-only, Whisper: issue-10 differential run, ELX_DIFF_SEED=1
 WHISPER_TINY = {"vocab_size": 25, "d_model": 4, "encoder_attention_heads": 1, "decoder_attention_heads": 1,
@@ -48,6 +48,12 @@ def test_whisper_eos_list_keeps_the_final_eos():
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, exported):
     return session_pool(tmp_path_factory, exported)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
 
 
 # export, t5-gated-square (gated-gelu, untied head, logits up to ~15): CI slice, default derandomized seed

@@ -161,6 +161,13 @@ class ExportPool:
             self._exports[key] = folder
         return self._exports[key]
 
+    def refused(self, spec: ModelSpec, passes: str) -> bool:
+        """Whether ``passes`` or a pass in it already refused this spec (the draws then pick another set)."""
+        if (spec.name, passes) in self._refused:
+            return True
+        names = {p.partition("=")[0] for p in passes.split(",") if p}
+        return any(name == spec.name and _refusing_pass(err) in names for (name, _), err in self._refused.items())
+
     def loaded(self, spec: ModelSpec, passes: str = "") -> Loaded:
         key = (spec.name, passes)
         if key not in self._loaded:
@@ -174,6 +181,12 @@ class ExportPool:
             model, variants = self._models[spec.name]
             self._loaded[key] = Loaded(generator, model, variants)
         return self._loaded[key]
+
+
+def _refusing_pass(err: ElxError) -> str | None:
+    """The pass a refusal names (``pass slim: ...``)."""
+    text = str(err)
+    return text[5:].split(":")[0].strip() if text.startswith("pass ") else None
 
 
 _SESSION_POOL: list = []

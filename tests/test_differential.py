@@ -30,7 +30,7 @@ from tests.differential import (EOS_MODES, SPECS, ModelInfo, Stats, batches, gen
 EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
 CI = EXAMPLES == 0
 EXPORT_EXAMPLES = EXAMPLES or 30
-SEARCH_EXAMPLES = int(os.environ.get("ELX_DIFF_SEARCH_EXAMPLES") or 0) or EXAMPLES or 80
+SEARCH_EXAMPLES = int(os.environ.get("ELX_DIFF_SEARCH_EXAMPLES") or 0) or EXAMPLES or 200
 SEED = os.environ.get("ELX_DIFF_SEED")
 # Where HF's own answer is unstable nothing can be concluded; such examples must stay a minority or the
 # test would stop testing anything.  Measured: a few percent over 2,000+ examples (see the commit notes).
@@ -58,7 +58,7 @@ def _report(stats: Stats, capsys) -> None:
 def examples_floor(stats: Stats) -> int:
     """Hypothesis may stop early when it runs out of distinct examples; it never does here by much."""
     wanted = EXPORT_EXAMPLES if stats.variant == "export" else SEARCH_EXAMPLES
-    return int(0.9 * wanted)
+    return int(0.9 * wanted) - sum(stats.pass_refused.values())
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +80,9 @@ def test_differential_exports(pool, capsys):
     def example(data):
         rnd = data.draw(uniform(), label="uniform")  # even coverage of the pool
         spec = rnd.choice(specs)
-        base = rnd.choice(pass_sets(spec))
         ngram = rnd.choice([None, None, 1, 2, 3, 4])
-        passes = with_ngram(base, ngram)
+        # pass sets that refused the spec (slim: not accurate enough) are not drawn again
+        passes = rnd.choice([p for p in (with_ngram(b, ngram) for b in pass_sets(spec)) if not pool.refused(spec, p)])
         info = ModelInfo.of(pool.loaded(spec).generator.manifest)  # the baseline: a pass set may be refused
         inputs = data.draw(batches(info), label="inputs")
         options = data.draw(generation_options(ngram=ngram), label="options")

@@ -276,11 +276,8 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
 
 
 def generator_for(folder: Path, settings: BenchSettings) -> Generator:
-    if settings.device == "cpu":
-        return Generator.from_folder(folder, threads=settings.threads)
-    from runners.ort_io_backend import OrtIoBackend
-
-    return Generator(OrtIoBackend(Manifest.load(folder), device=settings.device, threads=settings.threads))
+    """The elx runner of a bench folder: ONNX Runtime on the CPU, IOBinding on the CUDA EP for cuda."""
+    return Generator.from_folder(folder, device=settings.device, threads=settings.threads)
 
 
 def _mb(value) -> str:

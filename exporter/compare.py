@@ -32,6 +32,7 @@ from exporter.sources import reload_model
 
 from runners.generate import Generator
 from runners.inputs import random_inputs
+from runners.validation import check_encoder_inputs
 
 from .verify import TOLERANCE
 
@@ -177,14 +178,6 @@ class HfVariants:
         return {name: _hf_generate(self.get(name), inputs, options) for name in HF_VARIANTS}
 
 
-def output_fill(settings, whisper: bool) -> int:
-    """The token HF pads finished rows with in what ``generate`` returns (``_beam_search``: ``pad or eos[0]``)."""
-    if settings.num_beams > 1 and not whisper:
-        # HF: `pad_token_id or eos_token_id[0]`: a pad id of 0 (T5) is falsy and gives the EOS
-        return int(settings.pad_token_id or settings.eos_token_id[0]) if settings.eos_token_id else -1
-    return int(settings.pad_token_id) if settings.pad_token_id is not None else -1
-
-
 def same_row(a, b, fill: int) -> bool:
     """Equal tokens, where one row may be longer only by ``fill`` padding (the batch's width depends on other rows)."""
     a, b = np.asarray(a), np.asarray(b)
@@ -202,33 +195,35 @@ def _first_divergence(a: np.ndarray, b: np.ndarray, prompt_len: int) -> int | No
     return None if len(a) == len(b) else n - prompt_len
 
 
-def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: np.ndarray, per_item: int):
+def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: np.ndarray, per_item: int,
+                         no_repeat_ngram_size: int = 0):
     """Max abs logits diff per (row, step) along ``sequences`` ([items·per_item, T]), and the encoder diff.
 
-    When the step graph returns blocked log-probs (the ``ngram`` pass), the PyTorch logits go
-    through log-softmax and the reference blocking first; equal −inf entries count as equal.
+    When the run reads the step graph's blocked log-probs (the ``ngram`` pass with the run's
+    n-gram size), the PyTorch logits go through log-softmax and the reference blocking first;
+    equal −inf entries count as equal.
     """
-    backend = generator.backend
-    state = backend.encode(inputs)
+    runner = generator.model.for_run(no_repeat_ngram_size)
+    state = runner.encode(inputs)
     rows, length = sequences.shape
-    cache = backend.empty_cache(rows)
+    cache = runner.empty_cache(rows)
     ort_steps = []
     for t in range(length - 1):
-        history = np.ascontiguousarray(sequences[:, : t + 1]) if backend.needs_history else None
-        logits, cache = backend.step(np.ascontiguousarray(sequences[:, t: t + 1]), state, cache, history)
+        history = np.ascontiguousarray(sequences[:, : t + 1]) if runner.needs_history else None
+        logits, cache = runner.step(np.ascontiguousarray(sequences[:, t: t + 1]), state, cache, history)
         ort_steps.append(logits)
     rep = {k: torch.from_numpy(np.repeat(v, per_item, axis=0)) for k, v in inputs.items()}
     with torch.no_grad():
         encoder = model.get_encoder()(**rep).last_hidden_state
-        encoder_diff = float(np.abs(state.extras["encoder:last_hidden_state"] - encoder[::per_item].numpy()).max())
+        encoder_diff = float(np.abs(state.kept["encoder:last_hidden_state"] - encoder[::per_item].numpy()).max())
         if length < 2:  # nothing to teacher-force
             return np.zeros((rows, 0)), encoder_diff
         ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
                     decoder_input_ids=torch.from_numpy(sequences[:, :-1])).logits
-    if backend.returns_log_probs:
+    if runner.returns_log_probs:
         ref = torch.log_softmax(ref, dim=-1)
     ref = ref.numpy()
-    blocks = max((p.get("blocks_ngrams") or 0 for p in generator.manifest.passes), default=0)
+    blocks = runner.plan.ngram_size if runner.returns_log_probs else 0
     diffs = []
     for t in range(length - 1):
         expected = block_ngrams(sequences[:, : t + 1], ref[:, t], blocks) if blocks else ref[:, t]
@@ -258,32 +253,25 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     (differing rows then count as failures).
     """
     settings = generator.settings(**options)
-    hf_options = {k: v for k, v in options.items() if v is not None}
-    whisper = generator.manifest.family == "whisper"
-    if whisper:  # the language elx uses where HF would detect one (runners/whisper.py)
-        from runners.whisper import full_sequences, hf_language, hf_sequences
-
-        language = hf_language(generator.manifest, options.get("language"), options.get("task"))
-        if language is not None:
-            hf_options["language"] = language
+    rules = generator.rules
+    hf_options = rules.hf_options(generator.manifest, {k: v for k, v in options.items() if v is not None})
     if inputs is None:
         inputs = random_inputs(generator.manifest, batch_size, input_length, np.random.default_rng(seed))
+    check_encoder_inputs(generator.manifest, inputs)  # before HF sees them (torch fails with a traceback)
     started = time.perf_counter()
     hf = _hf_generate(model, inputs, hf_options)
     hf_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    elx = generator.generate(inputs, settings=settings).sequences
+    out = generator.generate(inputs, settings=settings)
     elx_seconds = time.perf_counter() - started
-    per_item = settings.num_return_sequences * settings.input_repeats  # rows per input (Whisper: repeats)
-    prompt_len = len(settings.prompt())
-    forced = hf
-    if whisper:  # HF Whisper returns the generated tokens only (no prompt, no EOS): compare in that form
-        elx, forced, prompt_len = hf_sequences(elx, settings), full_sequences(hf, settings), 0
-        # one more position, so that the step after HF's last kept token (its cut EOS) is checked too,
-        # and an output of no tokens at all (EOS first) still has a step to check
-        forced = np.concatenate([forced, np.full((forced.shape[0], 1), settings.pad_token_id or 0, np.int64)], 1)
-    diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item)
-    fill = output_fill(settings, whisper)
+    elx = out.sequences  # HF's layout for the family
+    per_item = rules.rows_per_input(settings)
+    # where HF's layout keeps the decoder prompt, divergence is counted from the first generated token
+    prompt_len = len(settings.prompt()) if out.sequences is out.raw_sequences else 0
+    forced = rules.full_sequences(hf, settings)
+    diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item,
+                                               settings.no_repeat_ngram_size)
+    fill = rules.output_fill(settings)
     rows = []
     for r in range(hf.shape[0]):
         a, b = hf[r], elx[r] if r < elx.shape[0] else np.array([], dtype=np.int64)
@@ -297,7 +285,8 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
         checked = tuple(outputs)
         for r in differing:
             row = rows[r]
-            row.hf_variant_tokens = {name: out[r].tolist() if r < out.shape[0] else [] for name, out in outputs.items()}
+            row.hf_variant_tokens = {name: tokens[r].tolist() if r < tokens.shape[0] else []
+                                     for name, tokens in outputs.items()}
             row.hf_stable = all(same_row(hf[r], tokens, fill) for tokens in row.hf_variant_tokens.values())
     return CompareReport(rows, encoder_diff, hf_seconds, elx_seconds,
                          {k: getattr(settings, k) for k in ("num_beams", "num_return_sequences", "no_repeat_ngram_size",

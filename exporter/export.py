@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 
 from runners.manifest import FORMAT, VERSION, Manifest
-from runners.ort_backend import OrtBackend
 
 from elx import __version__
-from .atomic import check_output, staged_folder
+from .atomic import check_output, output_path, staged_folder
 from runners.errors import ElxError
 from .onnx_export import export_cross_kv, export_decoder, export_encoder
-from .passes import parse_passes
+from .passes import check_not_applied, parse_passes
 from .sources import resolve_model
 from .verify import require_within_tolerance, verify_export
 
@@ -56,6 +55,10 @@ def base_manifest(model, family, source: dict) -> dict:
         value = getattr(gen, name, None)
         if value is not None:
             defaults[name] = value
+    if defaults.get("lang_to_id"):  # Whisper: language names for --language english (the runtime has no transformers)
+        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+        defaults["language_codes"] = dict(TO_LANGUAGE_CODE)
     return {
         "format": FORMAT, "version": VERSION, "elx_version": __version__,
         "family": family.name, "architecture": type(model).__name__, "is_encoder_decoder": True,
@@ -111,26 +114,27 @@ def run_passes(folder: Path, manifest: Manifest, requests: list, quiet: bool = T
 def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
     """Apply ``passes`` to a copy of the export in ``source``; ``target`` appears only on success."""
     requests = parse_passes(passes)
-    with staged_folder(Path(target), force=True) as folder:
+    with staged_folder(target, force=True) as folder:
         shutil.copytree(source, folder, dirs_exist_ok=True)
         manifest = Manifest.load(folder)
+        check_not_applied(requests, manifest.pass_names())
         run_passes(folder, manifest, requests, quiet)
         manifest.save(folder)
-    return Path(target).absolute()
+    return output_path(target)
 
 
 def export_model(model: str, output, random_init: bool = False, passes: str | None = None, seed: int = 0,
                  force: bool = False, quiet: bool = False) -> Path:
     requests = parse_passes(passes)  # validate before any heavy work
-    output = check_output(Path(output), force)
-    loaded = resolve_model(model, random_init=random_init, seed=seed)
-    note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
-    _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
-    with staged_folder(output, force) as folder:
+    output = check_output(output, force)
+    with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
+        loaded = resolve_model(model, random_init=random_init, seed=seed)
+        note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
+        _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
         data = base_manifest(loaded.model, loaded.family, loaded.source)
         export_graphs(loaded.model, loaded.family, folder, data, quiet)
         manifest = Manifest(data, folder)
-        report = verify_export(loaded.model, OrtBackend(manifest))
+        report = verify_export(loaded.model, manifest)
         require_within_tolerance(report, "exported graphs vs PyTorch")
         data["verification"]["export"] = report
         _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}, "

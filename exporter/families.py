@@ -33,7 +33,6 @@ class Family:
     encoder_inputs: Callable[[object], tuple[TensorSpec, ...]]
     decoder_layers: Callable[[nn.Module], list]
     cross_attention: Callable[[nn.Module], nn.Module]
-    self_attention: Callable[[nn.Module], nn.Module]
     cross_projections: Callable[[nn.Module], tuple[nn.Linear, nn.Linear]]
     dims: Callable[[object], dict]
     uses_encoder_mask: bool = True
@@ -69,7 +68,6 @@ T5 = Family(
     encoder_inputs=_token_encoder_inputs,
     decoder_layers=lambda m: list(m.decoder.block),
     cross_attention=lambda layer: layer.layer[1].EncDecAttention,
-    self_attention=lambda layer: layer.layer[0].SelfAttention,
     cross_projections=lambda attn: (attn.k, attn.v),
     dims=_t5_dims,
 )
@@ -80,7 +78,6 @@ BART = Family(
     encoder_inputs=_token_encoder_inputs,
     decoder_layers=lambda m: list(m.model.decoder.layers),
     cross_attention=lambda layer: layer.encoder_attn,
-    self_attention=lambda layer: layer.self_attn,
     cross_projections=lambda attn: (attn.k_proj, attn.v_proj),
     dims=_bart_dims,
 )
@@ -91,7 +88,6 @@ WHISPER = Family(
     encoder_inputs=_whisper_encoder_inputs,
     decoder_layers=lambda m: list(m.model.decoder.layers),
     cross_attention=lambda layer: layer.encoder_attn,
-    self_attention=lambda layer: layer.self_attn,
     cross_projections=lambda attn: (attn.k_proj, attn.v_proj),
     dims=_bart_dims,
     uses_encoder_mask=False,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import warnings
 from pathlib import Path
 
@@ -143,9 +142,3 @@ def export_decoder(model, family: Family, path: Path) -> tuple[dict, list[dict]]
                     **{e["output"]: {"dtype": "float32", "shape": present_shape} for e in cache}},
     }
     return graph, cache
-
-
-def set_threads(threads: int | None) -> None:
-    if threads:
-        torch.set_num_threads(threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))

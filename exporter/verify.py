@@ -1,24 +1,31 @@
-"""Numerical checks: exported graphs against PyTorch, and rewritten graphs against the originals.
+"""One verification flow: a reference and a candidate run the same random cases; the logits must agree.
 
-Both run the runner's own backend (so the manifest contract is checked along with the graphs) on
-seeded random inputs at several (batch, beam, source length, past length, step length) shapes,
-with padded sources and non-empty random self-attention pasts, and report the max abs
-difference of the step logits.  The tolerance is fixed at 1e-4 (fp32) and never loosened.
+Export and every pass verify the same way: seeded random inputs at several (batch, beam, source
+length, past length, step length) shapes, with padded sources, non-empty random
+self-attention pasts and token histories with planted repeats; each side computes the step's
+last-position scores, and the max abs difference must stay within 1e-4 (fp32; never loosened).
+
+* ``verify_export``: HF's own PyTorch forward (per-row caches, the semantics the export must
+  match) against the exported graphs run through the runtime (``runners.model.Model``), so the
+  manifest contract is checked along with the graphs; also compares the encoder output.
+* ``verify_rewrite``: the graphs before a pass against the graphs after it.  A pass that changes
+  the cache layout supplies ``past_from`` (the candidate's past for the reference's random past,
+  e.g. slim's K-only cache built from random hidden states); a pass that changes what the step
+  returns supplies ``expect`` (e.g. the ngram pass: log-softmax and blocking of the reference's
+  logits).  Equal −inf entries (blocked tokens) count as equal.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from runners.backend import DecoderCache
+from runners.errors import ElxError
 from runners.inputs import random_inputs
 from runners.manifest import Manifest
+from runners.model import Model
 from runners.ort_backend import OrtBackend
-
-from runners.errors import ElxError
 
 TOLERANCE = 1e-4
 
@@ -38,71 +45,128 @@ class Shape:
 SHAPES = (Shape(1, 1, 5, 0), Shape(2, 3, 9, 4), Shape(3, 2, 6, 0, 2), Shape(2, 4, 11, 7))
 
 
-def _random_step(manifest: Manifest, shape: Shape, rng) -> tuple[np.ndarray, dict]:
+@dataclass
+class Case:
+    shape: Shape
+    inputs: dict  # encoder inputs by role, batch B
+    tokens: np.ndarray  # [rows, step]
+    past: dict  # self-cache input name → [rows, ...] host array (the reference's layout)
+    history: np.ndarray  # [rows, length] tokens with planted repeats (for in-graph n-gram blocking)
+
+    @property
+    def rows(self) -> int:
+        return self.shape.batch * self.shape.beams
+
+
+def make_case(manifest: Manifest, shape: Shape, seed: int) -> Case:
+    rng = np.random.default_rng(seed)
+    inputs = random_inputs(manifest, shape.batch, shape.source, rng)
     rows = shape.batch * shape.beams
-    tokens = rng.integers(3, manifest.dims["vocab_size"], size=(rows, shape.step), dtype=np.int64)
+    vocab = manifest.dims["vocab_size"]
+    tokens = rng.integers(3, vocab, size=(rows, shape.step), dtype=np.int64)
     past = {}
     for entry in manifest.cache_entries:
         dims = [rows if d == "rows" else (shape.past if i == entry["seq_axis"] else d)
                 for i, d in enumerate(entry["shape"])]
         past[entry["input"]] = rng.standard_normal(dims).astype(np.float32)
-    return tokens, past
+    history = rng.integers(3, min(vocab, 6), size=(rows, shape.past + shape.step + 10), dtype=np.int64)
+    history[:, 0] = 0  # a three-token alphabet: repeated n-grams everywhere
+    return Case(shape, inputs, tokens, past, history)
 
 
-def compare_backends(a: OrtBackend, b: OrtBackend, shapes=SHAPES, seed: int = 0, past_from=None) -> dict:
-    """Run two backends on identical inputs; max abs logits diff over ``shapes``.
+class RuntimeSide:
+    """An export folder's graphs through the runtime's own ``Model`` on ONNX Runtime (CPU)."""
 
-    ``past_from(entries_a, past_a) -> past_b`` maps a random past for ``a`` to ``b``'s cache layout
-    (a pass that changes the cache, like ``slim``, supplies it); by default the layouts match.
-    """
-    worst, per_shape = 0.0, []
+    def __init__(self, manifest: Manifest, no_repeat_ngram_size: int = 0):
+        self.model = Model(manifest, OrtBackend(manifest)).for_run(no_repeat_ngram_size)
+
+    def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray | None]:
+        state = self.model.encode(case.inputs)
+        history = case.history if self.model.needs_history else None
+        scores, _ = self.model.step(case.tokens, state, DecoderCache(past, case.rows), history)
+        return scores, state.kept.get("encoder:last_hidden_state")
+
+
+class TorchSide:
+    """HF's own forward in PyTorch with per-row self-attention caches."""
+
+    def __init__(self, model, manifest: Manifest):
+        self.model, self.layers = model, manifest.dims["num_decoder_layers"]
+
+    def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        beams = case.shape.beams
+        rep = {role: torch.from_numpy(a).repeat_interleave(beams, 0) for role, a in case.inputs.items()}
+        with torch.no_grad():
+            encoder = self.model.get_encoder()(**rep).last_hidden_state
+            pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"]),
+                      torch.from_numpy(past[f"past_key_values.{i}.decoder.value"])) for i in range(self.layers)]
+            cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())
+            out = self.model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
+                             decoder_input_ids=torch.from_numpy(case.tokens), past_key_values=cache, use_cache=True)
+        return out.logits[:, -1, :].numpy(), encoder[::beams].numpy()
+
+
+def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    both_blocked = np.isneginf(a) & np.isneginf(b)
+    if not np.array_equal(np.isneginf(a), np.isneginf(b)):
+        return float("inf")  # different tokens blocked
+    a, b = np.where(both_blocked, 0.0, a.astype(np.float64)), np.where(both_blocked, 0.0, b.astype(np.float64))
+    return float(np.abs(a - b).max())
+
+
+def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int = 0, past_from=None,
+            expect=None) -> dict:
+    """Run both sides on the same cases; the report records the max abs logits (and encoder) difference.
+
+    ``past_from(past) -> past`` maps the reference's random past to the candidate's cache layout;
+    ``expect(scores, case) -> scores`` maps the reference's scores to what the candidate returns."""
+    worst, worst_encoder, per_shape, scale = 0.0, None, [], 0.0
     for shape in shapes:
-        rng = np.random.default_rng(seed)
-        inputs = random_inputs(a.manifest, shape.batch, shape.source, rng)
-        tokens, past = _random_step(a.manifest, shape, rng)
-        state_a, state_b = a.encode(inputs), b.encode(inputs)
-        rows = shape.batch * shape.beams
-        past_b = past_from(past) if past_from else past
-        logits_a, _ = a.step(tokens, state_a, DecoderCache(past, rows))
-        logits_b, _ = b.step(tokens, state_b, DecoderCache(past_b, rows))
-        diff = float(np.abs(logits_a - logits_b).max())
-        worst = max(worst, diff)
-        per_shape.append({**shape.as_dict(), "max_abs_logits_diff": diff})
-    return {"max_abs_logits_diff": worst, "shapes": per_shape, "tolerance": TOLERANCE}
+        case = make_case(manifest, shape, seed)
+        past = dict(case.past)
+        candidate_past = past_from(past) if past_from else past  # may rewrite ``past`` consistently, in place
+        ref, ref_encoder = reference.run(case, past)
+        got, got_encoder = candidate.run(case, candidate_past)
+        entry = {**shape.as_dict()}
+        if expect is not None:
+            ref = expect(ref, case)
+            entry["banned"] = int(np.isneginf(ref).sum())  # how much blocking the check really saw
+        diff = _max_abs_diff(got, ref)
+        entry["max_abs_logits_diff"] = diff
+        finite = ref[np.isfinite(ref)]
+        scale = max(scale, float(np.abs(finite).max()) if finite.size else 0.0)
+        if ref_encoder is not None and got_encoder is not None:
+            entry["max_abs_encoder_diff"] = _max_abs_diff(got_encoder, ref_encoder)
+            worst_encoder = max(worst_encoder or 0.0, entry["max_abs_encoder_diff"])
+        worst = max(worst, diff) if not np.isnan(diff) else float("nan")
+        per_shape.append(entry)
+    report = {"max_abs_logits_diff": worst, "max_abs_reference": scale, "shapes": per_shape, "tolerance": TOLERANCE}
+    if worst_encoder is not None:
+        report["max_abs_encoder_diff"] = worst_encoder
+    return report
 
 
-def torch_reference_step(model, inputs: dict, tokens: np.ndarray, past: dict, beams: int, layers: int):
-    """HF's own forward with per-row caches (the semantics the export must match)."""
-    rep = {role: torch.from_numpy(a).repeat_interleave(beams, 0) for role, a in inputs.items()}
-    with torch.no_grad():
-        encoder = model.get_encoder()(**rep).last_hidden_state
-        pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"]),
-                  torch.from_numpy(past[f"past_key_values.{i}.decoder.value"])) for i in range(layers)]
-        cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())
-        out = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
-                    decoder_input_ids=torch.from_numpy(tokens), past_key_values=cache, use_cache=True)
-    return encoder, out.logits[:, -1, :].numpy()
+def verify_export(model, manifest: Manifest, shapes=SHAPES, seed: int = 0) -> dict:
+    """The exported graphs (through the runtime) against HF's PyTorch forward."""
+    return measure(TorchSide(model, manifest), RuntimeSide(manifest), manifest, shapes, seed)
 
 
-def verify_export(model, backend: OrtBackend, shapes=SHAPES, seed: int = 0) -> dict:
-    """ORT (the exported graphs, driven through the manifest) against HF PyTorch."""
-    manifest = backend.manifest
-    layers = manifest.dims["num_decoder_layers"]
-    worst_logits, worst_encoder, per_shape = 0.0, 0.0, []
-    for shape in shapes:
-        rng = np.random.default_rng(seed)
-        inputs = random_inputs(manifest, shape.batch, shape.source, rng)
-        tokens, past = _random_step(manifest, shape, rng)
-        state = backend.encode(inputs)
-        logits, _ = backend.step(tokens, state, DecoderCache(past, shape.batch * shape.beams))
-        encoder, ref = torch_reference_step(model, inputs, tokens, past, shape.beams, layers)
-        enc_ort = state.extras["encoder:last_hidden_state"]
-        enc_diff = float(np.abs(enc_ort - encoder[:: shape.beams].numpy()).max())
-        diff = float(np.abs(logits - ref).max())
-        worst_logits, worst_encoder = max(worst_logits, diff), max(worst_encoder, enc_diff)
-        per_shape.append({**shape.as_dict(), "max_abs_logits_diff": diff, "max_abs_encoder_diff": enc_diff})
-    return {"max_abs_logits_diff": worst_logits, "max_abs_encoder_diff": worst_encoder, "shapes": per_shape,
-            "tolerance": TOLERANCE}
+def verify_rewrite(before: Manifest, after: Manifest, shapes=SHAPES, seed: int = 0, past_from=None, expect=None,
+                   no_repeat_ngram_size: int = 0, reference: RuntimeSide | None = None) -> dict:
+    """The graphs after a pass against the graphs before it (``reference`` reuses loaded sessions)."""
+    reference = reference or RuntimeSide(before)
+    return measure(reference, RuntimeSide(after, no_repeat_ngram_size), before, shapes, seed, past_from, expect)
+
+
+def worst_report(reports: list) -> dict:
+    """One report from several runs (e.g. at several seeds): the worst one's numbers, every shape listed.  NaN is worst."""
+    worst = max(reports, key=lambda r: r["max_abs_logits_diff"] if not np.isnan(r["max_abs_logits_diff"]) else np.inf)
+    return {**worst, "shapes": [s for r in reports for s in r["shapes"]]}
 
 
 def require_within_tolerance(report: dict, what: str) -> None:

@@ -1,88 +1,77 @@
-"""What a search needs from an execution backend, and the state it hands around.
+"""The backend seam: a backend runs the graphs of one export folder and keeps tensors on its device.
 
-A backend (ONNX Runtime now, TensorRT later) implements four things: run the once-per-input
-stages (``encode``), run one decoder step (``step``), reorder the self-attention cache along the
-rows (``reorder``) and drop finished batch items (``select``).  Everything else (log-softmax,
-logits processors, beam bookkeeping) lives in the searches and is backend-independent.
+A backend knows nothing of generation: no manifest semantics, no search, no logits processing.
+It runs a graph (by its manifest name) on named inputs and returns named outputs, moves arrays
+between the host and its device, and takes rows of a device tensor (beam reordering, dropping
+finished items).  ``runners.model.Model`` drives any backend through the run plan
+(``runners/plan.py``); the searches (``runners/search.py``) drive the model.
 
-Arrays are host numpy arrays in the reference backends; a device backend may hold its own
-array type as long as ``nbytes`` and the indexing in ``reorder``/``select`` work on it.
+Backends: ``ort`` (ONNX Runtime, host numpy arrays: ``runners/ort_backend.py``), ``ort-io``
+(ONNX Runtime with IOBinding, device-resident tensors, CUDA or CPU EP:
+``runners/ort_io_backend.py``), ``tensorrt`` (``runners/tensorrt_backend.py``).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
 
+DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16": np.float16, "bool": np.bool_}
 
-_ORT_ITEMSIZE = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(int64)": 8, "tensor(int32)": 4}
 
+class Backend(ABC):
+    name: str = "abstract"
+    device: str = "cpu"
 
-def array_nbytes(array) -> int:
-    """Bytes of a host array, or of a device ``OrtValue`` (IOBinding backends)."""
-    if hasattr(array, "nbytes"):
-        return int(array.nbytes)
-    return int(np.prod(array.shape())) * _ORT_ITEMSIZE[array.data_type()]
+    @abstractmethod
+    def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
+        """Run manifest graph ``graph`` on ``feeds`` (device values or host numpy arrays); return ``outputs``
+        in order, those named in ``host_outputs`` as host numpy arrays, the others as device values."""
+
+    @abstractmethod
+    def to_device(self, array: np.ndarray):
+        """A device value holding ``array``."""
+
+    @abstractmethod
+    def to_host(self, value) -> np.ndarray:
+        """A host numpy array holding ``value``."""
+
+    @abstractmethod
+    def take(self, value, rows: np.ndarray):
+        """Rows ``rows`` (int64) of ``value`` along axis 0, on the device."""
+
+    @abstractmethod
+    def nbytes(self, value) -> int:
+        """Bytes ``value`` occupies on its device."""
+
+    def zeros(self, shape: list[int], dtype: str):
+        return self.to_device(np.zeros(shape, dtype=DTYPES[dtype]))
+
+    def adapt(self, plan):
+        """The run plan for what this backend's build of the graphs does (default: what the manifest says).
+
+        E.g. a TensorRT engine built with n-gram blocking left to the host has no blocked output."""
+        return plan
 
 
 @dataclass
 class EncoderState:
-    """Per-input state the decoder reads every step, at batch B (shared by the beams of an item).
+    """Per-input state the step graph reads every step, at batch B (shared by the beams of an item).
 
-    ``feeds`` maps decoder input names to arrays; these are the "input-related state" bytes.
+    ``feeds`` maps step input names to device values: the "input-related state" bytes.
+    ``kept`` holds stage outputs on the host that the plan keeps (e.g. the encoder output, for compare).
     """
 
     feeds: dict
     batch: int
-    extras: dict = field(default_factory=dict)  # stage outputs not fed to the decoder (e.g. for compare)
-
-    def nbytes(self) -> int:
-        return sum(array_nbytes(a) for a in self.feeds.values())
+    kept: dict = field(default_factory=dict)
 
 
 @dataclass
 class DecoderCache:
-    """The self-attention cache: decoder input name → array [rows, ...], reordered with the beams."""
+    """The self-attention cache: step input name → device value [rows, ...], reordered with the beams."""
 
     arrays: dict
     rows: int
-
-    def nbytes(self) -> int:
-        return sum(array_nbytes(a) for a in self.arrays.values())
-
-    def length(self, seq_axis: int = 2) -> int:
-        first = next(iter(self.arrays.values()), None)
-        return 0 if first is None else int(first.shape[seq_axis])
-
-
-class Backend(ABC):
-    manifest = None
-    needs_history = False  # the step graph reads the token history (in-graph n-gram blocking)
-    returns_log_probs = False  # the step graph already applies log-softmax
-
-    @abstractmethod
-    def encode(self, inputs: dict) -> EncoderState:
-        """Run the per-input stages on user inputs given by role (input_ids, attention_mask, input_features)."""
-
-    @abstractmethod
-    def empty_cache(self, rows: int) -> DecoderCache:
-        """An empty self-attention cache for ``rows`` decoder rows."""
-
-    @abstractmethod
-    def step(self, input_ids: np.ndarray, state: EncoderState, cache: DecoderCache,
-             history: np.ndarray | None = None) -> tuple[np.ndarray, DecoderCache]:
-        """One decoder step: tokens [rows, t] → (last-position logits [rows, vocab] float32, new cache).
-
-        ``history`` [rows, cur_len] is the token history, passed when ``needs_history``."""
-
-    def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
-        """Rows of the new cache are rows ``rows`` of the old one (beam reordering)."""
-        if rows.shape[0] == cache.rows and np.array_equal(rows, np.arange(cache.rows)):
-            return cache
-        return DecoderCache({k: np.take(a, rows, axis=0) for k, a in cache.arrays.items()}, int(rows.shape[0]))
-
-    def select(self, state: EncoderState, items: np.ndarray) -> EncoderState:
-        """Keep only batch items ``items`` of the per-input state (finished items are dropped)."""
-        feeds = {k: np.take(a, items, axis=0) for k, a in state.feeds.items()}
-        return EncoderState(feeds, int(items.shape[0]), state.extras)

@@ -1,52 +1,138 @@
-"""The runner's front door: a manifest folder + a backend + a search = generated token ids."""
+"""The runner's front door: an export folder + a backend + a search = HF ``generate``'s output.
+
+``Generator.from_folder(folder)`` loads the graphs on a backend (ONNX Runtime by default; no
+PyTorch or transformers involved); ``generate(...)`` takes encoder inputs (arrays by role, or
+``input_ids`` / ``text`` / ``audio`` when the folder allows) and HF ``generate``'s option names,
+and returns the sequences in the layout HF returns them for the model's family, HF's
+``sequences_scores`` for beam search, and the decoded text when the folder has a tokenizer.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
-from runners.errors import ElxError
-
 from .backend import Backend
+from .errors import ElxError
+from .families import rules_for
 from .manifest import Manifest
+from .model import Model
 from .processors import build_processors
-from .search import SearchResult, beam_search, greedy_search
+from .search import beam_search, greedy_search
 from .settings import GenerationSettings, resolve_settings
+from .text import Text, pad_rows
+from .validation import check_encoder_inputs, check_memory
+
+BACKENDS = ("ort", "ort-io", "tensorrt")
 
 
 @dataclass
+class GenerationOutput:
+    sequences: np.ndarray  # [rows, length] int64 in HF generate's layout for the family
+    sequences_scores: np.ndarray | None  # beam search: HF's length-penalized scores per returned row; greedy: None
+    text: list | None  # decoded ``sequences`` when the folder has a tokenizer
+    raw_sequences: np.ndarray  # [rows, length] with the decoder prompt (the search's own layout)
+    settings: GenerationSettings
+    steps: int = 0
+    memory: list = field(default_factory=list)  # per step {"state_bytes", "cache_bytes", "rows"} (track_memory)
+
+
+def make_backend(manifest: Manifest, backend: str = "ort", device: str = "cpu", device_id: int = 0,
+                 threads: int | None = None) -> Backend:
+    """The named backend on ``device``: ``ort`` (host arrays; on cuda it binds device buffers), ``ort-io``, ``tensorrt``."""
+    if backend == "ort" and device == "cpu":
+        from .ort_backend import OrtBackend
+
+        return OrtBackend(manifest, threads=threads)
+    if backend in ("ort", "ort-io"):
+        from .ort_io_backend import OrtIoBackend
+
+        return OrtIoBackend(manifest, device=device, device_id=device_id, threads=threads)
+    if backend == "tensorrt":
+        try:
+            from .tensorrt_backend import TensorRTBackend
+        except ModuleNotFoundError as err:
+            if err.name and err.name.endswith("tensorrt_backend"):
+                raise ElxError("this elx build has no TensorRT backend")
+            raise
+        return TensorRTBackend(manifest, device=device, device_id=device_id)
+    raise ElxError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+
+
 class Generator:
-    backend: Backend
+    def __init__(self, model: Model):
+        self.model = model
+        self.rules = rules_for(model.manifest)
 
     @classmethod
-    def from_folder(cls, folder, backend: str = "ort", threads: int | None = None) -> "Generator":
+    def from_folder(cls, folder, *, backend: str = "ort", device: str = "cpu", threads: int | None = None,
+                    device_id: int = 0) -> "Generator":
         manifest = Manifest.load(folder)
-        if backend == "ort":
-            from .ort_backend import OrtBackend
-
-            return cls(OrtBackend(manifest, threads=threads))
-        raise ElxError(f"unknown backend {backend!r}; available: ort")
+        return cls(Model(manifest, make_backend(manifest, backend, device, device_id, threads)))
 
     @property
     def manifest(self) -> Manifest:
-        return self.backend.manifest
+        return self.model.manifest
+
+    @cached_property
+    def text(self) -> Text | None:
+        """The folder's tokenizer (loaded once), or None."""
+        return Text.load(self.manifest.folder) if self.manifest.folder else None
 
     def settings(self, **options) -> GenerationSettings:
         return resolve_settings(self.manifest, **options)
 
-    def generate(self, inputs: dict, settings: GenerationSettings | None = None, track_memory: bool = False,
-                 **options) -> SearchResult:
-        """``inputs`` by role (``input_ids``/``attention_mask`` or ``input_features``), batch B."""
+    def encoder_inputs(self, inputs: dict | None = None, *, input_ids=None, attention_mask=None, text=None,
+                       audio=None, input_features=None) -> dict:
+        """Encoder inputs by role from whichever form the caller used."""
+        given = [name for name, v in (("inputs", inputs), ("input_ids", input_ids), ("text", text), ("audio", audio),
+                                      ("input_features", input_features)) if v is not None]
+        if len(given) != 1:
+            raise ElxError(f"pass exactly one of inputs, input_ids, text, audio, input_features (got "
+                           f"{', '.join(given) or 'none'})")
+        roles = self.manifest.encoder_inputs()
+        if audio is not None:
+            if "input_features" not in roles:
+                raise ElxError("audio input needs a model whose encoder takes audio features (Whisper)")
+            from .audio import features_from_files
+
+            return features_from_files(self.manifest.folder, audio)
+        if input_features is not None:
+            return {"input_features": input_features}
+        if inputs is not None:
+            return dict(inputs)
+        if "input_ids" not in roles:
+            raise ElxError(f"this model's encoder takes {', '.join(roles)}; pass audio= or input_features=")
+        if text is not None:
+            if self.text is None:
+                raise ElxError(f"{self.manifest.folder} has no tokenizer; pass input_ids instead of text")
+            input_ids = self.text.encode([text] if isinstance(text, str) else list(text))
+        if attention_mask is None and not isinstance(input_ids, np.ndarray):
+            return pad_rows([list(map(int, row)) for row in input_ids], self.manifest.tokens.get("pad_token_id") or 0)
+        return {"input_ids": input_ids, **({} if attention_mask is None else {"attention_mask": attention_mask})}
+
+    def generate(self, inputs: dict | None = None, *, text=None, audio=None, input_ids=None, attention_mask=None,
+                 input_features=None, settings: GenerationSettings | None = None, track_memory: bool = False,
+                 decode: bool = True, **options) -> GenerationOutput:
+        """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, ...).
+
+        ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
+        writer thread)."""
         settings = settings or self.settings(**options)
-        inputs = _check_inputs(self.manifest, inputs)
-        if settings.input_repeats > 1:  # Whisper's num_return_sequences (runners/whisper.py)
-            inputs = {k: np.repeat(v, settings.input_repeats, axis=0) for k, v in inputs.items()}
-        prompt_len = len(settings.prompt())
-        graph_ngrams = any(p.get("blocks_ngrams") for p in self.manifest.passes)
-        processors = build_processors(settings, prompt_len, graph_blocks_ngrams=graph_ngrams)
-        state = self.backend.encode(inputs)
+        inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
+                                     audio=audio, input_features=input_features)
+        inputs = self.rules.prepare_inputs(_check_inputs(self.manifest, inputs), settings)
+        check_memory(self.manifest, settings, inputs)  # runners/validation.py: refuse what cannot fit
+        model = self.model.for_run(settings.no_repeat_ngram_size)
+        processors = build_processors(settings, len(settings.prompt()), graph_blocks_ngrams=model.returns_log_probs)
+        state = model.encode(inputs)
         search = greedy_search if settings.num_beams == 1 else beam_search
-        return search(self.backend, state, settings, processors, track_memory=track_memory)
+        result = search(model, state, settings, processors, track_memory=track_memory)
+        sequences = self.rules.output_sequences(result.sequences, settings)
+        text_out = self.text.decode(sequences) if decode and self.text is not None else None
+        return GenerationOutput(sequences, result.scores, text_out, result.sequences, settings, result.steps,
+                                result.memory)
 
 
 def _check_inputs(manifest: Manifest, inputs: dict) -> dict:
@@ -63,6 +149,7 @@ def _check_inputs(manifest: Manifest, inputs: dict) -> dict:
         shape = spec.get("shape") or []
         actual = out[role].shape
         if shape and len(actual) != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, actual)):
-            expected = ", ".join(str(d) for d in shape)
-            raise ElxError(f"encoder input {role!r} has shape {list(actual)}; this model takes [{expected}]")
+            expected_shape = ", ".join(str(d) for d in shape)
+            raise ElxError(f"encoder input {role!r} has shape {list(actual)}; this model takes [{expected_shape}]")
+    check_encoder_inputs(manifest, out)  # runners/validation.py: token ids in the vocabulary, lengths, values
     return out

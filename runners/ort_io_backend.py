@@ -1,53 +1,66 @@
-"""ONNX Runtime backend with IOBinding: state and caches stay in device buffers between steps.
+"""ONNX Runtime backend with IOBinding: tensors stay in device buffers (``OrtValue``s) between runs.
 
-For the CUDA execution provider (``onnxruntime-gpu``): the per-input state (encoder outputs,
-cross K/V or H) and the self-attention cache live on the GPU as ``OrtValue``s and are bound to
-the decoder's inputs and outputs directly; beam reordering and dropping finished items run as a
-one-node ``Gather`` graph on the same device.  Only the step tokens go up and the last-position
-logits come down each step (the search itself runs on the host).
+For the CUDA execution provider (``onnxruntime-gpu``): per-input state and the self-attention
+cache live on the GPU and are bound to the graphs' inputs and outputs directly; taking rows
+(beam reordering, dropping finished items) runs as a one-node ``Gather`` graph on the same
+device.  Only what a caller asks for on the host (the step's scores) is copied down.
 
 With ``device="cpu"`` the very same code path runs on the CPU execution provider, which is how
 the tests exercise it on machines without a GPU.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Collection
+
 import numpy as np
 
-from runners.errors import ElxError
-
-from .backend import Backend, DecoderCache, EncoderState
+from .backend import Backend
+from .errors import ElxError
 from .manifest import Manifest
-from .ort_backend import OrtBackend, session_options
+from .ort_backend import load_sessions, session_options
 
-def _gather_model():
+_ONNX_TYPES = {"tensor(float)": "FLOAT", "tensor(float16)": "FLOAT16", "tensor(int64)": "INT64",
+               "tensor(int32)": "INT32", "tensor(bool)": "BOOL"}
+_ITEMSIZE = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(int64)": 8, "tensor(int32)": 4, "tensor(bool)": 1}
+
+
+def _gather_model(onnx_type: str) -> bytes:
     from onnx import TensorProto, helper
 
+    elem = getattr(TensorProto, onnx_type)
     node = helper.make_node("Gather", ["x", "idx"], ["y"], axis=0)
-    graph = helper.make_graph([node], "gather", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+    graph = helper.make_graph([node], "gather", [helper.make_tensor_value_info("x", elem, None),
                                                  helper.make_tensor_value_info("idx", TensorProto.INT64, ["n"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+                              [helper.make_tensor_value_info("y", elem, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9).SerializeToString()
 
 
-class OrtIoBackend(OrtBackend):
+class OrtIoBackend(Backend):
+    name = "ort-io"
+
     def __init__(self, manifest: Manifest, device: str = "cuda", device_id: int = 0, threads: int | None = None):
         import onnxruntime as ort
 
         if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
             raise ElxError("ONNX Runtime has no CUDA execution provider here; install onnxruntime-gpu "
                            "(pip install 'elx[gpu]') on a machine with a GPU")
-        providers = ([("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
-                     if device == "cuda" else ["CPUExecutionProvider"])
-        super().__init__(manifest, threads=threads, providers=providers)
-        self.device, self.device_id = device, device_id
-        self._gather = ort.InferenceSession(_gather_model(), session_options(threads), providers=providers)
+        if device not in ("cuda", "cpu"):
+            raise ElxError(f"unknown device {device!r} for ONNX Runtime; use cpu or cuda")
+        self.providers = ([("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+                          if device == "cuda" else ["CPUExecutionProvider"])
+        self.sessions = load_sessions(manifest, self.providers, threads)
+        self.device, self.device_id, self.threads = device, device_id, threads
         self._ortvalue = ort.OrtValue
 
-    # -- helpers ---------------------------------------------------------------------------
-    def _to_device(self, array: np.ndarray):
-        return self._ortvalue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, self.device_id)
+    @functools.lru_cache(maxsize=None)
+    def _gather(self, data_type: str):
+        import onnxruntime as ort
 
-    def _run(self, session, feeds: dict, outputs: list, host_outputs=()) -> list:
+        return ort.InferenceSession(_gather_model(_ONNX_TYPES[data_type]), session_options(self.threads),
+                                    providers=self.providers)
+
+    def _bind_run(self, session, feeds: dict, outputs: list, host_outputs: Collection[str] = ()) -> list:
         binding = session.io_binding()
         for name, value in feeds.items():
             if isinstance(value, np.ndarray):
@@ -55,51 +68,26 @@ class OrtIoBackend(OrtBackend):
             else:
                 binding.bind_ortvalue_input(name, value)
         for name in outputs:
-            binding.bind_output(name, "cpu" if name in host_outputs else self.device, 0 if name in host_outputs
-                                else self.device_id)
+            on_host = name in host_outputs
+            binding.bind_output(name, "cpu" if on_host else self.device, 0 if on_host else self.device_id)
         session.run_with_iobinding(binding)
-        return binding.get_outputs()
+        values = binding.get_outputs()
+        return [v.numpy() if name in host_outputs else v for name, v in zip(outputs, values)]
 
-    def _take(self, value, rows: np.ndarray):
-        return self._run(self._gather, {"x": value, "idx": rows.astype(np.int64)}, ["y"])[0]
+    def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
+        return self._bind_run(self.sessions[graph], feeds, outputs, host_outputs)
 
-    # -- Backend ---------------------------------------------------------------------------
-    def _run_graph(self, name: str, feeds: dict, outputs: list) -> list:
-        return self._run(self.sessions[name], feeds, outputs)
+    def to_device(self, array: np.ndarray):
+        return self._ortvalue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, self.device_id)
 
-    def _hold(self, value):
-        return self._to_device(value) if isinstance(value, np.ndarray) else value
-
-    @staticmethod
-    def _to_host(value):
+    def to_host(self, value) -> np.ndarray:
         return value if isinstance(value, np.ndarray) else value.numpy()
 
-    def empty_cache(self, rows: int) -> DecoderCache:
-        host = super().empty_cache(rows)
-        return DecoderCache({k: self._to_device(a) for k, a in host.arrays.items()}, rows)
+    def take(self, value, rows: np.ndarray):
+        session = self._gather(value.data_type())
+        return self._bind_run(session, {"x": value, "idx": np.ascontiguousarray(rows, dtype=np.int64)}, ["y"])[0]
 
-    def step(self, input_ids, state: EncoderState, cache: DecoderCache, history=None):
-        feeds = dict(state.feeds)
-        feeds.update(cache.arrays)
-        feeds[self._token_input] = np.ascontiguousarray(input_ids, dtype=np.int64)
-        if self._history_input is not None:
-            if history is None:
-                raise ElxError("this decoder blocks n-grams in the graph and needs the token history")
-            feeds[self._history_input] = np.ascontiguousarray(history, dtype=np.int64)
-        outputs = self._run(self.sessions[self.manifest.step], feeds, self._step_outputs, host_outputs=(self._logits,))
-        logits = outputs[0].numpy()
-        return logits, DecoderCache(dict(zip(self._cache_map, outputs[1:])), cache.rows)
-
-    def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
-        if rows.shape[0] == cache.rows and np.array_equal(rows, np.arange(cache.rows)):
-            return cache
-        return DecoderCache({k: self._take(v, rows) for k, v in cache.arrays.items()}, int(rows.shape[0]))
-
-    def select(self, state: EncoderState, items: np.ndarray) -> EncoderState:
-        feeds = {}
-        for name, value in state.feeds.items():
-            if value.data_type() == "tensor(float)":
-                feeds[name] = self._take(value, items)
-            else:  # masks: small, gather on the host
-                feeds[name] = self._to_device(np.take(value.numpy(), items, axis=0))
-        return EncoderState(feeds, int(items.shape[0]), state.extras)
+    def nbytes(self, value) -> int:
+        if isinstance(value, np.ndarray):
+            return int(value.nbytes)
+        return int(np.prod(value.shape())) * _ITEMSIZE[value.data_type()]

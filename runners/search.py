@@ -1,4 +1,4 @@
-"""Greedy and beam search over any ``Backend``, with the semantics of HF ``generate`` (transformers 5.x).
+"""Greedy and beam search over a ``runners.model.Model`` (any backend), with the semantics of HF ``generate`` (transformers 5.x).
 
 The beam search mirrors ``GenerationMixin._beam_search`` step for step, in float32 like HF:
 top ``max(2, 1 + n_eos)·beams`` continuations per item over the accumulated log-probs, the
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import Backend, EncoderState
+from .backend import EncoderState
 from .topk import topk
 from .processors import apply_processors
 from .settings import GenerationSettings
@@ -38,6 +38,7 @@ class SearchResult:
     sequences: np.ndarray  # [items · num_return_sequences, length] int64, decoder prompt included
     steps: int
     memory: list = field(default_factory=list)  # per step: {"state_bytes", "cache_bytes", "rows"}
+    scores: np.ndarray | None = None  # beam search: HF's sequences_scores (length-penalized), per returned row
 
 
 def log_softmax_(x: np.ndarray) -> np.ndarray:
@@ -52,12 +53,13 @@ def as_float32(logits: np.ndarray) -> np.ndarray:
     return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
 
-def _record(memory: list, state: EncoderState, cache, track: bool) -> None:
+def _record(memory: list, model, state: EncoderState, cache, track: bool) -> None:
     if track:
-        memory.append({"state_bytes": state.nbytes(), "cache_bytes": cache.nbytes(), "rows": cache.rows})
+        memory.append({"state_bytes": model.state_bytes(state), "cache_bytes": model.cache_bytes(cache),
+                       "rows": cache.rows})
 
 
-def greedy_search(backend: Backend, state: EncoderState, settings: GenerationSettings, processors: list,
+def greedy_search(model, state: EncoderState, settings: GenerationSettings, processors: list,
                   track_memory: bool = False) -> SearchResult:
     prompt = settings.prompt()
     batch, p_len = state.batch, len(prompt)
@@ -67,13 +69,13 @@ def greedy_search(backend: Backend, state: EncoderState, settings: GenerationSet
     out = np.full((batch, max_len), pad if pad is not None else -1, dtype=np.int64)
     out[:, :p_len] = prompt
     active = np.arange(batch)  # items still generating
-    cache = backend.empty_cache(batch)
+    cache = model.empty_cache(batch)
     step_tokens = out[:, :p_len].copy()
     cur_len, memory = p_len, []
     while cur_len < max_len and active.size:
         history = out[active, :cur_len]
-        logits, cache = backend.step(step_tokens, state, cache, history if backend.needs_history else None)
-        _record(memory, state, cache, track_memory)
+        logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None)
+        _record(memory, model, state, cache, track_memory)
         scores = apply_processors(processors, history, as_float32(logits))
         next_tokens = scores.argmax(axis=1)
         out[active, cur_len] = next_tokens
@@ -83,13 +85,13 @@ def greedy_search(backend: Backend, state: EncoderState, settings: GenerationSet
             keep = np.flatnonzero(~done)
             active = active[keep]
             if keep.size:
-                state, cache = backend.select(state, keep), backend.reorder(cache, keep)
+                state, cache = model.select(state, keep), model.reorder(cache, keep)
             next_tokens = next_tokens[keep]
         step_tokens = next_tokens[:, None]
     return SearchResult(out[:, :cur_len], cur_len - p_len, memory)
 
 
-def beam_search(backend: Backend, state: EncoderState, settings: GenerationSettings, processors: list,
+def beam_search(model, state: EncoderState, settings: GenerationSettings, processors: list,
                 track_memory: bool = False) -> SearchResult:
     s = settings
     k = s.num_beams
@@ -113,18 +115,18 @@ def beam_search(backend: Backend, state: EncoderState, settings: GenerationSetti
     unsatisfied = np.ones((batch, 1), dtype=bool)
     top_mask = np.arange(keep_k) < k
 
-    active = np.arange(batch)  # rows of the per-item arrays still in the backend's batch
-    cache = backend.empty_cache(batch * k)
+    active = np.arange(batch)  # rows of the per-item arrays still in the model's batch
+    cache = model.empty_cache(batch * k)
     step_tokens = running[:, :, :p_len].reshape(batch * k, p_len).copy()
     cur_len, memory = p_len, []
     while True:
         n = active.size
         history = running[active, :, :cur_len].reshape(n * k, cur_len)
-        logits, cache = backend.step(step_tokens, state, cache, history if backend.needs_history else None)
-        _record(memory, state, cache, track_memory)
+        logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None)
+        _record(memory, model, state, cache, track_memory)
         vocab = logits.shape[1]
         logits = as_float32(logits)
-        log_probs = logits if backend.returns_log_probs else log_softmax_(logits)
+        log_probs = logits if model.returns_log_probs else log_softmax_(logits)
         log_probs = apply_processors(processors, history, log_probs)
         scores = (log_probs.reshape(n, k, vocab) + running_scores[active][:, :, None]).reshape(n, k * vocab)
 
@@ -176,13 +178,13 @@ def beam_search(backend: Backend, state: EncoderState, settings: GenerationSetti
             keep = np.flatnonzero(~item_done)
             if keep.size == 0:
                 break
-            state = backend.select(state, keep)
+            state = model.select(state, keep)
             rows = rows.reshape(n, k)[keep].reshape(-1)
             active = active[keep]
-        cache = backend.reorder(cache, rows)
+        cache = model.reorder(cache, rows)
         step_tokens = running[active, :, cur_len - 1].reshape(-1, 1)
 
     r = s.num_return_sequences
     seqs = finished_seq[:, :r].reshape(batch * r, max_len)
     gen_len = int(finished_len[:, :r].max())
-    return SearchResult(seqs[:, : p_len + gen_len], cur_len - p_len, memory)
+    return SearchResult(seqs[:, : p_len + gen_len], cur_len - p_len, memory, beam_scores[:, :r].reshape(-1).copy())

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, fields
 
 from runners.errors import ElxError
 
+from .families import RULES, rules_for
 from .manifest import Manifest
+from .validation import check_settings
 
 HF_DEFAULT_MAX_LENGTH = 20
 _UNSUPPORTED = {"do_sample": False, "repetition_penalty": 1.0, "bad_words_ids": None,
@@ -38,7 +40,8 @@ class GenerationSettings:
     begin_suppress_tokens: list | None = None
     decoder_prompt: list = field(default_factory=list)  # tokens after the start token (Whisper's lang/task)
     input_repeats: int = 1  # Whisper: HF runs num_return_sequences=r as r copies of each input (runners/whisper.py)
-    # the caller passed eos_token_id as a list: HF's Whisper output then keeps a final EOS (runners/whisper.py)
+    # the caller passed eos_token_id as a list (HF keeps the form it was given; Whisper's output depends on it:
+    # WhisperRules.output_sequences)
     eos_listed: bool = False
 
     def prompt(self) -> list[int]:
@@ -68,21 +71,20 @@ def _eos_list(value) -> list:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-# Whisper-only options (runners/whisper.py turns them into the decoder prompt)
-WHISPER_OPTIONS = ("language", "task", "return_timestamps")
-
-
 def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
-    """Model defaults from the manifest, then the caller's non-None overrides; validated.
+    """Model defaults from the manifest, then the caller's non-None overrides, then the family's rules; validated.
 
-    Whisper exports also take ``language``/``task`` and follow Whisper's own generate rules
-    (decoder prompt, length, num_return_sequences): see ``runners/whisper.py``.
-    """
+    Family-specific options (Whisper's ``language``/``task``) go to the family's rules
+    (``runners/families.py``); other families refuse them."""
+    rules = rules_for(manifest)
+    extra = {name: overrides.pop(name, None) for name in rules.options}
+    for name, value in overrides.items():
+        if name not in _NAMES and value is not None:
+            owners = sorted(family.capitalize() for family, r in RULES.items() if name in r.options)
+            if owners:
+                raise ElxError(f"generation option {name!r} applies to {', '.join(owners)} models only")
+            raise ElxError(f"unknown generation option {name!r}")
     defaults = dict(manifest.data.get("generation_defaults", {}))
-    whisper = {name: overrides.pop(name, None) for name in WHISPER_OPTIONS}
-    if manifest.family != "whisper" and any(v is not None for v in whisper.values()):
-        given = next(name for name, v in whisper.items() if v is not None)
-        raise ElxError(f"generation option {given!r} applies to Whisper models only")
     for name, neutral in _UNSUPPORTED.items():
         value = overrides.get(name, defaults.get(name))
         if value not in (None, neutral):
@@ -93,17 +95,11 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
                   decoder_start_token_id=tokens.get("decoder_start_token_id"),
                   max_positions=manifest.dims.get("max_position_embeddings"))
     for name, value in overrides.items():
-        if name not in _NAMES:
-            raise ElxError(f"unknown generation option {name!r}")
         if value is not None:
             values[name] = _eos_list(value) if name == "eos_token_id" else value
-            if name == "eos_token_id":
-                values["eos_listed"] = isinstance(value, (list, tuple))
-    if manifest.family == "whisper":
-        from .whisper import apply_rules
-
-        values = apply_rules(manifest, values, **whisper)
-    settings = GenerationSettings(**values)
+    if overrides.get("eos_token_id") is not None:
+        values["eos_listed"] = isinstance(overrides["eos_token_id"], (list, tuple))
+    settings = GenerationSettings(**rules.resolve(manifest, values, extra))
     if settings.pad_token_id is None and settings.eos_token_id:
         settings.pad_token_id = settings.eos_token_id[0]
     _validate(settings)
@@ -112,7 +108,8 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
 
 def _validate(s: GenerationSettings) -> None:
     if s.decoder_start_token_id is None:
-        raise ElxError("no decoder_start_token_id in the manifest or options; pass --decoder-start-token-id")
+        raise ElxError("the manifest names no decoder_start_token_id; re-export from a model whose config sets it")
+    check_settings(s)  # runners/validation.py: types, ranges, total length vs the model's positions
     if s.input_repeats < 1:
         raise ElxError(f"input_repeats must be >= 1, got {s.input_repeats}")
     if s.num_beams < 1:

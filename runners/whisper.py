@@ -56,14 +56,6 @@ def max_target_positions(manifest: Manifest) -> int:
     return int(value)
 
 
-def _language_codes() -> dict:
-    try:
-        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-    except ImportError:  # pragma: no cover - codes and <|xx|> tokens still work
-        return {}
-    return dict(TO_LANGUAGE_CODE)
-
-
 def language_id(defaults: dict, language: str) -> int:
     """HF's ``language_to_id``: ``"<|en|>"``, ``"en"`` or ``"english"`` (any case) → the token id."""
     lang_to_id = defaults.get("lang_to_id") or {}
@@ -71,7 +63,7 @@ def language_id(defaults: dict, language: str) -> int:
     if lowered in lang_to_id:
         token = lowered
     else:
-        codes = _language_codes()
+        codes = defaults.get("language_codes") or {}  # language name → code, saved at export from transformers
         if lowered in codes:
             token = f"<|{codes[lowered]}|>"
         elif lowered in codes.values() or f"<|{lowered}|>" in lang_to_id:
@@ -188,17 +180,9 @@ def hf_language(manifest: Manifest, language: str | None, task: str | None) -> s
     return effective_language(manifest, language, task)
 
 
-def generated_rows(sequences: np.ndarray, prompt_len: int, eos: list, pad: int | None,
-                   eos_listed: bool = False) -> list[list[int]]:
-    """Per row, the tokens HF Whisper keeps: prompt cut, padding stripped (EOS kept if pad == EOS), EOS cut.
-
-    HF quirk, mirrored: ``generate_with_fallback`` compares the last token with
-    ``generation_config.eos_token_id`` as given.  When the caller passed a list (even of one id),
-    ``tensor == list`` is plain ``False`` in PyTorch: no final EOS is cut and ``pad == eos`` never
-    holds (every pad token counts as padding).  ``eos_listed`` says the EOS came as a list.
-    Defaults from the manifest count as an int (every Whisper checkpoint's config has one).
-    """
-    eos_id = int(eos[0]) if eos and not eos_listed else None
+def generated_rows(sequences: np.ndarray, prompt_len: int, eos_id: int | None, pad: int | None) -> list[list[int]]:
+    """Per row, the tokens HF Whisper keeps: prompt cut, padding stripped (EOS kept if pad == EOS), a final
+    ``eos_id`` cut (None: none is cut; ``WhisperRules.final_eos`` says which)."""
     rows = []
     for row in np.asarray(sequences)[:, prompt_len:]:
         row = [int(t) for t in row]
@@ -214,11 +198,12 @@ def generated_rows(sequences: np.ndarray, prompt_len: int, eos: list, pad: int |
     return rows
 
 
-def hf_sequences(sequences: np.ndarray, settings) -> np.ndarray:
-    """elx sequences (prompt included) → what HF Whisper ``generate`` returns: [B, longest] right-padded."""
+def hf_sequences(sequences: np.ndarray, settings, eos_id: int | None) -> np.ndarray:
+    """elx sequences (prompt included) → what HF Whisper ``generate`` returns: [B, longest] right-padded.
+
+    ``eos_id``: the final EOS HF cuts (``WhisperRules.final_eos``)."""
     pad = settings.pad_token_id
-    rows = generated_rows(sequences, len(settings.prompt()), settings.eos_token_id, pad,
-                          getattr(settings, "eos_listed", False))
+    rows = generated_rows(sequences, len(settings.prompt()), eos_id, pad)
     width = max((len(r) for r in rows), default=0)
     out = np.full((len(rows), width), pad if pad is not None else -1, dtype=np.int64)
     for i, row in enumerate(rows):

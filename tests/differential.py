@@ -525,12 +525,13 @@ class SearchBackend(HfLogitsBackend):
     def encode(self, inputs: dict):
         return super().encode({k: v.astype(self.dtype) if v.dtype.kind == "f" else v for k, v in inputs.items()})
 
+    def for_run(self, no_repeat_ngram_size):
+        return self  # plain logits: the search does its own n-gram blocking
+
 
 def run_search_example(stats: Stats, family: str, seed: int, config: dict, inputs: dict, options: dict,
                        eos_mode: str = "default", eos_rank: int = 0) -> None:
     """One search-only example: elx's search on HF's fp64 logits against HF generate(use_cache=False), fp64."""
-    from runners.whisper import hf_sequences
-
     where = dict(family=family, seed=seed, config=config, options=options, inputs=inputs)
     stats.examples += 1
     stats.progress()
@@ -566,8 +567,6 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
         stats.record_failure("crash", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6),
                              **where)
         return
-    if family == "whisper":
-        elx = hf_sequences(elx, settings)
     stats.rows += hf.shape[0]
     same = [r < elx.shape[0] and np.array_equal(hf[r], elx[r]) for r in range(hf.shape[0])] \
         if elx.shape[1:] == hf.shape[1:] else [False] * hf.shape[0]

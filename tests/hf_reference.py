@@ -1,20 +1,29 @@
 """Run elx's searches on HF's own PyTorch logits: separates search bugs from export numerics.
 
-``HfLogitsBackend`` implements the runner's backend interface with the HF model itself: no
+``HfLogitsBackend`` is a stand-in for ``runners.model.Model`` (what the searches drive) built on
+the HF model itself: no
 cache, the decoder recomputed over the whole history every step (as ``generate(use_cache=False)``
 does), optionally in float64.  Its logits go to the search as HF hands them to its own search:
 cast to float32.  If elx's search on these logits differs from HF ``generate`` on the same model,
 the difference is in the search, not in ONNX.
+
+``hf_numpy_features`` runs transformers' ``WhisperFeatureExtractor`` on its numpy path, the
+reference elx's own log-mel features are bit-equal to.
 """
 from __future__ import annotations
+
+from unittest import mock
 
 import numpy as np
 import torch
 
-from runners.backend import Backend, DecoderCache, EncoderState
+from runners.backend import DecoderCache, EncoderState
 
 
-class HfLogitsBackend(Backend):
+class HfLogitsBackend:
+    needs_history = False
+    returns_log_probs = False
+
     def __init__(self, model):
         self.model = model
 
@@ -32,3 +41,27 @@ class HfLogitsBackend(Backend):
         with torch.no_grad():
             logits = self.model(**encoder_inputs, decoder_input_ids=torch.from_numpy(tokens)).logits[:, -1]
         return logits.to(torch.float32).numpy().copy(), DecoderCache({"history": tokens}, cache.rows)
+
+    def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
+        return DecoderCache({"history": cache.arrays["history"][rows]}, int(rows.shape[0]))
+
+    def select(self, state: EncoderState, items: np.ndarray) -> EncoderState:
+        return EncoderState({k: v[items] for k, v in state.feeds.items()}, int(items.shape[0]))
+
+    def state_bytes(self, state: EncoderState) -> int:
+        return sum(a.nbytes for a in state.feeds.values())
+
+    def cache_bytes(self, cache: DecoderCache) -> int:
+        return int(cache.arrays["history"].nbytes)
+
+
+def hf_numpy_features(extractor, audio: list, **kwargs):
+    """``extractor(audio, sampling_rate=…, return_tensors="np")`` on HF's numpy path.
+
+    With torch installed HF computes the STFT through ``torch.stft`` (float32) instead; its numpy path,
+    the one it takes without torch, is what elx reproduces bit for bit.  Returns HF's BatchFeature.
+    """
+    from transformers.models.whisper import feature_extraction_whisper
+
+    with mock.patch.object(feature_extraction_whisper, "is_torch_available", lambda: False):
+        return extractor(audio, sampling_rate=extractor.sampling_rate, return_tensors="np", **kwargs)

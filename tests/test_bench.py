@@ -33,11 +33,11 @@ def test_iobinding_backend_matches_plain_backend(exported, passes):
     from runners.generate import Generator
     from runners.inputs import random_inputs
     from runners.manifest import Manifest
-    from runners.ort_io_backend import OrtIoBackend
 
     folder = exported("bart", passes)
     manifest = Manifest.load(folder)
-    io, plain = Generator(OrtIoBackend(manifest, device="cpu")), Generator.from_folder(folder)
+    io, plain = Generator.from_folder(folder, backend="ort-io"), Generator.from_folder(folder)
+    assert type(io.model.backend).__name__ == "OrtIoBackend"
     inputs = random_inputs(manifest, 3, 9, np.random.default_rng(0))
     for options in (dict(max_new_tokens=8, no_repeat_ngram_size=2),
                     dict(num_beams=4, num_return_sequences=2, max_new_tokens=8, no_repeat_ngram_size=2)):

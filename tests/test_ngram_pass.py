@@ -64,6 +64,23 @@ def test_graph_blocking_is_hf_identical(exported, family, passes, n, monkeypatch
         assert report.all_identical, [(r.hf_tokens, r.elx_tokens) for r in report.rows if not r.identical]
 
 
+@pytest.mark.parametrize("asked", [None, 0, 2, 4])
+def test_run_gets_the_ngram_size_it_asks(exported, asked):
+    """Issue 10: an ngram=3 export blocked 3-grams whatever the run asked.  Now the manifest says what the
+    graph does, and a run asking another size (or none) reads the plain logits and blocks on the host."""
+    folder = exported("t5", "el,ngram=3")
+    step = Manifest.load(folder).graphs["decoder"]
+    assert step["blocked"] == {"output": "log_probs", "ngram_size": 3, "log_softmax": True}
+    assert step["logits"] == "logits" and {"logits", "log_probs"} <= set(step["outputs"])
+    options = {} if asked is None else {"no_repeat_ngram_size": asked}
+    for beams in (1, 4):
+        report = compare(folder, batch_size=3, input_length=10, seed=2, num_beams=beams, max_new_tokens=14, **options)
+        assert report.all_identical, [(r.hf_tokens, r.elx_tokens) for r in report.rows if not r.identical]
+    if asked in (None, 0):  # the case that exposed the bug: without blocking the random model repeats itself
+        tokens = [t for r in report.rows for t in zip(r.hf_tokens, r.hf_tokens[1:], r.hf_tokens[2:])]
+        assert len(tokens) > len(set(tokens))
+
+
 def test_tensorrt_sibling_graph(exported):
     folder = exported("bart", "ngram=2")
     step = Manifest.load(folder).graphs["decoder"]

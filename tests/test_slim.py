@@ -22,11 +22,12 @@ from transformers import (BartConfig, BartForConditionalGeneration, T5Config, T5
 
 from runners.errors import ElxError
 from exporter.export import apply_passes, export_model
-from exporter.passes import slim, slim_cross
+from exporter.passes import slim, slim_cross, slim_math
 from exporter.passes.rewrite import load_graph
-from exporter.verify import TOLERANCE, Shape, compare_backends
+from exporter.verify import TOLERANCE, Shape, verify_rewrite
 from runners.generate import Generator
 from runners.manifest import Manifest
+from runners.model import Model
 from runners.ort_backend import OrtBackend
 
 VOCAB = 120
@@ -166,7 +167,7 @@ def test_values_from_keys_identity_with_biases():
     keys, values = x @ w_k + b_k, x @ w_v + b_v
     probs = rng.random((heads, 3, n))
     probs /= probs.sum(-1, keepdims=True)
-    w_kv, c = slim.kv_weights(w_k, b_k, w_v, b_v, heads, d_kv)
+    w_kv, c = slim_math.kv_weights(w_k, b_k, w_v, b_v, heads, d_kv)
     for i in range(heads):
         expected = probs[i] @ values[:, i * d_kv:(i + 1) * d_kv]
         got = (probs[i] @ keys) @ w_kv[i].astype(np.float64) + c[i].astype(np.float64)
@@ -177,16 +178,16 @@ def test_values_from_keys_identity_with_biases():
 def test_condition_and_shape_checks():
     rng = np.random.default_rng(1)
     good = rng.standard_normal((16, 16))
-    assert 1 < slim.condition(good) < 1e4
+    assert 1 < slim_math.condition(good) < 1e4
     singular = good.copy()
     singular[:, 5] = 0
-    assert slim.condition(singular) == float("inf")
+    assert slim_math.condition(singular) == float("inf")
     u, _, vt = np.linalg.svd(good)
     ill = u @ np.diag(np.logspace(0, -8, 16)) @ vt  # cond 1e8 > COND_LIMIT
-    k = slim.Projection(None, ill, None, [])
-    assert "ill-conditioned" in slim.analyse(k, slim.Projection(None, good, None, []), 4, 4).problem
-    with pytest.raises(slim.Unfit, match="non-square"):
-        slim.check_square(rng.standard_normal((16, 32)), rng.standard_normal((16, 32)), 4, 8)
+    k = slim_math.Projection(None, ill, None, [])
+    assert "ill-conditioned" in slim_math.analyse(k, slim_math.Projection(None, good, None, []), 4, 4).problem
+    with pytest.raises(slim_math.Unfit, match="non-square"):
+        slim_math.check_square(rng.standard_normal((16, 32)), rng.standard_normal((16, 32)), 4, 8)
 
 
 # -- rewritten graphs vs originals -------------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_slim_matches_original(family, exported, variant):
     assert rec["layers"] == list(range(layers)) and rec["skipped"] == {}
     assert rec["max_abs_logits_diff"] <= TOLERANCE
     for stats in rec["per_layer"].values():
-        assert 1 <= stats["cond_W_K"] < slim.COND_LIMIT
+        assert 1 <= stats["cond_W_K"] < slim_math.COND_LIMIT
         errors = stats["reconstruction_max_abs"]
         assert errors["fp32"] < 1e-3 * errors["v_max_abs"]
         assert errors["fp16_cache"] > errors["fp16_cache_baseline"]  # measured: K→V amplifies fp16 rounding
@@ -227,8 +228,8 @@ def test_slim_matches_original(family, exported, variant):
     graph = load_graph(before, before.step)
     for layer in matched:
         slim.match(graph, layer)
-    report = compare_backends(OrtBackend(before), OrtBackend(manifest), shapes=EXTRA_SHAPES, seed=3,
-                              past_from=slim.consistent_past(matched, before.dims["num_heads"], before.dims["d_kv"]))
+    report = verify_rewrite(before, manifest, shapes=EXTRA_SHAPES, seed=3,
+                            past_from=slim.consistent_past(matched, before.dims["num_heads"], before.dims["d_kv"]))
     assert report["max_abs_logits_diff"] <= TOLERANCE
 
 
@@ -245,7 +246,7 @@ def test_slim_cross_matches_original(family, exported, variant):
     assert _graph_io(folder, "cross_kv")[1] == keys
     decoder_inputs = _graph_io(folder, "decoder")[0]
     assert not any(".encoder.value" in n for n in decoder_inputs | set(manifest.graphs["decoder"]["inputs"]))
-    report = compare_backends(OrtBackend(Manifest.load(original)), OrtBackend(manifest), shapes=EXTRA_SHAPES, seed=5)
+    report = verify_rewrite(Manifest.load(original), manifest, shapes=EXTRA_SHAPES, seed=5)
     assert report["max_abs_logits_diff"] <= TOLERANCE
 
 
@@ -285,7 +286,7 @@ def test_measured_cache_bytes_halve(family, exported, variant):
         assert sc["cache_bytes"] == s["cache_bytes"]
     # slim-cross: the per-input state keeps the cross keys (and the mask), not the cross values
     manifest = Manifest.load(original)
-    state = OrtBackend(manifest).encode(inputs)
+    state = Model(manifest, OrtBackend(manifest)).encode(inputs)
     cross_values = sum(a.nbytes for n, a in state.feeds.items() if n.endswith(".encoder.value"))
     assert cross_values > 0 and both[0]["state_bytes"] == base[0]["state_bytes"] - cross_values
 
@@ -340,7 +341,7 @@ def test_skip_bad_keeps_bad_layers(exported, workdir):
     assert rec["layers"] == [2]
     assert "singular" in rec["skipped"]["0"]
     assert "logits diff" in rec["skipped"]["1"]  # well within COND_LIMIT, caught by the measured gate
-    assert rec["per_layer"]["1"]["cond_W_K"] < slim.COND_LIMIT
+    assert rec["per_layer"]["1"]["cond_W_K"] < slim_math.COND_LIMIT
     assert rec["max_abs_logits_diff"] <= TOLERANCE
     names = [e["input"] for e in Manifest.load(folder).cache_entries]
     assert names == ["past_key_values.0.decoder.key", "past_key_values.0.decoder.value",

@@ -161,7 +161,7 @@ def test_suppress_tokens_identical(multilingual):
         assert not {r.hf_tokens[0] for r in report.rows} & set(first)
 
 
-def test_whisper_option_errors(multilingual, tmp_path):
+def test_whisper_option_errors(multilingual, exported, tmp_path):
     generator = Generator.from_folder(multilingual)
     with pytest.raises(ElxError, match="unsupported Whisper language"):
         generator.settings(language="klingon")
@@ -183,10 +183,8 @@ def test_whisper_option_errors(multilingual, tmp_path):
         "input_ids": {"dtype": "int64", "shape": ["batch", "encoder_sequence"], "from": "input:input_ids"}}
     with pytest.raises(ElxError, match="Whisper models only"):
         resolve_settings(token_model, language="en")
-    from runners.text import encode_request
-
-    with pytest.raises(ElxError, match="--audio needs a model whose encoder takes audio features"):
-        encode_request(token_model, multilingual, audio=[str(tmp_path / "any.wav")])
+    with pytest.raises(ElxError, match="needs a model whose encoder takes audio features"):
+        Generator.from_folder(exported("t5")).generate(audio=[str(tmp_path / "any.wav")])
     with pytest.raises(ElxError, match="shape"):
         generator.generate({"input_features": np.zeros((1, 80, 100), np.float32)})
 
@@ -239,7 +237,8 @@ def test_generate_audio_cli(multilingual, tmp_path, capsys):
     tokens = [int(t) for t in printed[0].split("]", 1)[1].split()]
     expected = Generator.from_folder(multilingual).generate({"input_features": features["input_features"][:1]},
                                                             num_beams=2, language="fr", max_new_tokens=5)
-    assert tokens == [int(t) for t in expected.sequences[0, 4:] if t != EOS]
+    assert tokens == expected.sequences[0].tolist()  # HF Whisper's layout: no prompt, no final EOS
+    assert expected.sequences[0].tolist() == [int(t) for t in expected.raw_sequences[0, 4:] if t != EOS]
 
     write_wav(tmp_path / "long.wav", np.zeros(16000 * 31, np.float32), 16000)
     (tmp_path / "bad.wav").write_bytes(b"RIFF....WAVEjunk")
@@ -302,6 +301,7 @@ def speech(tiny_en, tmp_path_factory):
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     from runners.audio import features_from_files
+    from tests.hf_reference import hf_numpy_features
 
     tools = speech_tools()
     root = tmp_path_factory.mktemp("speech")
@@ -312,8 +312,7 @@ def speech(tiny_en, tmp_path_factory):
     features = features_from_files(tiny_en["base"], files)["input_features"]
     model = WhisperForConditionalGeneration.from_pretrained(str(tiny_en["hf"]), local_files_only=True).eval()
     processor = WhisperProcessor.from_pretrained(str(tiny_en["hf"]), local_files_only=True)
-    reference = processor.feature_extractor([tools.read_wav(f)[0] for f in files], sampling_rate=16000,
-                                            return_tensors="np").input_features
+    reference = hf_numpy_features(processor.feature_extractor, [tools.read_wav(f)[0] for f in files]).input_features
     hf = {}
     with torch.no_grad():
         for beams in (1, 4):
@@ -335,7 +334,8 @@ def check_transcription(folder, speech, beams):
     settings = generator.settings(num_beams=beams)
     assert settings.prompt() == [50257, 50362]  # <|startoftranscript|> <|notimestamps|> (forced_decoder_ids)
     result = generator.generate({"input_features": speech["features"]}, settings=settings)
-    elx = hf_sequences(result.sequences, settings)
+    elx = result.sequences  # HF Whisper's layout
+    assert np.array_equal(elx, hf_sequences(result.raw_sequences, settings, settings.eos_token_id[0]))
     hf = speech["hf"][beams]
     assert elx.shape == hf.shape and np.array_equal(elx, hf), (elx.tolist(), hf.tolist())
     texts = speech["tokenizer"].batch_decode(elx, skip_special_tokens=True)
@@ -370,7 +370,7 @@ def test_tiny_en_generate_cli(tiny_en, speech, capsys):
     for i, (text, words) in enumerate(zip(lines[1::2], CLIPS.values())):
         assert lines[2 * i].startswith(f"[{i}] ")
         hf_row = [int(t) for t in speech["hf"][4][i] if t != 50256]
-        assert [int(t) for t in lines[2 * i].split("]", 1)[1].split()] == hf_row
+        assert [int(t) for t in lines[2 * i].split("]", 1)[1].split()] == speech["hf"][4][i].tolist()  # HF's rows
         assert text.strip() == speech["tokenizer"].decode(hf_row, skip_special_tokens=True).strip()
         assert sum(w in text.lower() for w in words) >= len(words) - 1
     assert elx_main(["generate", str(tiny_en["el"]), "--audio", files[0], "--language", "en"]) == 2

@@ -139,21 +139,21 @@ def step_times(generators: dict, inputs: dict, args) -> dict:
     rng = np.random.default_rng(args.seed)
     setups = {}
     for name, generator in generators.items():
-        backend = generator.backend
+        model = generator.model
         rows = args.batch * args.beams
-        state = backend.encode(inputs)
+        state = model.encode(inputs)
         cache = {}
-        for entry in backend.manifest.cache_entries:
+        for entry in model.manifest.cache_entries:
             shape = [rows if d == "rows" else (args.new_tokens if i == entry["seq_axis"] else d)
                      for i, d in enumerate(entry["shape"])]
             cache[entry["input"]] = rng.standard_normal(shape).astype(np.float32)
         tokens = np.full((rows, 1), 5, dtype=np.int64)
-        setups[name] = (backend, state, DecoderCache(cache, rows), tokens)
+        setups[name] = (model, state, DecoderCache(cache, rows), tokens)
     best = {name: [float("inf"), float("inf")] for name in generators}
     for _ in range(args.step_trials):
-        for name, (backend, state, cache, tokens) in setups.items():
+        for name, (model, state, cache, tokens) in setups.items():
             started, cpu = time.perf_counter(), time.process_time()
-            backend.step(tokens, state, cache)
+            model.step(tokens, state, cache)
             wall, cpu = (time.perf_counter() - started) * 1e3, (time.process_time() - cpu) * 1e3
             best[name] = [min(best[name][0], wall), min(best[name][1], cpu)]
     return best

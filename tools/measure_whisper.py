@@ -140,8 +140,7 @@ def main(argv=None) -> int:
 
     from runners.audio import features_from_files, read_audio
     from runners.generate import Generator
-    from runners.text import load_tokenizer
-    from runners.whisper import hf_sequences
+    from runners.text import Text
 
     torch.set_num_threads(args.threads)
     workdir = Path(args.workdir)
@@ -199,9 +198,9 @@ def main(argv=None) -> int:
         log(f"repeat {repeat + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()))
 
     hf = results["HF generate"]
-    tokenizer = load_tokenizer(paths["baseline"])
+    text = Text.load(paths["baseline"])
     report = {"clips_seconds": seconds, "beams": args.beams, "threads": args.threads, "repeats": args.repeats,
-              "systems": {}, "notes": notes, "transcripts": tokenizer.batch_decode(hf, skip_special_tokens=True)}
+              "systems": {}, "notes": notes, "transcripts": text.decode(hf)}
     hf_median = statistics.median(times["HF generate"])
     for name in systems:
         row = {"median_s": statistics.median(times[name]), "min_s": min(times[name]), "times": times[name]}
@@ -212,8 +211,7 @@ def main(argv=None) -> int:
             row["state_note"] = "computed from HF's layout (encoder output + cross K/V per beam row)"
         elif name.startswith("elx"):
             result = results[name]
-            generator = generators[name[4:]]
-            elx = hf_sequences(result.sequences, generator.settings(**options))
+            elx = result.sequences  # HF Whisper's layout
             row["identical_to_hf"] = bool(elx.shape == hf.shape and np.array_equal(elx, hf))
             row["state_bytes"] = max(m["state_bytes"] for m in result.memory)
             row["cache_bytes"] = max(m["cache_bytes"] for m in result.memory)
@@ -223,7 +221,7 @@ def main(argv=None) -> int:
             hf_rows = [[int(t) for t in row if t != model.generation_config.pad_token_id] for row in hf]
             row["identical_to_hf"] = ct2_tokens == hf_rows
             row["rows_identical"] = sum(a == b for a, b in zip(ct2_tokens, hf_rows))
-            row["transcripts"] = tokenizer.batch_decode(ct2_tokens, skip_special_tokens=True)
+            row["transcripts"] = text.decode(ct2_tokens)
         report["systems"][name] = row
 
     print(f"whisper-base, {len(files)} clips ({', '.join(f'{s:.1f}' for s in seconds)} s), beam {args.beams}, "

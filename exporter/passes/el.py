@@ -42,11 +42,12 @@ import onnx_graphsurgeon as gs
 from runners.manifest import Manifest
 
 from runners.errors import ElxError
-from .rewrite import (Builder, commit, constant_value, linear_before, load_graph, only_consumer, refuse_twice,
-                      save_graph, through_shape_ops_down, through_shape_ops_up)
+from .rewrite import (Builder, commit, constant_value, linear_before, load_graph, only_consumer, pass_file,
+                      refuse_twice, save_graph, through_shape_ops_down, through_shape_ops_up)
 
 NAME = "el"
 ORDER = 10
+CONFLICTS = {"slim-cross": "el removes the cross-attention cache that slim-cross shrinks"}
 ENCODER_INPUT = "encoder_hidden_states"
 
 
@@ -183,10 +184,14 @@ def _layer_inputs(manifest: Manifest) -> list[tuple[str, str, str, str]]:
     return pairs
 
 
+def parse_argument(text: str | None) -> None:
+    if text:
+        raise ElxError(f"pass el takes no argument (got {text!r}); use --pass el")
+
+
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     refuse_twice(manifest, NAME)
-    if argument:
-        raise ElxError(f"pass el takes no argument (got {argument!r}); use --pass el")
+    parse_argument(argument)
     if "slim-cross" in manifest.pass_names():
         raise ElxError("pass el removes the cross-attention cache that slim-cross shrinks; use one of them")
     pairs = _layer_inputs(manifest)
@@ -212,7 +217,7 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     if leftovers:
         raise ElxError(f"pass el could not remove every use of the cross cache ({leftovers[0]}); report this model")
 
-    graph_file = _next_file(manifest.graphs[manifest.step]["file"])
+    graph_file = pass_file(manifest.graphs[manifest.step]["file"], NAME)
     step = manifest.graphs[manifest.step]
     step["external_data"] = save_graph(decoder, folder, graph_file)
     step["file"] = graph_file
@@ -224,8 +229,3 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     manifest.data["cache"]["cross"] = {"kind": "none", "note": "EL-attention reads the encoder output directly"}
     report = commit(folder, before, manifest, what="pass el")
     return {"name": NAME, "layers": len(layers), **report}
-
-
-def _next_file(current: str) -> str:
-    stem = current[: -len(".onnx")]
-    return f"{stem}.{NAME}.onnx"

@@ -8,12 +8,11 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from runners.manifest import Manifest
-from runners.ort_backend import OrtBackend
-
 from runners.errors import ElxError
+from runners.manifest import Manifest
+
 from ..onnx_export import save_model
-from ..verify import SHAPES, compare_backends, require_within_tolerance
+from ..verify import require_within_tolerance, verify_rewrite
 
 SHAPE_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
@@ -107,11 +106,30 @@ def refuse_twice(manifest: Manifest, name: str) -> None:
         raise ElxError(f"pass {name!r} was already applied to this export; export again from the model to re-apply")
 
 
-def commit(folder: Path, before: Manifest, after: Manifest, shapes=SHAPES, past_from=None, what: str = "") -> dict:
-    """Verify ``after`` against ``before`` on random inputs; on success drop files only ``before`` used."""
-    report = compare_backends(OrtBackend(before), OrtBackend(after), shapes=shapes, past_from=past_from)
-    require_within_tolerance(report, what)
-    keep = set(after.graph_files())
-    for file in set(before.graph_files()) - keep:
+def pass_file(current: str, name: str) -> str:
+    """The file a pass writes a rewritten graph to: ``decoder.onnx`` → ``decoder.<name>.onnx``."""
+    return f"{current[: -len('.onnx')]}.{name}.onnx"
+
+
+def drop_unused_files(folder: Path, before: Manifest, after: Manifest) -> None:
+    """Delete the graph files ``before`` names that ``after`` no longer does."""
+    for file in set(before.graph_files()) - set(after.graph_files()):
         (Path(folder) / file).unlink(missing_ok=True)
+
+
+def adopt(folder: Path, manifest: Manifest, after: Manifest) -> None:
+    """``manifest`` (updated in place, as passes do) becomes ``after``; files only it used go."""
+    before = manifest.copy()
+    for key, value in after.data.items():  # unchanged entries (e.g. the ``passes`` list) keep their identity
+        if manifest.data.get(key) != value:
+            manifest.data[key] = value
+    drop_unused_files(folder, before, manifest)
+
+
+def commit(folder: Path, before: Manifest, after: Manifest, what: str, **verify_options) -> dict:
+    """Verify ``after`` against ``before`` (``exporter.verify.verify_rewrite``); on success drop files only
+    ``before`` used.  Raises (nothing committed) beyond the tolerance."""
+    report = verify_rewrite(before, after, **verify_options)
+    require_within_tolerance(report, what)
+    drop_unused_files(folder, before, after)
     return report

@@ -49,9 +49,10 @@ W_K refused) and the K→V reconstruction error on random states (fp32; fp16 K c
 W_KV; fp16 W_KV), then the rewritten folder against the original through the runner's backend
 at several shapes, with pasts generated from random states X (K = X·W_K + b_K, V = X·W_V + b_V:
 independent random K and V are not representable by a K-only cache), each shape at three seeds.
-Nothing is written when the max abs logits diff exceeds half the 1e-4 tolerance (``VERIFY_LIMIT``:
-generation on other inputs measured up to 1.9× the verified max).  ``--pass slim=skip-bad`` keeps K and V for the layers
-that fail (listed in the record) instead of refusing.
+Nothing is written when the max abs logits diff exceeds half the 1e-4 tolerance
+(``culprits.VERIFY_LIMIT``: generation on other inputs measured up to 1.9× the verified max).
+``--pass slim=skip-bad`` keeps K and V for the layers that fail (listed in the record) instead of
+refusing.
 
 Accuracy, measured (``tools/measure_slim.py``, random-init presets): the fp32 K→V error is about
 3e-8·cond(W_K) of max |V| (the baseline's own fp32 V: ~7e-7) — K's fp32 rounding and the fp32
@@ -63,141 +64,23 @@ fp16 V cache has 0.04%: an fp16 engine must keep this path (K included) in fp32.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from runners.manifest import Manifest
-from runners.ort_backend import OrtBackend
-
 from runners.errors import ElxError
-from ..verify import SHAPES, TOLERANCE, compare_backends
-from .rewrite import Builder, constant_value, load_graph, producer, refuse_twice, save_graph
+from runners.manifest import Manifest
+
+from ..verify import RuntimeSide, verify_rewrite
+from .culprits import skip_bad_argument, verified_rewrite
+from .rewrite import Builder, adopt, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
+from .slim_math import COND_LIMIT, FP16_NOTE, Analysis, Projection, Unfit, analyse
 
 NAME = "slim"
 ORDER = 20
-SKIP_BAD = "skip-bad"
-# A rewrite is accepted only within half the tolerance.  Its verification samples a few shapes; generation
-# on other inputs reached up to 1.9x the verified max (issue 10's differential test: t5-gated-square's slim
-# layers, verified at 8.4e-5 against 1e-4, gave 1.1e-4 along a real 20-token decode, and `elx compare` rightly
-# failed the export).  Half leaves that headroom; the tolerance itself stays 1e-4.
-VERIFY_LIMIT = TOLERANCE / 2
-_LIMIT = f"{VERIFY_LIMIT:g} (half the {TOLERANCE:g} tolerance)"
-COND_LIMIT = 1e6  # fp32 rounding of K (2^-24 relative) may grow by cond(W_K): 1e6 → up to ~6% of |V|
-RECON_SAMPLES = 256
-FP16_NOTE = "W_KV is stored in float32; an fp16 engine must compute P·K and ·W_KV in fp32"
-
-
-class Unfit(Exception):
-    """A layer the pass cannot rewrite exactly; ``str`` is the reason."""
-
-
-# -- weights: W_KV, conditioning, reconstruction error -------------------------------------------
-
-@dataclass
-class Projection:
-    """``out`` = x·W (+ b), then the head split ``chain`` (Reshape, Transpose) up to the cached tensor."""
-
-    x: gs.Tensor
-    w: np.ndarray  # [d, h·d_k] (ONNX MatMul layout: x·W)
-    b: np.ndarray | None
-    chain: list  # the shape nodes from the projection to the head-split tensor, in order
-
-
-@dataclass
-class Analysis:
-    w_kv: np.ndarray | None = None  # [h, d, d_k] float32
-    c: np.ndarray | None = None  # [h, 1, d_k] float32, or None when both biases are absent/zero
-    stats: dict = field(default_factory=dict)
-    problem: str | None = None
-
-
-def check_square(w_k: np.ndarray, w_v: np.ndarray, heads: int, d_kv: int) -> None:
-    d, e = w_k.shape
-    if w_v.shape != w_k.shape:
-        raise Unfit(f"W_K {list(w_k.shape)} and W_V {list(w_v.shape)} differ in shape")
-    if d != e or e != heads * d_kv:
-        raise Unfit(f"non-square W_K [{d}, {e}] (num_heads·d_kv = {heads * d_kv} ≠ d_model = {d}); "
-                    "V cannot be recomputed from K")
-
-
-def condition(w_k: np.ndarray) -> float:
-    """2-norm condition number of W_K in float64 (inf when singular)."""
-    s = np.linalg.svd(np.asarray(w_k, np.float64), compute_uv=False)
-    if s[-1] <= s[0] * w_k.shape[0] * np.finfo(np.float64).eps:
-        return float("inf")
-    return float(s[0] / s[-1])
-
-
-def kv_weights(w_k, b_k, w_v, b_v, heads: int, d_kv: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """W_KV,i = W_K⁻¹·W_V,i stacked [h, d, d_k] and c_i = b_V,i − b_K·W_KV,i [h, 1, d_k], float32."""
-    w_k64, w_v64 = np.asarray(w_k, np.float64), np.asarray(w_v, np.float64)
-    d = w_k64.shape[0]
-    w_kv = np.linalg.solve(w_k64, w_v64)  # [d, h·d_k]
-    c = np.zeros(d) if b_v is None else np.asarray(b_v, np.float64).copy()
-    if b_k is not None:
-        c -= np.asarray(b_k, np.float64) @ w_kv
-    stacked = w_kv.reshape(d, heads, d_kv).transpose(1, 0, 2)
-    bias = None if not c.any() else c.reshape(heads, 1, d_kv).astype(np.float32)
-    return np.ascontiguousarray(stacked.astype(np.float32)), bias
-
-
-def reconstruction_errors(w_k, b_k, w_v, b_v, w_kv, c, seed: int = 0, samples: int = RECON_SAMPLES) -> dict:
-    """Max abs error of V rebuilt from K (one-hot probabilities) on random states X ~ N(0, 1).
-
-    ``fp32``: K as the graph computes it in fp32, ·W_KV fp32; ``fp16_cache``: K rounded to fp16
-    (an fp16 cache), W_KV fp32; ``fp16_weights``: W_KV rounded to fp16 too (why it stays fp32).
-    ``*_baseline`` are the rounding errors of the V cache the baseline keeps, for scale.
-    """
-    d = w_k.shape[0]
-    x = np.random.default_rng(seed).standard_normal((samples, d))
-    zero = np.zeros(d)
-    b_k64 = zero if b_k is None else np.asarray(b_k, np.float64)
-    b_v64 = zero if b_v is None else np.asarray(b_v, np.float64)
-    v_true = x @ np.asarray(w_v, np.float64) + b_v64
-    f32 = np.float32
-    k32 = x.astype(f32) @ np.asarray(w_k, f32) + b_k64.astype(f32)
-    v32 = x.astype(f32) @ np.asarray(w_v, f32) + b_v64.astype(f32)
-    w_full = w_kv.transpose(1, 0, 2).reshape(d, d)  # [d, h·d_k]
-    c_full = np.zeros(d, f32) if c is None else c.reshape(d)
-    k16 = k32.astype(np.float16).astype(f32)
-
-    def err(v) -> float | str:
-        worst = float(np.abs(v.astype(np.float64) - v_true).max())
-        return worst if np.isfinite(worst) else "inf"  # fp16 overflows for huge W_KV
-
-    with np.errstate(over="ignore", invalid="ignore"):
-        return {
-            "v_max_abs": float(np.abs(v_true).max()),
-            "fp32": err(k32 @ w_full + c_full),
-            "fp32_baseline": err(v32),
-            "fp16_cache": err(k16 @ w_full + c_full),
-            "fp16_cache_baseline": err(v32.astype(np.float16)),
-            "fp16_weights": err(k16 @ w_full.astype(np.float16).astype(f32) + c_full),
-        }
-
-
-def analyse(k: Projection, v: Projection, heads: int, d_kv: int) -> Analysis:
-    """W_KV, c and the accuracy numbers of one layer; ``problem`` says why it cannot be rewritten."""
-    out = Analysis()
-    try:
-        check_square(k.w, v.w, heads, d_kv)
-    except Unfit as why:
-        out.problem = str(why)
-        return out
-    cond = condition(k.w)
-    out.stats["cond_W_K"] = cond if np.isfinite(cond) else "inf"
-    if not np.isfinite(cond):
-        out.problem = "W_K is singular (numerical rank < d_model); V cannot be recomputed from K"
-        return out
-    out.w_kv, out.c = kv_weights(k.w, k.b, v.w, v.b, heads, d_kv)
-    out.stats["reconstruction_max_abs"] = reconstruction_errors(k.w, k.b, v.w, v.b, out.w_kv, out.c)
-    out.stats["has_bias"] = {"k": k.b is not None, "v": v.b is not None}
-    if cond > COND_LIMIT:
-        out.problem = f"W_K is ill-conditioned (cond {cond:.3g} > {COND_LIMIT:g})"
-    return out
+CONFLICTS: dict = {}
 
 
 # -- graph structure ---------------------------------------------------------------------------------
@@ -361,7 +244,7 @@ def rewrite(graph: gs.Graph, layers: list[SelfLayer]) -> None:
 
 
 def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 1):
-    """``past_from`` for ``compare_backends``: pasts from random states X, so V = X·W_V + b_V matches
+    """``past_from`` for ``verify_rewrite``: pasts from random states X, so V = X·W_V + b_V matches
     K = X·W_K + b_K.  Overwrites the slimmed layers' K and V in the original's past (in place) and
     returns the K-only past of the rewritten graph."""
 
@@ -385,21 +268,9 @@ def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 
 
 # -- apply ----------------------------------------------------------------------------------------------
 
-def parse_argument(argument: str | None, name: str) -> bool:
-    if argument in (None, ""):
-        return False
-    if argument == SKIP_BAD:
-        return True
-    raise ElxError(f"pass {name} takes no argument or {SKIP_BAD!r} (got {argument!r}); e.g. --pass {name}={SKIP_BAD}")
-
-
-def refuse(name: str, where: str, index: int, reason: str) -> ElxError:
-    return ElxError(f"pass {name}: {where} layer {index}: {reason}; nothing was written "
-                    f"(--pass {name}={SKIP_BAD} keeps K and V for such layers)")
-
-
-def next_file(current: str, name: str) -> str:
-    return f"{current[: -len('.onnx')]}.{name}.onnx"
+def parse_argument(argument: str | None) -> bool:
+    """``--pass slim`` or ``--pass slim=skip-bad``: whether to keep K and V for layers that fail."""
+    return skip_bad_argument(argument, NAME)
 
 
 def _analyse_layers(graph: gs.Graph, layers: list[SelfLayer], heads: int, d_kv: int) -> dict:
@@ -440,136 +311,21 @@ def _candidate(manifest: Manifest, graph_file: str, layers: list[SelfLayer]) -> 
     return after
 
 
-class Original:
-    """The graphs before the pass, loaded into ONNX Runtime once for all comparisons of one apply()."""
-
-    def __init__(self, manifest: Manifest):
-        self.manifest = manifest.copy()
-        self._backend = None
-
-    @property
-    def backend(self) -> OrtBackend:
-        if self._backend is None:
-            self._backend = OrtBackend(self.manifest)
-        return self._backend
-
-
-VERIFY_SEEDS = (0, 1, 2)  # each shape at three seeds: the error varies by input more than one sample shows
-
-
-def worst_of(reports: list) -> dict:
-    """One verification report from several (the max over them; every shape listed)."""
-    worst = max(reports, key=lambda r: r["max_abs_logits_diff"] if r["max_abs_logits_diff"] == r["max_abs_logits_diff"]
-                else float("inf"))
-    return {**worst, "shapes": [s for r in reports for s in r["shapes"]]}
-
-
-def _verify(original: Original, after: Manifest, layers: list[SelfLayer], shapes=SHAPES) -> dict:
-    dims = original.manifest.dims
-    candidate = OrtBackend(after)
-    return worst_of([compare_backends(original.backend, candidate, shapes=shapes, seed=seed,
-                                      past_from=consistent_past(layers, dims["num_heads"], dims["d_kv"], seed + 1))
-                     for seed in VERIFY_SEEDS])
-
-
-def remove_new_files(folder: Path, before: Manifest, after: Manifest) -> None:
-    """Delete the graph files ``after`` names that ``before`` does not (a rejected candidate)."""
-    for file in set(after.graph_files()) - set(before.graph_files()):
-        (Path(folder) / file).unlink(missing_ok=True)
-
-
-def drop_unused_files(folder: Path, before: Manifest, after: Manifest) -> None:
-    for file in set(before.graph_files()) - set(after.graph_files()):
-        (Path(folder) / file).unlink(missing_ok=True)
-
-
-def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, layers: list, bad: dict,
-                     skip_bad: bool, candidate, verify) -> tuple[Manifest, list, dict]:
-    """Rewrite the layers not in ``bad``, verify, and on an accuracy failure find the culprit layers.
-
-    ``candidate(layers, suffix) -> Manifest`` writes graphs with those layers rewritten (file
-    names carry ``suffix``); ``verify(after, layers) -> report`` compares them with ``manifest``.
-    Refuses naming a layer unless ``skip_bad``; then layers are left out (joining ``bad``, in
-    place), worst first by their error when rewritten alone, until the rest verifies.
-    Returns (the verified manifest, the rewritten layers, the report); nothing else stays written.
-    """
-    if bad and not skip_bad:
-        index = min(bad)
-        raise refuse(name, where, index, bad[index])
-    todo = [layer for layer in layers if layer.index not in bad]
-    if not todo:
-        index = min(bad)
-        raise ElxError(f"pass {name}: no {where} layer can be rewritten (layer {index}: {bad[index]}); "
-                       "nothing was written")
-    after = candidate(todo, name)
-    report = verify(after, todo)
-    if report["max_abs_logits_diff"] <= VERIFY_LIMIT:
-        return after, todo, report
-    remove_new_files(folder, manifest, after)
-    alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
-    worst = max(alone, key=lambda i: alone[i])
-    if not skip_bad:
-        together = report["max_abs_logits_diff"]
-        detail = (f"max abs logits diff {alone[worst]:.3g} exceeds {_LIMIT}" if alone[worst] > VERIFY_LIMIT else
-                  f"max abs logits diff {together:.3g} with all layers exceeds {_LIMIT} "
-                  f"(this layer alone: {alone[worst]:.3g}, the largest)")
-        raise refuse(name, where, worst, detail)
-    while todo:
-        for layer in [layer for layer in todo if alone[layer.index] > VERIFY_LIMIT] or [
-                max(todo, key=lambda layer: alone[layer.index])]:
-            bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {_LIMIT}"
-                                if alone[layer.index] > VERIFY_LIMIT else
-                                f"left out: with the other layers the max abs logits diff reached "
-                                f"{report['max_abs_logits_diff']:.3g} (this layer alone: {alone[layer.index]:.3g})")
-            alone[layer.index] = -1.0  # handled
-        todo = [layer for layer in todo if layer.index not in bad]
-        if not todo:
-            break
-        after = candidate(todo, name)
-        report = verify(after, todo)
-        if report["max_abs_logits_diff"] <= VERIFY_LIMIT:
-            return after, todo, report
-        remove_new_files(folder, manifest, after)
-    raise ElxError(f"pass {name}: no {where} layer is accurate enough to rewrite (max abs logits diff beyond "
-                   f"{_LIMIT}); nothing was written")
-
-
-def _errors_alone(folder: Path, manifest: Manifest, name: str, layers: list, candidate, verify) -> dict:
-    """{layer index: max abs logits diff with only that layer rewritten}."""
-    alone = {}
-    for layer in layers:
-        probe = candidate([layer], f"{name}-probe")
-        try:
-            diff = verify(probe, [layer])["max_abs_logits_diff"]
-        finally:
-            remove_new_files(folder, manifest, probe)
-        alone[layer.index] = diff if np.isfinite(diff) else float("inf")  # NaN counts as the worst
-    return alone
-
-
-def adopt(folder: Path, manifest: Manifest, after: Manifest) -> None:
-    """``manifest`` (updated in place, as passes do) becomes ``after``; files only it used go."""
-    before = manifest.copy()
-    for key, value in after.data.items():  # unchanged entries (e.g. the ``passes`` list) keep their identity
-        if manifest.data.get(key) != value:
-            manifest.data[key] = value
-    drop_unused_files(folder, before, manifest)
-
-
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     refuse_twice(manifest, NAME)
-    skip_bad = parse_argument(argument, NAME)
+    skip_bad = parse_argument(argument)
     layers = self_layers(manifest)
     if not layers:
         raise ElxError("pass slim: this export's self-attention cache holds no key/value pairs "
                        "(slim already applied?); export again from the model")
     heads, d_kv = manifest.dims["num_heads"], manifest.dims["d_kv"]
     bad = _analyse_layers(load_graph(manifest, manifest.step), layers, heads, d_kv)
-    step_file, original = manifest.graphs[manifest.step]["file"], Original(manifest)
+    step_file, reference = manifest.graphs[manifest.step]["file"], RuntimeSide(manifest.copy())
     after, done, report = verified_rewrite(
         folder, manifest, NAME, "decoder self-attention", layers, bad, skip_bad,
-        candidate=lambda todo, suffix: _candidate(manifest, next_file(step_file, suffix), todo),
-        verify=lambda candidate, todo: _verify(original, candidate, todo))
+        candidate=lambda todo, suffix: _candidate(manifest, pass_file(step_file, suffix), todo),
+        verify=lambda candidate, todo, seed: verify_rewrite(
+            manifest, candidate, seed=seed, reference=reference, past_from=consistent_past(todo, heads, d_kv, seed + 1)))
     adopt(folder, manifest, after)
     return record(NAME, argument, layers, done, bad, report,
                   cache="keys only: past_key_values.{i}.decoder.key [rows, h, P, d_kv] (full-width K split "

@@ -1,0 +1,121 @@
+"""Culprit search: rewrite the layers a pass can, verify, and find the layers that break the tolerance.
+
+A per-layer rewrite (slim, slim-cross) may be exact in principle yet lose accuracy in fp32 on
+some layers (ill-conditioned weights).  ``verified_rewrite`` rewrites every layer that passed the
+pass's own checks and verifies the result; beyond the tolerance it measures each layer rewritten
+alone and either refuses naming the worst layer, or (``skip-bad``) leaves layers out, worst first,
+until the rest verifies.  Candidates that are not kept are deleted; nothing else stays written.
+
+Acceptance is stricter than the tolerance: each candidate is verified at ``VERIFY_SEEDS`` (the
+error varies with the inputs more than one sample shows) and must stay within ``VERIFY_LIMIT``,
+half the 1e-4 tolerance.  The tolerance itself is never loosened; the headroom is for inputs the
+verification does not sample (see ``VERIFY_LIMIT``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runners.errors import ElxError
+from runners.manifest import Manifest
+
+from ..verify import TOLERANCE, worst_report
+
+SKIP_BAD = "skip-bad"
+# A rewrite is accepted only within half the tolerance.  Verification samples a few shapes; generation on
+# other inputs reached up to 1.9x the verified max (issue 10's differential test: t5-gated-square's slim
+# layers, verified at 8.4e-5 against 1e-4 at one seed, gave 1.1e-4 along a real 20-token decode, and
+# `elx compare` rightly failed the export).  Half leaves that headroom; the tolerance stays 1e-4.
+VERIFY_LIMIT = TOLERANCE / 2
+VERIFY_SEEDS = (0, 1, 2)  # every shape at three seeds
+_LIMIT = f"{VERIFY_LIMIT:g} (half the {TOLERANCE:g} tolerance)"
+
+
+def skip_bad_argument(argument: str | None, name: str) -> bool:
+    """A per-layer pass's argument: none, or ``skip-bad`` (leave out the layers that fail instead of refusing)."""
+    if argument in (None, ""):
+        return False
+    if argument == SKIP_BAD:
+        return True
+    raise ElxError(f"pass {name} takes no argument or {SKIP_BAD!r} (got {argument!r}); e.g. --pass {name}={SKIP_BAD}")
+
+
+def refuse(name: str, where: str, index: int, reason: str) -> ElxError:
+    return ElxError(f"pass {name}: {where} layer {index}: {reason}; nothing was written "
+                    f"(--pass {name}={SKIP_BAD} keeps K and V for such layers)")
+
+
+def remove_new_files(folder: Path, before: Manifest, after: Manifest) -> None:
+    """Delete the graph files ``after`` names that ``before`` does not (a rejected candidate)."""
+    for file in set(after.graph_files()) - set(before.graph_files()):
+        (Path(folder) / file).unlink(missing_ok=True)
+
+
+def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, layers: list, bad: dict,
+                     skip_bad: bool, candidate, verify) -> tuple[Manifest, list, dict]:
+    """Rewrite the layers not in ``bad``, verify, and on an accuracy failure find the culprit layers.
+
+    ``candidate(layers, suffix) -> Manifest`` writes graphs with those layers rewritten (file
+    names carry ``suffix``); ``verify(after, layers, seed) -> report`` compares them with ``manifest``
+    (run at every one of ``VERIFY_SEEDS``; the worst counts, and must be within ``VERIFY_LIMIT``).
+    Refuses naming a layer unless ``skip_bad``; then layers are left out (joining ``bad``, in
+    place), worst first by their error when rewritten alone, until the rest verifies.
+    Returns (the verified manifest, the rewritten layers, the report); nothing else stays written.
+    """
+    if bad and not skip_bad:
+        index = min(bad)
+        raise refuse(name, where, index, bad[index])
+    todo = [layer for layer in layers if layer.index not in bad]
+    if not todo:
+        index = min(bad)
+        raise ElxError(f"pass {name}: no {where} layer can be rewritten (layer {index}: {bad[index]}); "
+                       "nothing was written")
+    after = candidate(todo, name)
+    report = _verify_seeds(verify, after, todo)
+    if report["max_abs_logits_diff"] <= VERIFY_LIMIT:
+        return after, todo, report
+    remove_new_files(folder, manifest, after)
+    alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
+    worst = max(alone, key=lambda i: alone[i])
+    if not skip_bad:
+        together = report["max_abs_logits_diff"]
+        detail = (f"max abs logits diff {alone[worst]:.3g} exceeds {_LIMIT}" if alone[worst] > VERIFY_LIMIT else
+                  f"max abs logits diff {together:.3g} with all layers exceeds {_LIMIT} "
+                  f"(this layer alone: {alone[worst]:.3g}, the largest)")
+        raise refuse(name, where, worst, detail)
+    while todo:
+        for layer in [layer for layer in todo if alone[layer.index] > VERIFY_LIMIT] or [
+                max(todo, key=lambda layer: alone[layer.index])]:
+            bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {_LIMIT}"
+                                if alone[layer.index] > VERIFY_LIMIT else
+                                f"left out: with the other layers the max abs logits diff reached "
+                                f"{report['max_abs_logits_diff']:.3g} (this layer alone: {alone[layer.index]:.3g})")
+            alone[layer.index] = -1.0  # handled
+        todo = [layer for layer in todo if layer.index not in bad]
+        if not todo:
+            break
+        after = candidate(todo, name)
+        report = _verify_seeds(verify, after, todo)
+        if report["max_abs_logits_diff"] <= VERIFY_LIMIT:
+            return after, todo, report
+        remove_new_files(folder, manifest, after)
+    raise ElxError(f"pass {name}: no {where} layer is accurate enough to rewrite (max abs logits diff beyond "
+                   f"{_LIMIT}); nothing was written")
+
+
+def _verify_seeds(verify, after: Manifest, layers: list) -> dict:
+    return worst_report([verify(after, layers, seed) for seed in VERIFY_SEEDS])
+
+
+def _errors_alone(folder: Path, manifest: Manifest, name: str, layers: list, candidate, verify) -> dict:
+    """{layer index: max abs logits diff with only that layer rewritten}."""
+    alone = {}
+    for layer in layers:
+        probe = candidate([layer], f"{name}-probe")
+        try:
+            diff = _verify_seeds(verify, probe, [layer])["max_abs_logits_diff"]
+        finally:
+            remove_new_files(folder, manifest, probe)
+        alone[layer.index] = diff if np.isfinite(diff) else float("inf")  # NaN counts as the worst
+    return alone

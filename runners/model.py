@@ -1,0 +1,104 @@
+"""An export folder's graphs on a backend, driven by the run plan: what the searches call.
+
+``Model`` implements the manifest's meaning once, for every backend: run the stages and collect
+the per-input state (``encode``), feed one step (tokens, history, state, cache) and read its
+scores (``step``), start with an empty cache, reorder the cache with the beams and drop
+finished items (``reorder``, ``select``).  The backend only runs graphs and moves tensors.
+
+Which step output the search reads is decided per run (``for_run``): after the ``ngram`` pass
+the step graph exposes both plain logits and log-softmaxed scores with n-grams of one size
+blocked; a run asking for exactly that size reads the blocked scores (the searches then skip
+their log-softmax and n-gram processor), any other run reads the plain logits.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from .backend import Backend, DecoderCache, EncoderState
+from .errors import ElxError
+from .manifest import Manifest
+from .plan import INPUT, RunPlan
+
+
+class Model:
+    def __init__(self, manifest: Manifest, backend: Backend, plan: RunPlan | None = None):
+        self.manifest, self.backend = manifest, backend
+        self.plan = backend.adapt(plan or RunPlan.from_manifest(manifest))
+        self._scores = self.plan.logits
+        self.returns_log_probs = False  # the scores read are log-softmaxed with n-grams blocked (ngram pass)
+
+    # -- per run -----------------------------------------------------------------------------
+    def for_run(self, no_repeat_ngram_size: int | None) -> "Model":
+        """This model reading the step output a run with ``no_repeat_ngram_size`` needs (see the module doc)."""
+        view = copy.copy(self)
+        blocked = self.plan.reads_blocked(no_repeat_ngram_size)
+        view._scores = self.plan.blocked if blocked else self.plan.logits
+        view.returns_log_probs = blocked
+        return view
+
+    @property
+    def needs_history(self) -> bool:
+        return self.plan.history_input is not None
+
+    # -- once per input ----------------------------------------------------------------------
+    def encode(self, inputs: dict) -> EncoderState:
+        """Run the stages on user inputs given by role (``input_ids``, ``attention_mask``, ``input_features``)."""
+        backend = self.backend
+        available = {f"{INPUT}{role}": backend.to_device(np.ascontiguousarray(a)) for role, a in inputs.items()}
+        for stage in self.plan.stages:
+            feeds = {f.name: _resolve(f.source, available, stage.name) for f in stage.feeds}
+            outputs = list(stage.outputs)
+            for name, value in zip(outputs, backend.run(stage.name, feeds, outputs)):
+                available[f"{stage.name}:{name}"] = value
+        feeds = {f.name: _resolve(f.source, available, self.plan.step.name) for f in self.plan.state_feeds}
+        kept = {key: backend.to_host(available[key]) for key in self.plan.kept if key in available}
+        batch = int(next(iter(inputs.values())).shape[0])
+        return EncoderState(feeds, batch, kept)
+
+    # -- per step ----------------------------------------------------------------------------
+    def empty_cache(self, rows: int) -> DecoderCache:
+        return DecoderCache({s.input: self.backend.zeros(s.empty_shape(rows), s.dtype) for s in self.plan.cache}, rows)
+
+    def step(self, input_ids: np.ndarray, state: EncoderState, cache: DecoderCache,
+             history: np.ndarray | None = None) -> tuple[np.ndarray, DecoderCache]:
+        """One step: tokens [rows, t] → (host scores [rows, vocab] of the last position, the new cache).
+
+        ``history`` [rows, cur_len] is the token history, needed when ``needs_history``."""
+        plan = self.plan
+        feeds = dict(state.feeds)
+        feeds.update(cache.arrays)
+        feeds[plan.token_input] = np.ascontiguousarray(input_ids, dtype=np.int64)
+        if plan.history_input is not None:
+            if history is None:
+                raise ElxError("this decoder graph reads the token history (n-gram blocking); pass it")
+            feeds[plan.history_input] = np.ascontiguousarray(history, dtype=np.int64)
+        outputs = [self._scores, *(slot.output for slot in plan.cache)]
+        scores, *presents = self.backend.run(plan.step.name, feeds, outputs, host_outputs=(self._scores,))
+        return scores, DecoderCache({slot.input: v for slot, v in zip(plan.cache, presents)}, cache.rows)
+
+    def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
+        """Row r of the new cache is row ``rows[r]`` of the old one (beam reordering)."""
+        if rows.shape[0] == cache.rows and np.array_equal(rows, np.arange(cache.rows)):
+            return cache
+        return DecoderCache({k: self.backend.take(v, rows) for k, v in cache.arrays.items()}, int(rows.shape[0]))
+
+    def select(self, state: EncoderState, items: np.ndarray) -> EncoderState:
+        """Keep only batch items ``items`` of the per-input state (finished items leave the batch)."""
+        feeds = {k: self.backend.take(v, items) for k, v in state.feeds.items()}
+        return EncoderState(feeds, int(items.shape[0]), state.kept)
+
+    # -- accounting --------------------------------------------------------------------------
+    def state_bytes(self, state: EncoderState) -> int:
+        return sum(self.backend.nbytes(v) for v in state.feeds.values())
+
+    def cache_bytes(self, cache: DecoderCache) -> int:
+        return sum(self.backend.nbytes(v) for v in cache.arrays.values())
+
+
+def _resolve(source: str, available: dict, graph: str):
+    if source not in available:
+        role = source.partition(":")[2]
+        raise ElxError(f"graph {graph!r} needs {source!r}; provide the encoder input {role!r}")
+    return available[source]

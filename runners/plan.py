@@ -1,0 +1,120 @@
+"""The run plan: what the manifest says about running its graphs, read in one place.
+
+``RunPlan.from_manifest`` turns the manifest's graph descriptions into what a run needs to know:
+
+* the **stages**, run once per input at batch B (encoder, cross K/V projection), each input fed
+  from a user input (``input:<role>``) or an earlier stage's output (``<graph>:<output>``);
+* the **step** graph, run once per generated token, and where each of its inputs comes from:
+  the step's tokens (``step:input_ids``), the token history (``step:history``, for in-graph
+  n-gram blocking), the self-attention cache (``cache:<output>``: fed back from the step's own
+  output, empty along ``seq_axis`` at the first step), or per-input state computed once
+  (anything else, at batch B, shared by the beams of an item);
+* which step output holds the plain last-position logits, and, after the ``ngram`` pass, which
+  one holds log-softmaxed scores with n-grams of one fixed size blocked in the graph.
+
+Backends run graphs and move tensors; ``runners.model.Model`` follows this plan on a backend.
+Nothing here assumes an encoder exists, or that the encoder takes token ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ElxError
+from .manifest import Manifest
+
+STEP_TOKENS = "step:input_ids"
+STEP_HISTORY = "step:history"
+CACHE = "cache:"
+INPUT = "input:"
+KEPT = ("encoder:last_hidden_state",)  # stage outputs kept on the host after encoding (compare reads them)
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One graph input and where its value comes from."""
+
+    name: str
+    source: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    name: str
+    feeds: tuple[Feed, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    """A self-attention cache entry: step input ``input`` is fed from step output ``output`` of the last step."""
+
+    input: str
+    output: str
+    dtype: str
+    shape: tuple  # symbolic: "rows" for the row axis, ints for fixed sizes
+    seq_axis: int
+
+    def empty_shape(self, rows: int) -> list[int]:
+        return [rows if d == "rows" else (0 if i == self.seq_axis else int(d)) for i, d in enumerate(self.shape)]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    stages: tuple[GraphPlan, ...]
+    step: GraphPlan
+    token_input: str
+    history_input: str | None
+    state_feeds: tuple[Feed, ...]  # step inputs computed once per input (batch B)
+    cache: tuple[CacheSlot, ...]
+    logits: str  # the step output holding plain last-position logits [rows, vocab]
+    blocked: str | None  # the step output holding log-softmaxed, n-gram-blocked scores (the ngram pass)
+    ngram_size: int  # the n-gram size ``blocked`` blocks (0: no such output)
+    kept: tuple[str, ...]  # stage outputs kept on the host after encoding (for compare)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> "RunPlan":
+        graphs = manifest.graphs
+        stages = tuple(_graph_plan(name, graphs[name]) for name in manifest.stages)
+        step = _graph_plan(manifest.step, graphs[manifest.step])
+        by_source = {}
+        for feed in step.feeds:
+            by_source.setdefault(feed.source, []).append(feed)
+        tokens = by_source.get(STEP_TOKENS)
+        if not tokens or len(tokens) != 1:
+            raise ElxError(f"{_where(manifest)}: the step graph has no single {STEP_TOKENS} input; re-run 'elx export'")
+        history = by_source.get(STEP_HISTORY, [None])[0]
+        cache = tuple(CacheSlot(e["input"], e["output"], e.get("dtype", "float32"), tuple(e["shape"]), int(e["seq_axis"]))
+                      for e in manifest.cache_entries)
+        cached = {slot.input for slot in cache}
+        for feed in step.feeds:
+            if feed.source.startswith(CACHE) and feed.name not in cached:
+                raise ElxError(f"{_where(manifest)}: step input {feed.name} is fed from the cache but has no cache entry; "
+                               "re-run 'elx export'")
+        state = tuple(f for f in step.feeds if f.source not in (STEP_TOKENS, STEP_HISTORY)
+                      and not f.source.startswith(CACHE))
+        spec = graphs[manifest.step]
+        blocked = spec.get("blocked") or {}
+        kept = tuple(f"{s.name}:{o}" for s in stages for o in s.outputs if f"{s.name}:{o}" in KEPT)
+        return cls(stages, step, tokens[0].name, history.name if history else None, state, cache,
+                   spec.get("logits", "logits"), blocked.get("output"), int(blocked.get("ngram_size") or 0), kept)
+
+    @property
+    def graph_names(self) -> list[str]:
+        return [*(s.name for s in self.stages), self.step.name]
+
+    def reads_blocked(self, no_repeat_ngram_size: int | None) -> bool:
+        """Whether a run asking for ``no_repeat_ngram_size`` reads the graph's blocked scores.
+
+        The graph blocks exactly one n-gram size; a run asking for that size gets the graph's
+        work, any other size (0 included) reads the plain logits and blocks on the host."""
+        return self.blocked is not None and int(no_repeat_ngram_size or 0) == self.ngram_size
+
+
+def _graph_plan(name: str, spec: dict) -> GraphPlan:
+    feeds = tuple(Feed(inp, s["from"], s.get("dtype", "float32")) for inp, s in spec["inputs"].items())
+    return GraphPlan(name, feeds, tuple(spec["outputs"]))
+
+
+def _where(manifest: Manifest) -> str:
+    return str(manifest.folder or "this export")

@@ -5,7 +5,10 @@ pass sets × random generation settings and padded batches, elx on ONNX Runtime 
 ``generate``; a differing row is excused only where HF's own answer is unstable (eager fp32,
 sdpa fp32 and fp64 disagree), and excuses are counted, printed and bounded.
 ``test_differential_search``: random tiny configs, elx's search on HF's own float64 logits
-against HF ``generate(use_cache=False)`` on the same model: nothing excused.
+against HF ``generate(use_cache=False)`` on the same model.  The one numeric step the two do
+differently is the float32 log-softmax (numpy vs torch's vectorized kernel, a few ulps apart):
+a differing example is rerun with torch's log-softmax in elx's search, and counts as a
+rounding-decided near-tie (reported, bounded) only if it is then identical; otherwise it fails.
 
 CI runs a derandomized slice (a few minutes: three exported specs, fixed examples).  More:
 
@@ -53,6 +56,7 @@ def _report(stats: Stats, capsys) -> None:
     assert not stats.failures, stats.summary()
     assert stats.examples >= examples_floor(stats), stats.summary()
     assert stats.excused_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
+    assert stats.rounding_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
 
 
 def examples_floor(stats: Stats) -> int:

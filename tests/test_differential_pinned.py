@@ -83,3 +83,32 @@ def test_slim_exports_meet_the_tolerance_in_generation(pool, passes):
         report = compare_loaded(loaded.generator, loaded.model, inputs=GATED_SQUARE_INPUTS, variants=None,
                                 no_repeat_ngram_size=ngram, **options)
         assert report.logits_within_tolerance and report.encoder_within_tolerance, report.max_logits_diff
+
+
+# search-only, T5 (gated-gelu, tied, initializer_factor 4): CI slice of test_differential_search
+T5_TIED_PEAKED = {"vocab_size": 256, "d_model": 48, "d_kv": 16, "num_heads": 2, "d_ff": 64, "num_layers": 1,
+                  "num_decoder_layers": 1, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": True,
+                  "initializer_factor": 4.0, "relative_attention_num_buckets": 8}
+
+
+def test_search_near_tie_is_decided_by_log_softmax_rounding():
+    """Beams 5, 5 returned, no EOS reached: HF's 4th and 5th hypotheses score 1 float32 ulp apart
+    (-0x1.33dcbep-1, -0x1.33dcc0p-1); with elx's numpy log-softmax they tie exactly and come out
+    swapped.  The search itself is HF's: with torch's log-softmax in its place elx returns HF's rows
+    and scores bit for bit.  The differential test counts such examples apart (``rounding_*``)."""
+    from runners.generate import Generator
+    from tests.differential import SearchBackend, bare_manifest, torch_log_softmax
+
+    model = build_fp64("t5", 420, T5_TIED_PEAKED)
+    inputs = {"input_ids": np.array([[61, 128, 146, 92, 125]]), "attention_mask": np.ones((1, 5), np.int64)}
+    options = dict(num_beams=5, num_return_sequences=5, max_length=18, eos_token_id=4)
+    hf = _hf_generate(model, inputs, dict(options, use_cache=False))
+    generator = Generator(SearchBackend(model, bare_manifest(model)))
+    with torch_log_softmax():
+        assert np.array_equal(generator.generate(inputs, **options).sequences, hf)
+    numpy_ls = generator.generate(inputs, **options)
+    assert np.array_equal(numpy_ls.sequences[:3], hf[:3])
+    assert numpy_ls.sequences_scores[3] == numpy_ls.sequences_scores[4]  # the tie the rounding made
+    stats = Stats("pinned")
+    run_search_example(stats, "t5", 420, T5_TIED_PEAKED, inputs, dict(options, early_stopping="never"))
+    assert not stats.failures and stats.rounding_examples == 1, stats.summary()

@@ -189,27 +189,6 @@ def _refusing_pass(err: ElxError) -> str | None:
     return text[5:].split(":")[0].strip() if text.startswith("pass ") else None
 
 
-_SESSION_POOL: list = []
-
-
-@contextmanager
-def one_torch_thread():
-    """PyTorch on one thread: 4x less CPU for these tiny models on a busy 2-core machine (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def session_pool(tmp_path_factory, exported) -> ExportPool:
-    """One pool per test session, whichever module asks first (exports are the cost)."""
-    if not _SESSION_POOL:
-        _SESSION_POOL.append(ExportPool(tmp_path_factory.mktemp("differential"), shared_export=exported))
-    return _SESSION_POOL[0]
-
-
 # -- strategies ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelInfo:

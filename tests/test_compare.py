@@ -157,12 +157,11 @@ def test_fragile_rows_on_a_peaked_model(peaked_export):
 
 
 @pytest.fixture(scope="module")
-def peaked_export(tmp_path_factory, exported):
-    from tests.differential import SPECS, session_pool
+def peaked_export(differential_pool):
+    from tests.differential import SPECS
 
     spec = next(s for s in SPECS if s.name == "t5-fragile")
-    return session_pool(tmp_path_factory, exported).export(spec), dict(num_beams=3, num_return_sequences=2,
-                                                                       max_new_tokens=14)
+    return differential_pool.export(spec), dict(num_beams=3, num_return_sequences=2, max_new_tokens=14)
 
 
 def test_hf_variants_are_different_computations(model_folders):

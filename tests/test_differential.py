@@ -26,15 +26,14 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.differential import (EOS_MODES, SPECS, ModelInfo, Stats, batches, generation_options, pass_sets,
-                                random_configs, run_export_example, run_search_example, session_pool, uniform,
-                                one_torch_thread,
-                                with_ngram)
+                                random_configs, run_export_example, run_search_example, uniform, with_ngram)
 
 EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
 CI = EXAMPLES == 0
 EXPORT_EXAMPLES = EXAMPLES or 30
 SEARCH_EXAMPLES = int(os.environ.get("ELX_DIFF_SEARCH_EXAMPLES") or 0) or EXAMPLES or 200
 SEED = os.environ.get("ELX_DIFF_SEED")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # Where HF's own answer is unstable nothing can be concluded; such examples must stay a minority or the
 # test would stop testing anything.  Measured: a few percent over 2,000+ examples (see the commit notes).
 MAX_EXCUSED_FRACTION = 0.2
@@ -66,14 +65,8 @@ def examples_floor(stats: Stats) -> int:
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, exported):
-    return session_pool(tmp_path_factory, exported)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
+def pool(differential_pool):
+    return differential_pool
 
 
 def test_differential_exports(pool, capsys):

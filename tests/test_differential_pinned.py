@@ -10,7 +10,9 @@ import pytest
 
 from exporter.compare import _hf_generate, compare_loaded
 from runners.errors import ElxError
-from tests.differential import SPECS, Stats, build_fp64, one_torch_thread, run_search_example, session_pool
+from tests.differential import SPECS, Stats, build_fp64, run_search_example
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # search-only, Whisper: issue-10 differential run, ELX_DIFF_SEED=1
 WHISPER_TINY = {"vocab_size": 25, "d_model": 4, "encoder_attention_heads": 1, "decoder_attention_heads": 1,
@@ -46,14 +48,8 @@ def test_whisper_eos_list_keeps_the_final_eos():
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, exported):
-    return session_pool(tmp_path_factory, exported)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
+def pool(differential_pool):
+    return differential_pool
 
 
 # export, t5-gated-square (gated-gelu, untied head, logits up to ~15): CI slice, default derandomized seed
@@ -112,3 +108,24 @@ def test_search_near_tie_is_decided_by_log_softmax_rounding():
     stats = Stats("pinned")
     run_search_example(stats, "t5", 420, T5_TIED_PEAKED, inputs, dict(options, early_stopping="never"))
     assert not stats.failures and stats.rounding_examples == 1, stats.summary()
+
+
+# search-only, T5 (relu, untied, initializer_factor 4): long run, ELX_DIFF_SEED=2026
+T5_RELU_UNTIED = {"vocab_size": 359, "d_model": 16, "d_kv": 4, "num_heads": 2, "d_ff": 32, "num_layers": 1,
+                  "num_decoder_layers": 1, "feed_forward_proj": "relu", "tie_word_embeddings": False,
+                  "initializer_factor": 4.0, "relative_attention_num_buckets": 32}
+
+
+def test_done_item_with_tied_scores_gets_hf_later_merges():
+    """Item 0 is done at step 17 with two finished hypotheses of exactly equal score (one has an extra
+    token of log-prob 0.0).  elx dropped the item from the batch; HF ran one more merge for it, whose
+    ``torch.topk`` swapped the two equal scores (returned rows 1 and 2 came out swapped).  An item whose
+    finished scores tie now stays in the batch until HF's search stops.  Alone, the item passed."""
+    ids = np.array([[54, 201, 210, 34, 43, 340, 229, 75, 16, 323, 90, 272, 28, 321, 121],
+                    [50, 11, 344, 142, 264, 313, 151, 206, 179, 87, 248, 232, 229, 0, 0]])
+    inputs = {"input_ids": ids, "attention_mask": np.array([[1] * 15, [1] * 13 + [0, 0]])}
+    options = dict(num_beams=3, num_return_sequences=3, no_repeat_ngram_size=2, length_penalty=0.0,
+                   early_stopping="never", max_new_tokens=17, min_new_tokens=13, eos_token_id=351)
+    stats = Stats("pinned")
+    run_search_example(stats, "t5", 562, T5_RELU_UNTIED, inputs, options)
+    assert stats.identical_rows == stats.rows == 6 and not stats.failures, stats.summary()

@@ -176,6 +176,12 @@ def verify_rewrite(before: Manifest, after: Manifest, shapes=SHAPES, seed: int =
     return measure(reference, RuntimeSide(after, no_repeat_ngram_size), before, shapes, seed, past_from, expect)
 
 
+def worst_report(reports: list) -> dict:
+    """One report from several runs (e.g. at several seeds): the worst one's numbers, every shape listed.  NaN is worst."""
+    worst = max(reports, key=lambda r: r["max_abs_logits_diff"] if not np.isnan(r["max_abs_logits_diff"]) else np.inf)
+    return {**worst, "shapes": [s for r in reports for s in r["shapes"]]}
+
+
 def require_within_tolerance(report: dict, what: str) -> None:
     if not report["max_abs_logits_diff"] <= TOLERANCE:  # also catches NaN
         raise ElxError(f"{what}: max abs logits diff {report['max_abs_logits_diff']:.3g} exceeds {TOLERANCE:g}; "

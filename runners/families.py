@@ -46,6 +46,15 @@ class EncoderDecoderRules:
         """The options to pass HF ``generate`` so that it runs what elx runs (compare)."""
         return options
 
+    def output_fill(self, settings) -> int:
+        """The token HF pads finished rows with in what ``generate`` returns (-1: none; compare).
+
+        HF's beam search pads with ``pad_token_id or eos_token_id[0]``: a pad id of 0 (T5) is falsy
+        and gives the EOS (a quirk, mirrored); greedy search pads with ``pad_token_id``."""
+        if settings.num_beams > 1:
+            return int(settings.pad_token_id or settings.eos_token_id[0]) if settings.eos_token_id else -1
+        return int(settings.pad_token_id) if settings.pad_token_id is not None else -1
+
 
 class WhisperRules(EncoderDecoderRules):
     options = ("language", "task", "return_timestamps")
@@ -63,15 +72,34 @@ class WhisperRules(EncoderDecoderRules):
     def rows_per_input(self, settings):
         return settings.num_return_sequences * settings.input_repeats
 
+    def final_eos(self, settings) -> int | None:
+        """The EOS id HF Whisper cuts from the end of each returned row; None when it cuts none.
+
+        HF quirk, mirrored: ``generate_with_fallback`` compares each row's last token with
+        ``generation_config.eos_token_id`` in the form the caller gave it.  A list (even of one id)
+        makes ``tensor == list`` plain ``False`` in PyTorch: no final EOS is cut, and ``pad == eos``
+        never holds, so every pad token counts as padding.  Defaults from the manifest count as an
+        int (every Whisper checkpoint's config has one); ``settings.eos_listed`` records the form.
+        """
+        if settings.eos_listed or not settings.eos_token_id:
+            return None
+        return int(settings.eos_token_id[0])
+
     def output_sequences(self, sequences, settings):
         from .whisper import hf_sequences
 
-        return hf_sequences(sequences, settings)
+        return hf_sequences(sequences, settings, self.final_eos(settings))
 
     def full_sequences(self, hf_sequences, settings):
         from .whisper import full_sequences
 
-        return full_sequences(hf_sequences, settings)
+        # one more position (a pad token), so that the step after HF's last kept token (its cut EOS) is
+        # teacher-forced too, and an output of no tokens at all (EOS first) still has a step to check
+        forced = full_sequences(hf_sequences, settings)
+        return np.concatenate([forced, np.full((forced.shape[0], 1), settings.pad_token_id or 0, np.int64)], 1)
+
+    def output_fill(self, settings):
+        return int(settings.pad_token_id) if settings.pad_token_id is not None else -1
 
     def hf_options(self, manifest, options):
         from .whisper import hf_language

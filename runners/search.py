@@ -12,6 +12,8 @@ Two things differ, neither changes a token:
   finished ones, or ``early_stopping=True`` and all its beams are finished) is dropped from the
   batch: its rows leave the cache and the per-input state, so the decoder stops computing them.
   HF keeps computing them and discards the results (its masks guarantee they cannot enter).
+  Except where two of its finished scores are exactly equal: HF's later merges run ``torch.topk``
+  over them again, which may swap equal scores (it is not stable), so such an item stays.
 * Host work is numpy on arrays owned by the search (log-softmax and processors in place).
 
 Every top-k is ``runners.topk.topk``: ``torch.topk``'s CPU order, ties included.  Peaked models
@@ -39,6 +41,12 @@ class SearchResult:
     steps: int
     memory: list = field(default_factory=list)  # per step: {"state_bytes", "cache_bytes", "rows"}
     scores: np.ndarray | None = None  # beam search: HF's sequences_scores (length-penalized), per returned row
+
+
+def _has_ties(scores: np.ndarray) -> np.ndarray:
+    """Per row: whether two of its values are exactly equal."""
+    ordered = np.sort(scores, axis=1)
+    return (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
 
 
 def log_softmax_(x: np.ndarray) -> np.ndarray:
@@ -174,10 +182,14 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
             break
         item_done = ~unsatisfied[active, 0] | (is_finished[active].all(axis=1) & (early is True))
         rows = (np.arange(n)[:, None] * k + parents).reshape(-1)  # new row r comes from old row rows[r]
-        if item_done.any():
-            keep = np.flatnonzero(~item_done)
-            if keep.size == 0:
-                break
+        if item_done.all():
+            break
+        # HF goes on merging a done item's finished hypotheses every step (its candidates masked), and
+        # torch.topk may reorder exactly equal scores in each merge: an item whose finished scores tie stays
+        # in the batch, so that it gets the same merges; the others leave it (their order cannot change)
+        leave = item_done & ~_has_ties(beam_scores[active])
+        if leave.any():
+            keep = np.flatnonzero(~leave)
             state = model.select(state, keep)
             rows = rows.reshape(n, k)[keep].reshape(-1)
             active = active[keep]

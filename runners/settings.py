@@ -40,6 +40,9 @@ class GenerationSettings:
     begin_suppress_tokens: list | None = None
     decoder_prompt: list = field(default_factory=list)  # tokens after the start token (Whisper's lang/task)
     input_repeats: int = 1  # Whisper: HF runs num_return_sequences=r as r copies of each input (runners/whisper.py)
+    # the caller passed eos_token_id as a list (HF keeps the form it was given; Whisper's output depends on it:
+    # WhisperRules.output_sequences)
+    eos_listed: bool = False
 
     def prompt(self) -> list[int]:
         return [int(self.decoder_start_token_id), *map(int, self.decoder_prompt)]
@@ -94,6 +97,8 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
     for name, value in overrides.items():
         if value is not None:
             values[name] = _eos_list(value) if name == "eos_token_id" else value
+    if overrides.get("eos_token_id") is not None:
+        values["eos_listed"] = isinstance(overrides["eos_token_id"], (list, tuple))
     settings = GenerationSettings(**rules.resolve(manifest, values, extra))
     if settings.pad_token_id is None and settings.eos_token_id:
         settings.pad_token_id = settings.eos_token_id[0]

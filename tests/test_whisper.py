@@ -336,7 +336,7 @@ def check_transcription(folder, speech, beams):
     assert settings.prompt() == [50257, 50362]  # <|startoftranscript|> <|notimestamps|> (forced_decoder_ids)
     result = generator.generate({"input_features": speech["features"]}, settings=settings)
     elx = result.sequences  # HF Whisper's layout
-    assert np.array_equal(elx, hf_sequences(result.raw_sequences, settings))
+    assert np.array_equal(elx, hf_sequences(result.raw_sequences, settings, settings.eos_token_id[0]))
     hf = speech["hf"][beams]
     assert elx.shape == hf.shape and np.array_equal(elx, hf), (elx.tolist(), hf.tolist())
     texts = speech["tokenizer"].batch_decode(elx, skip_special_tokens=True)

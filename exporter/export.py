@@ -16,6 +16,7 @@ from runners.manifest import FORMAT, VERSION, Manifest
 from elx import __version__
 from .atomic import check_output, staged_folder
 from runners.errors import ElxError
+from .decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
 from .onnx_export import export_cross_kv, export_decoder, export_encoder
 from .passes import parse_passes
 from .sources import resolve_model
@@ -61,7 +62,7 @@ def base_manifest(model, family, source: dict) -> dict:
         defaults["language_codes"] = dict(TO_LANGUAGE_CODE)
     return {
         "format": FORMAT, "version": VERSION, "elx_version": __version__,
-        "family": family.name, "architecture": type(model).__name__, "is_encoder_decoder": True,
+        "family": family.name, "architecture": type(model).__name__, "is_encoder_decoder": family.is_encoder_decoder,
         "source": source, "dims": _dims(model, family),
         "tokens": {"decoder_start_token_id": gen.decoder_start_token_id, "eos_token_id": _as_list(gen.eos_token_id),
                    "pad_token_id": gen.pad_token_id, "bos_token_id": gen.bos_token_id},
@@ -122,22 +123,44 @@ def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
     return Path(target).absolute()
 
 
+def _check_decoder_only_options(family, requests, prompt_cache) -> str | None:
+    """The prompt cache form of a decoder-only export; refuses options that do not apply to the family."""
+    if family.is_encoder_decoder:
+        if prompt_cache is not None:
+            raise ElxError(f"--prompt-cache applies to decoder-only models; {family.name} is encoder-decoder "
+                           "(its cross-attention cache is always shared by the beams); drop the option")
+        return None
+    if requests:
+        raise ElxError(f"graph passes ({', '.join(r.name for r in requests)}) rewrite encoder-decoder exports; "
+                       f"{family.name} exports take none (the prompt is shared by the beams without one); drop --pass")
+    return prompt_cache or "shared"
+
+
 def export_model(model: str, output, random_init: bool = False, passes: str | None = None, seed: int = 0,
-                 force: bool = False, quiet: bool = False) -> Path:
+                 force: bool = False, quiet: bool = False, prompt_cache: str | None = None) -> Path:
+    """Export ``model``; ``prompt_cache`` (decoder-only models: "shared", the default, or "per-beam") picks
+    where the prompt's keys/values live (``exporter/decoder_only.py``)."""
     requests = parse_passes(passes)  # validate before any heavy work
+    if prompt_cache is not None and prompt_cache not in PROMPT_CACHE_FORMS:
+        raise ElxError(f"unknown --prompt-cache {prompt_cache!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
     output = check_output(Path(output), force)
     loaded = resolve_model(model, random_init=random_init, seed=seed)
+    form = _check_decoder_only_options(loaded.family, requests, prompt_cache)
     note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
     _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
     with staged_folder(output, force) as folder:
         data = base_manifest(loaded.model, loaded.family, loaded.source)
-        export_graphs(loaded.model, loaded.family, folder, data, quiet)
+        if form is None:
+            export_graphs(loaded.model, loaded.family, folder, data, quiet)
+        else:
+            export_decoder_only(loaded.model, loaded.family, folder, data, form, lambda m: _log(m, quiet))
         manifest = Manifest(data, folder)
         report = verify_export(loaded.model, manifest)
         require_within_tolerance(report, "exported graphs vs PyTorch")
         data["verification"]["export"] = report
-        _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}, "
-             f"encoder {report['max_abs_encoder_diff']:.2e}", quiet)
+        encoder = (f", encoder {report['max_abs_encoder_diff']:.2e}" if "max_abs_encoder_diff" in report
+                   else " (prefill and step)")
+        _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}{encoder}", quiet)
         run_passes(folder, manifest, requests, quiet)
         data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
         manifest.save(folder)

@@ -39,12 +39,15 @@ def test_unknown_preset(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
-    code, _, err = run_elx("export", "--model", str(tmp_path / "gpt2"), "--output", str(tmp_path / "out"))
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=50)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    code, _, err = run_elx("export", "--model", str(tmp_path / "llama"), "--output", str(tmp_path / "out"))
     line = one_line_error(err)
-    assert code == 2 and "GPT2LMHeadModel" in line and "T5ForConditionalGeneration" in line
+    assert code == 2 and "LlamaForCausalLM" in line and "GPT2LMHeadModel" in line
+    assert "T5ForConditionalGeneration" in line
     assert no_leftovers(tmp_path, "out")
 
 

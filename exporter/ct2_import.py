@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import output_path, staged_folder
 from .ct2_format import Ct2Files, Ct2Model, locate_ct2_files, read_ct2_model, resolve
 from runners.errors import ElxError
 
@@ -429,23 +427,6 @@ def _check_output_dir(out: Path) -> None:
         raise ElxError(f"output {out} already exists and is not empty: choose a new folder or delete it")
 
 
-@contextmanager
-def _staging_dir(out: Path):
-    """A temporary folder beside ``out``, renamed to ``out`` only if the block succeeds."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.partial"
-    staging.mkdir()  # not mkdtemp: the folder keeps the usual (umask) permissions
-    try:
-        yield staging
-        _check_output_dir(out)
-        if out.exists():
-            out.rmdir()
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -472,7 +453,7 @@ def import_ct2(source: str | Path, output_dir: str | Path) -> Path:
     Returns the output folder.  Nothing is left behind on failure: files are written to a
     temporary folder beside ``output_dir`` that is renamed into place at the end.
     """
-    out = Path(output_dir).expanduser().absolute()
+    out = output_path(output_dir)
     _check_output_dir(out)
     files: Ct2Files = locate_ct2_files(source)
     tokenizer_path = files.side_file("tokenizer.json")
@@ -486,7 +467,7 @@ def import_ct2(source: str | Path, output_dir: str | Path) -> Path:
         raise ElxError(
             f"{tokenizer_path} does not match the model ({dims.vocab_size} tokens): use this model's tokenizer.json"
         )
-    with _staging_dir(out) as staging:
+    with staged_folder(out) as staging:
         _write_weights(staging / "model.safetensors", tensors)
         _write_json(staging / "config.json", model_config(dims, tokens, ct2_config, tied))
         _write_json(staging / "generation_config.json", generation_config(dims, tokens, ct2_config))

@@ -14,11 +14,11 @@ from pathlib import Path
 from runners.manifest import FORMAT, VERSION, Manifest
 
 from elx import __version__
-from .atomic import check_output, staged_folder
+from .atomic import check_output, output_path, staged_folder
 from runners.errors import ElxError
 from .decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
 from .onnx_export import export_cross_kv, export_decoder, export_encoder
-from .passes import parse_passes
+from .passes import check_not_applied, parse_passes
 from .sources import resolve_model
 from .verify import require_within_tolerance, verify_export
 
@@ -115,12 +115,13 @@ def run_passes(folder: Path, manifest: Manifest, requests: list, quiet: bool = T
 def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
     """Apply ``passes`` to a copy of the export in ``source``; ``target`` appears only on success."""
     requests = parse_passes(passes)
-    with staged_folder(Path(target), force=True) as folder:
+    with staged_folder(target, force=True) as folder:
         shutil.copytree(source, folder, dirs_exist_ok=True)
         manifest = Manifest.load(folder)
+        check_not_applied(requests, manifest.pass_names())
         run_passes(folder, manifest, requests, quiet)
         manifest.save(folder)
-    return Path(target).absolute()
+    return output_path(target)
 
 
 def _check_decoder_only_options(family, requests, prompt_cache) -> str | None:
@@ -143,12 +144,12 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
     requests = parse_passes(passes)  # validate before any heavy work
     if prompt_cache is not None and prompt_cache not in PROMPT_CACHE_FORMS:
         raise ElxError(f"unknown --prompt-cache {prompt_cache!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
-    output = check_output(Path(output), force)
-    loaded = resolve_model(model, random_init=random_init, seed=seed)
-    form = _check_decoder_only_options(loaded.family, requests, prompt_cache)
-    note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
-    _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
-    with staged_folder(output, force) as folder:
+    output = check_output(output, force)
+    with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
+        loaded = resolve_model(model, random_init=random_init, seed=seed)
+        form = _check_decoder_only_options(loaded.family, requests, prompt_cache)
+        note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
+        _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
         data = base_manifest(loaded.model, loaded.family, loaded.source)
         if form is None:
             export_graphs(loaded.model, loaded.family, folder, data, quiet)

@@ -59,18 +59,52 @@ def _cached_folder(model_id: str) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
-def _architecture_of(folder: Path) -> str:
+# config.json entries that are model sizes: each must be a positive integer when present
+DIMENSIONS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+              "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
+              "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings", "num_mel_bins", "max_source_positions",
+              "max_target_positions", "relative_attention_num_buckets", "hidden_size", "num_attention_heads",
+              "num_hidden_layers")
+
+
+def _read_config(folder: Path) -> dict:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ElxError(f"{folder} has no config.json; pass a folder written by save_pretrained")
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ElxError(f"{config_path} is not valid JSON ({err}); re-save the model with save_pretrained")
+    if not isinstance(config, dict):
+        raise ElxError(f"{config_path} holds a JSON {type(config).__name__}, not an object; re-save the model with "
+                       "save_pretrained")
+    return config
+
+
+def _check_dimensions(config: dict, config_path: Path) -> None:
+    for name in DIMENSIONS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ElxError(f"{config_path}: {name} is {value!r}; model sizes must be positive integers: fix "
+                           "config.json or re-save the model with save_pretrained")
+
+
+def _architecture_of(folder: Path) -> str:
+    config = _read_config(folder)
+    config_path = folder / "config.json"
     architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ElxError(f"{config_path}: architectures is {architectures!r}, not a list of class names; re-save the "
+                       "model with save_pretrained")
     if not architectures:
         raise ElxError(f"{config_path} names no architecture; re-save the model with save_pretrained")
+    _check_dimensions(config, config_path)
     return architectures[0]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def _load_folder(folder: Path, random_init: bool, seed: int) -> tuple[torch.nn.Module, Family]:
@@ -84,8 +118,9 @@ def _load_folder(folder: Path, random_init: bool, seed: int) -> tuple[torch.nn.M
             model = model_cls(config)
         else:
             model = model_cls.from_pretrained(folder, local_files_only=True)
-    except OSError as err:
-        raise ElxError(f"cannot load the model in {folder}: {str(err).splitlines()[0]}")
+    except Exception as err:  # noqa: BLE001 - truncated weights, bad config values: transformers raises many types
+        raise ElxError(f"cannot load the model in {folder} ({type(err).__name__}: {_first_line(err)}); check its "
+                       "files or re-save it with save_pretrained") from None
     return model.eval(), family
 
 
@@ -101,6 +136,9 @@ def _load_preset(preset: dict, seed: int) -> tuple[torch.nn.Module, Family]:
 def resolve_model(spec: str, random_init: bool = False, seed: int = DEFAULT_SEED) -> LoadedModel:
     """Load ``spec``: a local folder, a hub id in the local cache, or (``random_init``) a preset."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not str(spec).strip():
+        raise ElxError("--model is empty; pass a local HF folder, a hub id in the local cache, or a preset name with "
+                       f"--random-init (presets: {', '.join(preset_names())})")
     folder = Path(spec).expanduser()
     if folder.is_dir():
         model, family = _load_folder(folder, random_init, seed)

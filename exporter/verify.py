@@ -172,7 +172,8 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     both_blocked = np.isneginf(a) & np.isneginf(b)
     if not np.array_equal(np.isneginf(a), np.isneginf(b)):
         return float("inf")  # different tokens blocked
-    return float(np.where(both_blocked, 0.0, np.abs(a.astype(np.float64) - b)).max())
+    a, b = np.where(both_blocked, 0.0, a.astype(np.float64)), np.where(both_blocked, 0.0, b.astype(np.float64))
+    return float(np.abs(a - b).max())
 
 
 def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int = 0, past_from=None,
@@ -181,7 +182,7 @@ def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int =
 
     ``past_from(past) -> past`` maps the reference's random past to the candidate's cache layout;
     ``expect(scores, case) -> scores`` maps the reference's scores to what the candidate returns."""
-    worst, worst_encoder, per_shape = 0.0, None, []
+    worst, worst_encoder, per_shape, scale = 0.0, None, [], 0.0
     for shape in shapes:
         case = make_case(manifest, shape, seed)
         past = dict(case.past)
@@ -194,12 +195,14 @@ def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int =
             entry["banned"] = int(np.isneginf(ref).sum())  # how much blocking the check really saw
         diff = _max_abs_diff(got, ref)
         entry["max_abs_logits_diff"] = diff
+        finite = ref[np.isfinite(ref)]
+        scale = max(scale, float(np.abs(finite).max()) if finite.size else 0.0)
         if ref_encoder is not None and got_encoder is not None:
             entry["max_abs_encoder_diff"] = _max_abs_diff(got_encoder, ref_encoder)
             worst_encoder = max(worst_encoder or 0.0, entry["max_abs_encoder_diff"])
         worst = max(worst, diff) if not np.isnan(diff) else float("nan")
         per_shape.append(entry)
-    report = {"max_abs_logits_diff": worst, "shapes": per_shape, "tolerance": TOLERANCE}
+    report = {"max_abs_logits_diff": worst, "max_abs_reference": scale, "shapes": per_shape, "tolerance": TOLERANCE}
     if worst_encoder is not None:
         report["max_abs_encoder_diff"] = worst_encoder
     return report

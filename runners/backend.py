@@ -51,6 +51,12 @@ class Backend(ABC):
     def zeros(self, shape: list[int], dtype: str):
         return self.to_device(np.zeros(shape, dtype=DTYPES[dtype]))
 
+    def adapt(self, plan):
+        """The run plan for what this backend's build of the graphs does (default: what the manifest says).
+
+        E.g. a TensorRT engine built with n-gram blocking left to the host has no blocked output."""
+        return plan
+
 
 @dataclass
 class EncoderState:

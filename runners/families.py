@@ -36,6 +36,10 @@ class EncoderDecoderRules:
         """The id padding rows of different lengths."""
         return manifest.tokens.get("pad_token_id") or 0
 
+    def prompt_length(self, settings) -> int | None:
+        """The decoder prompt's length when the settings fix it (None: the inputs set it)."""
+        return len(settings.prompt())
+
     def prompt(self, inputs: dict, settings) -> np.ndarray:
         """The decoder prompt of each input [B, P] (int64): the start token (and Whisper's task tokens) for all."""
         batch = int(next(iter(inputs.values())).shape[0])
@@ -114,6 +118,9 @@ class DecoderOnlyRules(EncoderDecoderRules):
         pad = manifest.tokens.get("pad_token_id")
         eos = manifest.tokens.get("eos_token_id") or []
         return int(pad) if pad is not None else (int(eos[0]) if eos else 0)
+
+    def prompt_length(self, settings):
+        return None  # the prompt is the user's input
 
     def prompt(self, inputs, settings):
         return np.ascontiguousarray(inputs["input_ids"], dtype=np.int64)

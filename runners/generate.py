@@ -22,6 +22,7 @@ from .processors import build_processors
 from .search import beam_search, greedy_search
 from .settings import GenerationSettings, resolve_settings
 from .text import Text, pad_rows
+from .validation import check_encoder_inputs, check_memory
 
 BACKENDS = ("ort", "ort-io", "tensorrt")
 
@@ -114,21 +115,25 @@ class Generator:
 
     def generate(self, inputs: dict | None = None, *, text=None, audio=None, input_ids=None, attention_mask=None,
                  input_features=None, settings: GenerationSettings | None = None, track_memory: bool = False,
-                 **options) -> GenerationOutput:
-        """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, ...)."""
+                 decode: bool = True, **options) -> GenerationOutput:
+        """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, ...).
+
+        ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
+        writer thread)."""
         settings = settings or self.settings(**options)
         inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
                                      audio=audio, input_features=input_features)
         inputs = self.rules.prepare_inputs(_check_inputs(self.manifest, inputs), settings)
         self.rules.check_lengths(self.manifest, inputs, settings)
         prompt = self.rules.prompt(inputs, settings)
+        check_memory(self.manifest, settings, inputs, prompt.shape[1])  # runners/validation.py: refuse what cannot fit
         model = self.model.for_run(settings.no_repeat_ngram_size)
         processors = build_processors(settings, prompt.shape[1], graph_blocks_ngrams=model.returns_log_probs)
         state = model.encode(inputs)
         search = greedy_search if settings.num_beams == 1 else beam_search
         result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt)
         sequences = self.rules.output_sequences(result.sequences, settings)
-        text_out = self.text.decode(sequences) if self.text is not None else None
+        text_out = self.text.decode(sequences) if decode and self.text is not None else None
         return GenerationOutput(sequences, result.scores, text_out, result.sequences, settings, result.steps,
                                 result.memory)
 
@@ -149,4 +154,5 @@ def _check_inputs(manifest: Manifest, inputs: dict) -> dict:
         if shape and len(actual) != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, actual)):
             expected_shape = ", ".join(str(d) for d in shape)
             raise ElxError(f"encoder input {role!r} has shape {list(actual)}; this model takes [{expected_shape}]")
+    check_encoder_inputs(manifest, out)  # runners/validation.py: token ids in the vocabulary, lengths, values
     return out

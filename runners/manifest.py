@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runners.errors import ElxError
+from runners.validation import check_manifest
 
 FORMAT = "elx-manifest"
 VERSION = 1
@@ -60,6 +61,7 @@ class Manifest:
             raise ElxError(f"{where} is corrupted (missing {', '.join(missing)}); re-run 'elx export'")
         if self.data["version"] != VERSION:
             raise ElxError(f"{where} has version {self.data['version']}, this elx reads {VERSION}; re-export")
+        check_manifest(self.data, where)  # runners/validation.py: types of the entries, cache layout, sources
         for name in [*self.stages, self.step]:
             graph = self.data["graphs"].get(name)
             if not isinstance(graph, dict) or "file" not in graph or "inputs" not in graph:

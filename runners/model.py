@@ -33,7 +33,7 @@ from .prompt import Prompt
 class Model:
     def __init__(self, manifest: Manifest, backend: Backend, plan: RunPlan | None = None):
         self.manifest, self.backend = manifest, backend
-        self.plan = plan or RunPlan.from_manifest(manifest)
+        self.plan = backend.adapt(plan or RunPlan.from_manifest(manifest))
         self._scores = self.plan.logits
         self.returns_log_probs = False  # the scores read are log-softmaxed with n-grams blocked (ngram pass)
 

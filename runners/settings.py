@@ -13,6 +13,7 @@ from runners.errors import ElxError
 
 from .families import RULES, rules_for
 from .manifest import Manifest
+from .validation import check_settings
 
 HF_DEFAULT_MAX_LENGTH = 20
 _UNSUPPORTED = {"do_sample": False, "repetition_penalty": 1.0, "bad_words_ids": None,
@@ -76,7 +77,7 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
     extra = {name: overrides.pop(name, None) for name in rules.options}
     for name, value in overrides.items():
         if name not in _NAMES and value is not None:
-            owners = sorted(family for family, r in RULES.items() if name in r.options)
+            owners = sorted(family.capitalize() for family, r in RULES.items() if name in r.options)
             if owners:
                 raise ElxError(f"generation option {name!r} applies to {', '.join(owners)} models only")
             raise ElxError(f"unknown generation option {name!r}")
@@ -96,12 +97,13 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
     settings = GenerationSettings(**rules.resolve(manifest, values, extra))
     if settings.pad_token_id is None and settings.eos_token_id:
         settings.pad_token_id = settings.eos_token_id[0]
-    _validate(settings)
     rules.validate(settings)
+    _validate(settings, rules.prompt_length(settings))
     return settings
 
 
-def _validate(s: GenerationSettings) -> None:
+def _validate(s: GenerationSettings, prompt_len: int | None) -> None:
+    check_settings(s, prompt_len)  # runners/validation.py: types, ranges, total length vs the model's positions
     if s.input_repeats < 1:
         raise ElxError(f"input_repeats must be >= 1, got {s.input_repeats}")
     if s.num_beams < 1:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ElxError
+from .validation import check_token_rows
 
 TOKENIZER_DIR = "tokenizer"
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
@@ -76,6 +77,7 @@ def pad_rows(rows: list[list[int]], pad: int, side: str = "right") -> dict:
     (right for encoder inputs, left for decoder-only prompts)."""
     if not rows or not all(len(r) for r in rows):
         raise ElxError("no input tokens given (an empty row); pass token ids or text")
+    check_token_rows(rows)  # runners/validation.py: ids that do not fit in int64
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), pad, dtype=np.int64)
     mask = np.zeros((len(rows), width), dtype=np.int64)

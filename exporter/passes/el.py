@@ -47,6 +47,7 @@ from .rewrite import (Builder, commit, constant_value, linear_before, load_graph
 
 NAME = "el"
 ORDER = 10
+CONFLICTS = {"slim-cross": "el removes the cross-attention cache that slim-cross shrinks"}
 ENCODER_INPUT = "encoder_hidden_states"
 
 
@@ -183,10 +184,14 @@ def _layer_inputs(manifest: Manifest) -> list[tuple[str, str, str, str]]:
     return pairs
 
 
+def parse_argument(text: str | None) -> None:
+    if text:
+        raise ElxError(f"pass el takes no argument (got {text!r}); use --pass el")
+
+
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     refuse_twice(manifest, NAME)
-    if argument:
-        raise ElxError(f"pass el takes no argument (got {argument!r}); use --pass el")
+    parse_argument(argument)
     if "slim-cross" in manifest.pass_names():
         raise ElxError("pass el removes the cross-attention cache that slim-cross shrinks; use one of them")
     pairs = _layer_inputs(manifest)

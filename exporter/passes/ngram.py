@@ -40,6 +40,7 @@ from .rewrite import Builder, commit, load_graph, pass_file, refuse_twice, save_
 
 NAME = "ngram"
 ORDER = 90  # last: it consumes the final logits
+CONFLICTS: dict = {}
 HISTORY_INPUT = "decoder_input_ids_history"
 OUTPUT = "log_probs"
 

@@ -78,6 +78,7 @@ from .slim_math import COND_LIMIT, FP16_NOTE, Analysis, Projection, Unfit, analy
 
 NAME = "slim"
 ORDER = 20
+CONFLICTS: dict = {}
 
 
 # -- graph structure ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from .atomic import check_output, output_path, staged_folder
 from runners.errors import ElxError
 from .decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
 from .onnx_export import export_cross_kv, export_decoder, export_encoder
-from .passes import check_not_applied, parse_passes
+from .passes import check_model_kind, check_not_applied, parse_passes
 from .sources import resolve_model
 from .verify import require_within_tolerance, verify_export
 
@@ -118,22 +118,20 @@ def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
     with staged_folder(target, force=True) as folder:
         shutil.copytree(source, folder, dirs_exist_ok=True)
         manifest = Manifest.load(folder)
+        check_model_kind(requests, manifest.family, manifest.data.get("is_encoder_decoder", True))
         check_not_applied(requests, manifest.pass_names())
         run_passes(folder, manifest, requests, quiet)
         manifest.save(folder)
     return output_path(target)
 
 
-def _check_decoder_only_options(family, requests, prompt_cache) -> str | None:
-    """The prompt cache form of a decoder-only export; refuses options that do not apply to the family."""
+def _check_decoder_only_options(family, prompt_cache) -> str | None:
+    """The prompt cache form of a decoder-only export (None for encoder-decoder models, which refuse the option)."""
     if family.is_encoder_decoder:
         if prompt_cache is not None:
             raise ElxError(f"--prompt-cache applies to decoder-only models; {family.name} is encoder-decoder "
                            "(its cross-attention cache is always shared by the beams); drop the option")
         return None
-    if requests:
-        raise ElxError(f"graph passes ({', '.join(r.name for r in requests)}) rewrite encoder-decoder exports; "
-                       f"{family.name} exports take none (the prompt is shared by the beams without one); drop --pass")
     return prompt_cache or "shared"
 
 
@@ -147,7 +145,8 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
     output = check_output(output, force)
     with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
         loaded = resolve_model(model, random_init=random_init, seed=seed)
-        form = _check_decoder_only_options(loaded.family, requests, prompt_cache)
+        check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder)
+        form = _check_decoder_only_options(loaded.family, prompt_cache)
         note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
         _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
         data = base_manifest(loaded.model, loaded.family, loaded.source)

@@ -243,16 +243,29 @@ def test_ragged_input_ids_are_left_padded_like_hf(gpt2):
     np.testing.assert_array_equal(out.sequences, hf)
 
 
-def test_export_refuses_passes_and_prompt_cache_elsewhere(gpt2, tmp_path, model_folders):
+@pytest.mark.parametrize("name", ["el", "slim-cross", "slim", "ngram=3"])
+def test_passes_refuse_decoder_only_exports(gpt2, tmp_path, name):
+    """Every pass rewrites encoder-decoder graphs: on a GPT-2 export (or at its export) it refuses in one line."""
+    from exporter.export import apply_passes, export_model
+
+    pass_name = name.partition("=")[0]
+    with pytest.raises(ElxError, match=f"pass {pass_name} does not apply to gpt2 exports .decoder-only.") as info:
+        apply_passes(gpt2["shared"], tmp_path / "x", name)
+    assert "\n" not in str(info.value) and "drop it from --pass" in str(info.value)
+    if name == "el":
+        with pytest.raises(ElxError, match="does not apply to gpt2"):
+            export_model(str(gpt2["folder"]), tmp_path / "y", passes=name, quiet=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_export_refuses_prompt_cache_elsewhere(gpt2, tmp_path, model_folders):
     from exporter.export import export_model
 
-    with pytest.raises(ElxError, match="drop --pass"):
-        export_model(str(gpt2["folder"]), tmp_path / "x", passes="el", quiet=True)
     with pytest.raises(ElxError, match="decoder-only"):
         export_model(str(model_folders["t5"]), tmp_path / "y", quiet=True, prompt_cache="per-beam")
     with pytest.raises(ElxError, match="prompt-cache"):
         export_model(str(gpt2["folder"]), tmp_path / "z", quiet=True, prompt_cache="sometimes")
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
 
 def test_presets():

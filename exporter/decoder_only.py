@@ -56,12 +56,15 @@ def _presents(cache) -> list:
     return out
 
 
-class PrefillGraph(_Graph):
-    """The prompt [B, P] → last-position logits [B, vocab] and the prompt's keys/values [B, h, P, d_k]."""
-
+class _DecoderOnlyGraph(_Graph):
     def __init__(self, model, family: Family):
         super().__init__(model, family)
         self.model = model
+        self.layers = family.dims(model.config)["num_decoder_layers"]
+
+
+class PrefillGraph(_DecoderOnlyGraph):
+    """The prompt [B, P] → last-position logits [B, vocab] and the prompt's keys/values [B, h, P, d_k]."""
 
     def forward(self, input_ids, attention_mask, position_ids):
         width = input_ids.shape[1]
@@ -72,13 +75,8 @@ class PrefillGraph(_Graph):
         return (out.logits[:, -1, :], *_presents(out.past_key_values))
 
 
-class PerBeamStepGraph(_Graph):
+class PerBeamStepGraph(_DecoderOnlyGraph):
     """One token per row over the per-row cache [rows, h, P + G, d_k] (prompt and generated parts)."""
-
-    def __init__(self, model, family: Family):
-        super().__init__(model, family)
-        self.model = model
-        self.layers = family.dims(model.config)["num_decoder_layers"]
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         cache = DynamicCache([(past[2 * i], past[2 * i + 1]) for i in range(self.layers)])
@@ -88,13 +86,8 @@ class PerBeamStepGraph(_Graph):
         return (out.logits[:, -1, :], *_presents(out.past_key_values))
 
 
-class SharedPromptStepGraph(_Graph):
+class SharedPromptStepGraph(_DecoderOnlyGraph):
     """One token per row: the prompt's keys/values at batch B (shared by the beams), generated ones per row."""
-
-    def __init__(self, model, family: Family):
-        super().__init__(model, family)
-        self.model = model
-        self.layers = family.dims(model.config)["num_decoder_layers"]
 
     def forward(self, input_ids, position_ids, prompt_attention_mask, *flat):
         n = self.layers

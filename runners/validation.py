@@ -134,7 +134,7 @@ def check_settings(s, prompt_len: int | None) -> None:
 
     ``prompt_len``: the decoder prompt's length, or None when the inputs set it (decoder-only models: the
     prompt is the input; ``runners.families.DecoderOnlyRules.check_lengths`` checks lengths once it is known)."""
-    check_int("decoder_start_token_id", s.decoder_start_token_id, 0, optional=prompt_len is None)
+    check_int("decoder_start_token_id", s.decoder_start_token_id, 0, optional=True)  # required by the family's rules
     check_int("num_beams", s.num_beams, 1)
     check_int("num_return_sequences", s.num_return_sequences, 1)
     check_int("input_repeats", s.input_repeats, 1)

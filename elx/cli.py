@@ -114,6 +114,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-init", action="store_true", help="build the architecture with seeded random weights")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of --random-init weights (default 0)")
     p.add_argument("--pass", dest="passes", default=None, help="graph passes, comma-separated: el, slim, ...")
+    p.add_argument("--prompt-cache", choices=("shared", "per-beam"), default=None,
+                   help="decoder-only models (GPT-2): the prompt's K/V once per input, read by all beams (shared, "
+                        "default) or copied per beam like HF (per-beam; for verification and measurement)")
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty; see --force)")
     p.add_argument("--precision", default="fp32", help="fp32 (default) or fp16: weight MatMuls, caches and per-input "
                                                        "state in fp16, checked against fp32 (exporter/precision.py)")
@@ -125,7 +128,8 @@ def cmd_export(args) -> int:
     from exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
-                 force=args.force, quiet=args.quiet, precision=args.precision)
+                 force=args.force, quiet=args.quiet, precision=args.precision,
+                 prompt_cache=args.prompt_cache)
     return 0
 
 
@@ -230,6 +234,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--random-init", action="store_true")
     p.add_argument("--pass-sets", default="baseline|el",
                    help="pass sets separated by spaces or '|', e.g. 'baseline|el|slim|el,slim'")
+    p.add_argument("--prompt-cache", default=None,
+                   help="decoder-only models: prompt cache forms to compare, e.g. 'shared|per-beam' (default shared)")
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--input-length", type=positive_int, default=256)
     p.add_argument("--num-beams", type=positive_int, default=4)
@@ -268,7 +274,8 @@ def cmd_bench(args) -> int:
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
                              repeats=args.repeats, threads=args.threads, device=args.device)
-    folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports")
+    forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
+    folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms)
     out = work / "results"
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep in ("none", "all"):

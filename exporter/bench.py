@@ -149,32 +149,52 @@ def generation_flops(dims: dict, ffn: int, batch: int, source: int, beams: int, 
     return float(encoder + cross_kv + decoder)
 
 
+def decoder_only_flops(dims: dict, ffn: int, batch: int, prompt: int, beams: int, new_tokens: int) -> float:
+    """FLOPs of a decoder-only generation: the prompt once per input, then cached steps per row."""
+    d, inner, layers = dims["d_model"], dims["num_heads"] * dims["d_kv"], dims["num_decoder_layers"]
+    ffn_flops = 2 * 2 * d * ffn
+    prefill = batch * prompt * layers * (4 * 2 * d * inner + 2 * 2 * prompt * inner / 2 + ffn_flops)
+    prefill += batch * 2 * d * dims["vocab_size"]  # the last position's logits
+    rows, decode = batch * beams, 0.0
+    for step in range(1, new_tokens):
+        seen = prompt + step
+        decode += rows * (layers * (4 * 2 * d * inner + 2 * 2 * seen * inner + ffn_flops) + 2 * d * dims["vocab_size"])
+    return float(prefill + decode)
+
+
 def _ffn_of(config) -> tuple[int, bool]:
+    if getattr(config, "model_type", None) == "gpt2":
+        return int(config.n_inner or 4 * config.n_embd), False
     ffn = getattr(config, "d_ff", None) or getattr(config, "decoder_ffn_dim", None) or 4 * config.d_model
     gated = "gated" in str(getattr(config, "feed_forward_proj", ""))
     return int(ffn), gated
 
 
 def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Path, seed: int = 0,
-                   quiet: bool = True) -> list[Path]:
-    """Export ``model`` once per pass set into ``work`` (reused when an export with the same source exists)."""
+                   quiet: bool = True, prompt_caches: list | None = None) -> list[Path]:
+    """Export ``model`` once per pass set (and, for decoder-only models, prompt cache form: None is the
+    default, shared) into ``work``; reused when an export with the same source exists."""
     from exporter.export import export_model
 
     folders = []
-    for passes in pass_sets:
-        folder = work / (passes.replace(",", "+").replace("=", "") if passes else "baseline")
-        wanted = sorted(p.split("=")[0] for p in (passes or "").split(",") if p)
-        manifest = folder / "manifest.json"
-        if manifest.is_file():
-            data = json.loads(manifest.read_text())
-            source = data.get("source", {})
-            if (source.get("model") == model and source.get("random_init") == random_init
-                    and source.get("seed") == (seed if random_init else None)
-                    and sorted(p["name"] for p in data.get("passes", [])) == wanted):
-                folders.append(folder)
-                continue
-        folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
-                                    force=True, quiet=quiet))
+    for form in prompt_caches or [None]:
+        for passes in pass_sets:
+            name = passes.replace(",", "+").replace("=", "") if passes else "baseline"
+            folder = work / (name + (f"-prompt-{form}" if form else ""))
+            wanted = sorted(p.split("=")[0] for p in (passes or "").split(",") if p)
+            manifest = folder / "manifest.json"
+            if manifest.is_file():
+                data = json.loads(manifest.read_text())
+                source = data.get("source", {})
+                kind = data.get("cache", {}).get("prompt", {}).get("kind")
+                if (source.get("model") == model and source.get("random_init") == random_init
+                        and source.get("seed") == (seed if random_init else None)
+                        and sorted(p["name"] for p in data.get("passes", [])) == wanted
+                        and kind == {None: kind, "shared": "beam-shared", "per-beam": "per-beam"}[form]):
+                    folders.append(folder)
+                    continue
+            folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
+                                        force=True, quiet=quiet, prompt_cache=form))
     return folders
 
 
@@ -210,7 +230,8 @@ class Ct2Peer:
 
 
 def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, work: Path | None = None,
-              log=print) -> dict:
+              log=print, peers: dict | None = None) -> dict:
+    """``peers``: more systems, name → ``fn(inputs) -> sequences`` in HF's layout, timed in the same rounds."""
     import torch
 
     from exporter.sources import reload_model
@@ -237,6 +258,9 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
     systems = {"HF generate (PyTorch)": (hf, None)}
     for g in generators:
         name = "elx " + ("+".join(g.manifest.pass_names()) or "baseline")
+        prompt = g.manifest.data["cache"].get("prompt")
+        if prompt:  # decoder-only: where the prompt's K/V live
+            name += f" (prompt {prompt['kind']})"
         systems[name] = ((lambda g=g: g.generate(inputs, **options).sequences), g)
     if ct2:
         try:
@@ -245,6 +269,9 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
             systems[peer.name] = ((lambda: peer.generate(inputs, settings)), None)
         except Exception as err:  # noqa: BLE001 - an optional peer
             log(f"bench: CTranslate2 unavailable ({type(err).__name__}: {str(err)[:120]}); skipped")
+
+    for name, fn in (peers or {}).items():
+        systems[name] = ((lambda fn=fn: fn(inputs)), None)
 
     results, reference = {}, None
     for name, (fn, gen) in systems.items():  # warm-up: tokens and live state
@@ -266,8 +293,12 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
         for name, (fn, _) in systems.items():
             results[name].seconds.append(_timed(fn))
     ffn, gated = _ffn_of(model.config)
-    flops = generation_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
-                             settings.new_tokens, gated)
+    if manifest.data.get("is_encoder_decoder", True):
+        flops = generation_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
+                                 settings.new_tokens, gated)
+    else:
+        flops = decoder_only_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
+                                   settings.new_tokens)
     peak = matmul_peak(settings.threads) if settings.device == "cpu" else _cuda_matmul_peak()
     hf_median = statistics.median(results["HF generate (PyTorch)"].seconds)
     return {"settings": asdict(settings), "model": manifest.data["source"], "dims": manifest.dims,

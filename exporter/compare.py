@@ -66,7 +66,7 @@ class RowReport:
 @dataclass
 class CompareReport:
     rows: list
-    encoder_diff: float
+    encoder_diff: float | None  # None: the model has no encoder
     hf_seconds: float
     elx_seconds: float
     settings: dict
@@ -267,10 +267,15 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     elx = out.sequences  # HF's layout for the family
     per_item = rules.rows_per_input(settings)
     # where HF's layout keeps the decoder prompt, divergence is counted from the first generated token
-    prompt_len = len(settings.prompt()) if out.sequences is out.raw_sequences else 0
+    prompt_len = rules.prompt(inputs, settings).shape[1] if out.sequences is out.raw_sequences else 0
     forced = rules.full_sequences(hf, settings)
-    diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item,
-                                               settings.no_repeat_ngram_size)
+    if generator.manifest.data.get("is_encoder_decoder", True):
+        diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item,
+                                                   settings.no_repeat_ngram_size)
+    else:  # no encoder: the prompt's own logits are the first step's
+        from .compare_decoder_only import decoder_only_teacher_forced
+
+        diffs, encoder_diff = decoder_only_teacher_forced(generator, model, inputs, forced, per_item)
     fill = rules.output_fill(settings)
     rows = []
     for r in range(hf.shape[0]):
@@ -310,7 +315,8 @@ def _row_status(row: RowReport) -> str:
 
 def format_report(report: CompareReport, passes: list) -> str:
     lines = [f"passes: {', '.join(passes) or 'none (baseline)'}; settings: {report.settings}",
-             f"encoder output max abs diff: {report.encoder_diff:.2e}"]
+             "no encoder (decoder-only model)" if report.encoder_diff is None
+             else f"encoder output max abs diff: {report.encoder_diff:.2e}"]
     for i, row in enumerate(report.rows):
         worst = max(row.step_logits_diff) if row.step_logits_diff else 0.0
         steps = " ".join(f"{d:.1e}" for d in row.step_logits_diff)

@@ -16,6 +16,10 @@ Two things differ, neither changes a token:
   over them again, which may swap equal scores (it is not stable), so such an item stays.
 * Host work is numpy on arrays owned by the search (log-softmax and processors in place).
 
+The decoder prompt is per item (``prompt`` [B, P]): the start token for every item of an
+encoder-decoder model (the default, from the settings), the left-padded input ids of a
+decoder-only model.  Lengths, the length penalty and the processors count it, as in HF.
+
 Every top-k is ``runners.topk.topk``: ``torch.topk``'s CPU order, ties included.  Peaked models
 produce exactly equal scores (log-probs of 0.0, candidates masked to -1e9, blocked tokens at
 -inf), and which of them comes first decides the tokens; a top-k that breaks ties by index
@@ -61,6 +65,12 @@ def as_float32(logits: np.ndarray) -> np.ndarray:
     return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
 
+def _prompt_rows(settings: GenerationSettings, batch: int, prompt: np.ndarray | None) -> np.ndarray:
+    if prompt is None:  # one decoder prompt for every item (encoder-decoder models)
+        return np.tile(np.asarray(settings.prompt(), dtype=np.int64), (batch, 1))
+    return np.asarray(prompt, dtype=np.int64)
+
+
 def _record(memory: list, model, state: EncoderState, cache, track: bool) -> None:
     if track:
         memory.append({"state_bytes": model.state_bytes(state), "cache_bytes": model.cache_bytes(cache),
@@ -68,9 +78,10 @@ def _record(memory: list, model, state: EncoderState, cache, track: bool) -> Non
 
 
 def greedy_search(model, state: EncoderState, settings: GenerationSettings, processors: list,
-                  track_memory: bool = False) -> SearchResult:
-    prompt = settings.prompt()
-    batch, p_len = state.batch, len(prompt)
+                  track_memory: bool = False, prompt: np.ndarray | None = None) -> SearchResult:
+    batch = state.batch
+    prompt = _prompt_rows(settings, batch, prompt)
+    p_len = prompt.shape[1]
     max_len = settings.total_max_length(p_len)
     eos = np.asarray(settings.eos_token_id, dtype=np.int64)
     pad = settings.pad_token_id
@@ -100,11 +111,12 @@ def greedy_search(model, state: EncoderState, settings: GenerationSettings, proc
 
 
 def beam_search(model, state: EncoderState, settings: GenerationSettings, processors: list,
-                track_memory: bool = False) -> SearchResult:
+                track_memory: bool = False, prompt: np.ndarray | None = None) -> SearchResult:
     s = settings
     k = s.num_beams
-    prompt = s.prompt()
-    batch, p_len = state.batch, len(prompt)
+    batch = state.batch
+    prompt = _prompt_rows(s, batch, prompt)
+    p_len = prompt.shape[1]
     max_len = s.total_max_length(p_len)
     eos = np.asarray(s.eos_token_id, dtype=np.int64)
     keep_k = max(2, 1 + eos.size) * k
@@ -113,7 +125,7 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
     early, lp = s.early_stopping, s.length_penalty
 
     running = np.full((batch, k, max_len), fill, dtype=np.int64)
-    running[:, :, :p_len] = prompt
+    running[:, :, :p_len] = prompt[:, None, :]
     finished_seq = running.copy()
     finished_len = np.zeros((batch, k), dtype=np.int64)  # generated tokens of each finished hypothesis
     running_scores = np.zeros((batch, k), dtype=np.float32)

@@ -31,12 +31,10 @@ from runners.manifest import Manifest
 
 
 def speech_tools():
-    """tools/speech.py of this checkout (``tools`` is not an installed package)."""
-    path = Path(__file__).resolve().parents[1] / "tools" / "speech.py"
-    spec = importlib.util.spec_from_file_location("elx_tools_speech", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tools/speech.py of this checkout."""
+    from tests.tools_loader import load_tool
+
+    return load_tool("speech")
 
 
 def _identical(report):

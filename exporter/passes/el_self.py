@@ -77,6 +77,8 @@ from .rewrite import Builder, commit, constant_value, load_graph, pass_file, pro
 
 NAME = "el-self"
 ORDER = 25  # after el (10), slim-cross (15) and slim (20), before ngram (90)
+REFUSES = {"decoder-only": "its decoder-only form (the prompt's X shared by all beams) is not built yet; it "
+                           "rewrites encoder-decoder step graphs"}
 CONFLICTS = {"slim": "both replace the self-attention K/V cache (slim keeps K only, el-self keeps X)"}
 PAST = "past_hidden.{}.decoder"
 PRESENT = "present_hidden.{}.decoder"

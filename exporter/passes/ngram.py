@@ -40,6 +40,8 @@ from .rewrite import Builder, commit, load_graph, pass_file, refuse_twice, save_
 
 NAME = "ngram"
 ORDER = 90  # last: it consumes the final logits
+REFUSES = {"decoder-only": "its in-graph blocker sees generated tokens only, while HF counts the prompt's "
+                           "n-grams for decoder-only models; their n-gram blocking runs in the search"}
 CONFLICTS: dict = {}
 HISTORY_INPUT = "decoder_input_ids_history"
 OUTPUT = "log_probs"

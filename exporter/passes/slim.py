@@ -80,6 +80,8 @@ from .slim_math import COND_LIMIT, FP16_NOTE, Analysis, Projection, Unfit, analy
 
 NAME = "slim"
 ORDER = 20
+REFUSES = {"decoder-only": "its K-only rewrite is built for encoder-decoder step graphs (separate K and V "
+                           "projections); decoder-only graphs (GPT-2's fused c_attn) are not supported yet"}
 CONFLICTS: dict = {}
 
 

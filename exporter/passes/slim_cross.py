@@ -47,6 +47,7 @@ from .slim_math import Analysis, Projection, Unfit, analyse
 
 NAME = "slim-cross"
 ORDER = 15
+REFUSES = {"decoder-only": "it shrinks the cross-attention cache, which decoder-only models do not have"}
 CONFLICTS: dict = {}  # el declares its conflict with slim-cross
 STAGE = "cross_kv"
 WHERE = "decoder cross-attention"

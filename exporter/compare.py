@@ -235,9 +235,10 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
 
 def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, threads: int | None = None,
             inputs: dict | None = None, atol: float = TOLERANCE, check_stability: bool = True,
-            **options) -> CompareReport:
-    """Compare the export in ``folder`` with HF ``generate`` (see the module docstring for the verdict)."""
-    generator = Generator.from_folder(folder, threads=threads)
+            backend: str = "ort", device: str = "cpu", **options) -> CompareReport:
+    """Compare the export in ``folder`` (run by ``backend`` on ``device``) with HF ``generate`` on the CPU
+    (see the module docstring for the verdict)."""
+    generator = Generator.from_folder(folder, backend=backend, device=device, threads=threads)
     model = reload_model(generator.manifest.data["source"])
     return compare_loaded(generator, model, batch_size=batch_size, input_length=input_length, seed=seed,
                           inputs=inputs, atol=atol, variants=HfVariants(model) if check_stability else None,

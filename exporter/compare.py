@@ -99,7 +99,7 @@ class CompareReport:
 
     @property
     def encoder_within_tolerance(self) -> bool:
-        return self.encoder_diff <= self.atol  # NaN fails
+        return self.encoder_diff is None or self.encoder_diff <= self.atol  # NaN fails; None: no encoder
 
     @property
     def width_mismatch(self) -> bool:
@@ -331,7 +331,8 @@ def format_report(report: CompareReport, passes: list) -> str:
                  f"({report.hf_seconds / max(report.elx_seconds, 1e-9):.2f}x)")
     numerics = "within" if report.logits_within_tolerance and report.encoder_within_tolerance else "OUTSIDE"
     lines.append(f"numerics {numerics} tolerance {report.atol:g}: teacher-forced max abs logits diff "
-                 f"{report.max_logits_diff:.2e}, encoder {report.encoder_diff:.2e}")
+                 f"{report.max_logits_diff:.2e}" + ("" if report.encoder_diff is None
+                                                     else f", encoder {report.encoder_diff:.2e}"))
     problems = report.problems
     lines.append("PASS" if not problems else "FAIL: " + "; ".join(problems))
     return "\n".join(lines)

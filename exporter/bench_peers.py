@@ -5,12 +5,14 @@
   bench's PyTorch model.  Two adjustments make that converter work beside transformers 5.x and
   ONNX Runtime 1.31: the saved config asks for eager attention (its TorchScript export at opset 12 has
   no ``scaled_dot_product_attention``), and the converted model's IR version is lowered to 10 (onnx
-  1.23 writes 14; ORT 1.31 loads ≤ 13).  T5 only.  The op derives the encoder mask from
-  ``input_ids != pad``, which is what elx's right-padded bench inputs mean.
+  1.23 writes 14; ORT 1.31 loads ≤ 13).  T5 only.  It is converted with ``--custom_attention_mask``
+  and fed the bench's attention mask: the mask the op builds by itself when none is given made
+  padded rows diverge from HF (measured: t5-small dims, a row with 155 of 256 real tokens
+  differed from the first generated token).
 * ``ct2``: CTranslate2 (``pip install ctranslate2``), with a vocabulary of unique placeholder tokens.
 
 Each peer caches its converted model in ``work/<peer>/`` next to a ``source.json`` naming the
-manifest source it was built from, and rebuilds when that differs.  A peer that cannot run here
+manifest source it was built from and the conversion recipe, and rebuilds when either differs.  A peer that cannot run here
 raises ``PeerUnavailable`` with the reason; the bench prints it and goes on without that peer.
 """
 from __future__ import annotations
@@ -38,14 +40,21 @@ def parse_peers(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+RECIPE = 2  # bump when a peer's conversion changes: cached conversions are rebuilt
+
+
 def _fresh_folder(folder: Path, source: dict, ready: str) -> bool:
-    """True when ``folder`` holds ``ready`` built from ``source``; otherwise empties it for a rebuild."""
+    """True when ``folder`` holds ``ready`` built from ``source`` by this recipe; otherwise empties it."""
     marker = folder / "source.json"
-    if (folder / ready).is_file() and marker.is_file() and json.loads(marker.read_text()) == source:
+    if (folder / ready).is_file() and marker.is_file() and json.loads(marker.read_text()) == _key(source):
         return True
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     return False
+
+
+def _key(source: dict) -> dict:
+    return {"source": source, "recipe": RECIPE}
 
 
 def _padded(rows: list[list[int]]) -> np.ndarray:
@@ -61,28 +70,26 @@ class OrtBeamSearchPeer:
     def __init__(self, hf_model, source: dict, work: Path, settings):
         import onnxruntime as ort
 
+        from runners.ort_backend import session_options
+
         if settings.device != "cpu":
             raise PeerUnavailable("elx bench runs it on the CPU only")
         if getattr(hf_model.config, "model_type", "") != "t5":
             raise PeerUnavailable(f"convert_generation converts T5 (and mT5) only, not {hf_model.config.model_type}")
         path = with_ngram(convert_t5_beam_search(hf_model, source, Path(work)), settings.no_repeat_ngram_size)
-        options = ort.SessionOptions()
-        if settings.threads:
-            options.intra_op_num_threads = settings.threads
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        # elx's own session options (threads, no spinning between runs), so that neither side gains from them
+        self.session = ort.InferenceSession(str(path), session_options(settings.threads),
+                                            providers=["CPUExecutionProvider"])
         self.start = hf_model.generation_config.decoder_start_token_id
-        self.pad = hf_model.config.pad_token_id
 
     def generate(self, inputs: dict, settings) -> np.ndarray:
-        if "attention_mask" in inputs and not np.array_equal(inputs["attention_mask"] != 0,
-                                                             inputs["input_ids"] != self.pad):
-            raise ValueError("the BeamSearch op masks exactly the pad tokens; these inputs mask others")
         length = settings.new_tokens + 1  # the decoder start token counts in max_length
         feeds = {"input_ids": inputs["input_ids"].astype(np.int32),
                  "max_length": np.array([length], np.int32), "min_length": np.array([length], np.int32),
                  "num_beams": np.array([settings.num_beams], np.int32),
                  "num_return_sequences": np.array([1], np.int32),
-                 "length_penalty": np.array([1.0], np.float32), "repetition_penalty": np.array([1.0], np.float32)}
+                 "length_penalty": np.array([1.0], np.float32), "repetition_penalty": np.array([1.0], np.float32),
+                 "attention_mask": inputs["attention_mask"].astype(np.int32)}
         sequences = self.session.run(["sequences"], feeds)[0][:, 0, :]  # [batch, length], start token first
         return sequences.astype(np.int64)
 
@@ -122,14 +129,15 @@ def convert_t5_beam_search(hf_model, source: dict, work: Path) -> Path:
     raw = work / "converted" / "beam_search.onnx"
     raw.parent.mkdir()
     args = convert_generation.parse_arguments(
-        ["-m", str(hf_dir), "--model_type", "t5", "--output", str(raw), "--disable_parity", "--disable_perf_test"])
+        ["-m", str(hf_dir), "--model_type", "t5", "--output", str(raw), "--disable_parity", "--disable_perf_test",
+         "--custom_attention_mask"])
     convert_generation.convert_generation_model(args)  # not main(): that reloads a tokenizer to test
     model = onnx.load(str(raw))
     model.ir_version = min(model.ir_version, 10)  # ORT 1.31 refuses the IR version 14 that onnx 1.23 writes
     onnx.save_model(model, str(out), save_as_external_data=True, location=out.name + ".data")
     shutil.rmtree(raw.parent)
     shutil.rmtree(hf_dir)
-    (work / "source.json").write_text(json.dumps(source))
+    (work / "source.json").write_text(json.dumps(_key(source)))
     return out
 
 
@@ -154,7 +162,7 @@ class Ct2Peer:
             vocab = [f"<t{i}>" for i in range(hf_model.config.vocab_size)]
             (out / "shared_vocabulary.json").write_text(json.dumps(vocab))
             shutil.rmtree(src)
-            (work / "source.json").write_text(json.dumps(source))
+            (work / "source.json").write_text(json.dumps(_key(source)))
         self.translator = ctranslate2.Translator(str(out), device=settings.device, intra_threads=settings.threads or 0)
         self.start = hf_model.generation_config.decoder_start_token_id
 

@@ -41,6 +41,17 @@ def test_bench_quick(tmp_path, capsys):
     assert table.count("| elx") == 2 and "| ORT BeamSearch op |" in table
     assert table.startswith("SMOKE RUN") and "\nSMOKE RUN" in printed and report["settings"]["smoke"]
     assert "t5-tiny (random init, seed 0), batch 2, input 32, beams 2" in table
+    # the BeamSearch op's file: loadable IR, fed elx's attention mask; an n-gram variant shares its weights
+    import onnx
+
+    from exporter.bench_peers import with_ngram
+
+    path = tmp_path / "t5-tiny" / "peers" / "ort-beamsearch" / "beam_search.onnx"
+    converted = onnx.load(str(path), load_external_data=False)
+    assert converted.ir_version <= 10 and "attention_mask" in [i.name for i in converted.graph.input]
+    blocked = onnx.load(str(with_ngram(path, 3)), load_external_data=False)
+    op = next(n for n in blocked.graph.node if n.op_type == "BeamSearch")
+    assert onnx.helper.get_attribute_value(next(a for a in op.attribute if a.name == "no_repeat_ngram_size")) == 3
 
 
 def test_repeats_default_to_three():

@@ -174,3 +174,15 @@ def test_cuda_backend_needs_onnxruntime_gpu(exported):
         pytest.skip("onnxruntime-gpu is installed here")
     with pytest.raises(ElxError, match="onnxruntime-gpu"):
         OrtIoBackend(Manifest.load(exported("t5")), device="cuda")
+
+
+def test_titles_name_model_and_settings_and_smoke_runs():
+    from dataclasses import asdict
+
+    from exporter.bench import SMOKE, BenchSettings, describe
+
+    source = {"kind": "random-init", "model": "t5-small", "random_init": True, "seed": 0}
+    title = describe({"settings": asdict(BenchSettings(num_beams=8)), "model": source}, without="input_length")
+    assert title == "t5-small (random init, seed 0), batch 4, beams 8, 32 forced new tokens, n-gram 0, median of 3"
+    smoke = describe({"settings": asdict(BenchSettings(smoke=True, repeats=1)), "model": {"path": "/m/my-t5"}})
+    assert smoke.startswith(SMOKE + ": my-t5, batch 4, input 256") and smoke.endswith("median of 1")

@@ -12,7 +12,7 @@ With elx's own runner on a random-init export (baseline graphs, cached in ``--wo
    session overhead (a step's ``run`` minus its nodes);
 3. variants of the runner timed in interleaved rounds (medians), each checked to give the same
    tokens as the default: ``spin`` (ORT intra-op threads spin between steps), ``ort-io`` (IOBinding
-   on the CPU EP), ``threads2`` (intra-op threads set to 2, inter-op 1), ``basic`` (graph
+   on the CPU EP), ``threadsN`` (intra-op threads set to N, inter-op 1), ``basic`` (graph
    optimization level basic instead of all).
 
 Numbers on a shared machine are noisy: read the ratios of one run, and note ``uptime`` beside them.
@@ -104,8 +104,8 @@ def variant(name: str, folder: Path):
         return Generator.from_folder(folder)
     if name == "ort-io":
         return Generator.from_folder(folder, backend="ort-io")
-    if name == "threads2":
-        return Generator.from_folder(folder, threads=2)
+    if name.startswith("threads"):
+        return Generator.from_folder(folder, threads=int(name[len("threads"):]))
     gen = Generator.from_folder(folder)
     for graph in list(gen.model.backend.sessions):
         options = ort_backend.session_options()
@@ -130,7 +130,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--work", default="out/profile")
     parser.add_argument("--variants", default="default,spin,ort-io,threads2,basic")
+    parser.add_argument("--skip-profile", action="store_true", help="only the variants")
     args = parser.parse_args()
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
 
     from exporter.bench import ensure_exports
     from runners.generate import Generator
@@ -145,6 +149,12 @@ def main() -> None:
     print(f"{args.model} (random init), batch {args.batch}, beams {args.beams}, input {args.input}, "
           f"{args.new_tokens} forced new tokens; load: {open('/proc/loadavg').read().split()[:3]}")
     gen.generate(settings["inputs"], **settings["options"])  # warm-up
+    if not args.skip_profile:
+        profile_report(gen, settings, work)
+    run_variants(folder, settings, [v for v in args.variants.split(",") if v], args.repeats)
+
+
+def profile_report(gen, settings, work: Path) -> None:
     profile = instrument(gen, settings)
     steps = profile["steps"]
     print(f"\none instrumented generate: {profile['total_s']:.3f} s, {steps} steps")
@@ -160,7 +170,9 @@ def main() -> None:
     for op, ms in list(ops["by_op_ms"].items())[:10]:
         print(f"| {op} | {ms:.0f} | {ms / total:.0%} |")
 
-    names = [v for v in args.variants.split(",") if v]
+
+
+def run_variants(folder: Path, settings: dict, names: list, repeats: int) -> None:
     gens = {name: variant(name, folder) for name in names}
     reference = None
     for name, g in gens.items():  # warm-up, and the tokens every variant must give
@@ -169,11 +181,11 @@ def main() -> None:
         if not np.array_equal(tokens, reference):
             raise SystemExit(f"variant {name} changed the tokens")
     times = {name: [] for name in names}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name, g in gens.items():
             times[name].append(_timed(lambda: g.generate(settings["inputs"], **settings["options"]))[0])
     base = statistics.median(times[names[0]])
-    print(f"\nvariants, {args.repeats} interleaved rounds (tokens identical to {names[0]}'s); "
+    print(f"\nvariants, {repeats} interleaved rounds (tokens identical to {names[0]}'s); "
           f"load after: {open('/proc/loadavg').read().split()[:3]}")
     print(f"| variant | median s | vs {names[0]} | all s |\n|---|---|---|---|")
     for name in names:

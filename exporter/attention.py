@@ -13,6 +13,10 @@ the beams of one item are stacked into the query-length axis of a single batched
 
 With beam = 1 this is exactly eager attention.  The beam count is never baked in: it follows
 from the two batch sizes at run time.
+
+Decoder-only self-attention with a beam-shared prompt (``exporter/shared_prompt.py``) takes the
+prompt's keys and values through the keyword ``elx_prompt``, which HF's modules hand on to the
+attention function unchanged.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from contextlib import contextmanager
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from .shared_prompt import PROMPT_KWARG, shared_prompt_attention
 
 ATTN_IMPLEMENTATION = "elx"
 _CROSS_FLAG = "_elx_beam_shared_cross"
@@ -33,6 +39,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if getattr(module, _CROSS_FLAG, False):
         # Cross-attention never carries a position bias in these families (T5 passes zeros).
         return _beam_shared_attention(query, key, value, attention_mask, scaling), None
+    if kwargs.get(PROMPT_KWARG) is not None:
+        prompt = kwargs[PROMPT_KWARG]
+        return shared_prompt_attention(query, key, value, attention_mask, scaling, prompt, module.layer_idx), None
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if position_bias is not None:
         scores = scores + position_bias
@@ -64,7 +73,8 @@ def elx_attention(model, family):
     modules take beam-shared caches; on exit the model is as it was (the reference for verification)."""
     configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
     saved = {key: cfg._attn_implementation for key, cfg in configs.items()}
-    cross = [family.cross_attention(layer) for layer in family.decoder_layers(model)]
+    cross = ([family.cross_attention(layer) for layer in family.decoder_layers(model)]
+             if family.is_encoder_decoder else [])
     try:
         for cfg in configs.values():
             cfg._attn_implementation = ATTN_IMPLEMENTATION

@@ -83,7 +83,8 @@ class SystemResult:
     cache_bytes: int | None = None
     peak_rss_growth: int | None = None
 
-    def summary(self, settings: BenchSettings, hf_median: float, flops: float, peak: float, floor: float) -> dict:
+    def summary(self, settings: BenchSettings, hf_median: float, flops: float, peak: float,
+                floor: float | None) -> dict:
         median = statistics.median(self.seconds)
         samples = settings.batch_size
         out = {
@@ -92,7 +93,7 @@ class SystemResult:
             "state_bytes": self.state_bytes, "cache_bytes": self.cache_bytes,
             "peak_rss_growth_bytes": self.peak_rss_growth, "tokens_equal_hf": self.tokens_equal_hf,
             "note": self.note, "gflops_per_s": flops / median / 1e9, "roofline_fraction": flops / median / peak,
-            "time_over_floor": median / floor,
+            "time_over_floor": median / floor if floor else None,
             "all_seconds": self.seconds,
         }
         return out
@@ -241,38 +242,60 @@ def read_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) 
     return a.numel() * 4 / best
 
 
+def decoder_only_flops(dims: dict, ffn: int, batch: int, prompt: int, beams: int, new_tokens: int) -> float:
+    """FLOPs of a decoder-only generation: the prompt once per input, then cached steps per row."""
+    d, inner, layers = dims["d_model"], dims["num_heads"] * dims["d_kv"], dims["num_decoder_layers"]
+    ffn_flops = 2 * 2 * d * ffn
+    prefill = batch * prompt * layers * (4 * 2 * d * inner + 2 * 2 * prompt * inner / 2 + ffn_flops)
+    prefill += batch * 2 * d * dims["vocab_size"]  # the last position's logits
+    rows, decode = batch * beams, 0.0
+    for step in range(1, new_tokens):
+        seen = prompt + step
+        decode += rows * (layers * (4 * 2 * d * inner + 2 * 2 * seen * inner + ffn_flops) + 2 * d * dims["vocab_size"])
+    return float(prefill + decode)
+
+
 def _ffn_of(config) -> tuple[int, bool]:
+    if getattr(config, "model_type", None) == "gpt2":
+        return int(config.n_inner or 4 * config.n_embd), False
     ffn = getattr(config, "d_ff", None) or getattr(config, "decoder_ffn_dim", None) or 4 * config.d_model
     gated = "gated" in str(getattr(config, "feed_forward_proj", ""))
     return int(ffn), gated
 
 
 def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Path, seed: int = 0,
-                   quiet: bool = True) -> list[Path]:
-    """Export ``model`` once per pass set into ``work`` (reused when an export with the same source exists)."""
+                   quiet: bool = True, prompt_caches: list | None = None) -> list[Path]:
+    """Export ``model`` once per pass set (and, for decoder-only models, prompt cache form: None is the
+    default, shared) into ``work``; reused when an export with the same source exists."""
     from exporter.export import export_model
 
     folders = []
-    for passes in pass_sets:
-        folder = work / (passes.replace(",", "+").replace("=", "") if passes else "baseline")
-        wanted = sorted(p.split("=")[0] for p in (passes or "").split(",") if p)
-        manifest = folder / "manifest.json"
-        if manifest.is_file():
-            data = json.loads(manifest.read_text())
-            source = data.get("source", {})
-            if (source.get("model") == model and source.get("random_init") == random_init
-                    and source.get("seed") == (seed if random_init else None)
-                    and sorted(p["name"] for p in data.get("passes", [])) == wanted):
-                folders.append(folder)
-                continue
-        folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
-                                    force=True, quiet=quiet))
+    for form in prompt_caches or [None]:
+        for passes in pass_sets:
+            name = passes.replace(",", "+").replace("=", "") if passes else "baseline"
+            folder = work / (name + (f"-prompt-{form}" if form else ""))
+            wanted = sorted(p.split("=")[0] for p in (passes or "").split(",") if p)
+            manifest = folder / "manifest.json"
+            if manifest.is_file():
+                data = json.loads(manifest.read_text())
+                source = data.get("source", {})
+                kind = data.get("cache", {}).get("prompt", {}).get("kind")
+                if (source.get("model") == model and source.get("random_init") == random_init
+                        and source.get("seed") == (seed if random_init else None)
+                        and sorted(p["name"] for p in data.get("passes", [])) == wanted
+                        and kind == {None: kind, "shared": "beam-shared", "per-beam": "per-beam"}[form]):
+                    folders.append(folder)
+                    continue
+            folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
+                                        force=True, quiet=quiet, prompt_cache=form))
     return folders
 
 
-def run_bench(folders: list[Path], settings: BenchSettings, peers: list[str] = (), work: Path | None = None,
-              log=print) -> dict:
-    """One bench run: HF generate, an elx runner per folder, and ``peers`` (names of ``bench_peers.PEERS``)."""
+def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str] = (), work: Path | None = None,
+              log=print, peers: dict | None = None) -> dict:
+    """One bench run: HF generate, an elx runner per folder, the peers named in ``peer_names`` (of
+    ``bench_peers.PEERS``, converted here) and ``peers``: more systems, name → ``fn(inputs) -> sequences``
+    in HF's layout, timed in the same rounds."""
     import torch
 
     from exporter.bench_peers import PeerUnavailable, make_peer
@@ -303,6 +326,9 @@ def run_bench(folders: list[Path], settings: BenchSettings, peers: list[str] = (
     systems = {"HF generate (PyTorch)": (hf, None)}
     for g in generators:
         name = "elx " + ("+".join(g.manifest.pass_names()) or "baseline")
+        prompt = g.manifest.data["cache"].get("prompt")
+        if prompt:  # decoder-only: where the prompt's K/V live
+            name += f" (prompt {prompt['kind']})"
         systems[name] = ((lambda g=g: g.generate(inputs, **options).sequences), g)
     skipped = {}
     for peer_name in peers:
@@ -313,6 +339,9 @@ def run_bench(folders: list[Path], settings: BenchSettings, peers: list[str] = (
             log(f"bench: peer {peer_name} skipped: {err}")
             continue
         systems[peer.name] = ((lambda peer=peer: peer.generate(inputs, settings)), None)
+
+    for name, fn in (peers or {}).items():
+        systems[name] = ((lambda fn=fn: fn(inputs)), None)
 
     results, reference = {}, None
     for name, (fn, gen) in systems.items():  # warm-up: tokens and live state
@@ -335,21 +364,32 @@ def run_bench(folders: list[Path], settings: BenchSettings, peers: list[str] = (
         for name, (fn, _) in systems.items():
             results[name].seconds.append(_timed(fn))
     ffn, gated = _ffn_of(model.config)
-    shape = (manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams, settings.new_tokens,
-             gated)
-    flops = phase_flops(*shape)
-    total_flops = flops["encoder"] + sum(flops["steps"])
-    roof = roofline(flops, {layout: phase_bytes(*shape, cross=layout) for layout in ("kv", "el")}, peak, bandwidth)
+    ffn, gated = _ffn_of(model.config)
+    if manifest.data.get("is_encoder_decoder", True):
+        shape = (manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
+                 settings.new_tokens, gated)
+        phases = phase_flops(*shape)
+        flops = phases["encoder"] + sum(phases["steps"])
+        roof = roofline(phases, {layout: phase_bytes(*shape, cross=layout) for layout in ("kv", "el")}, peak,
+                        bandwidth)
+    else:  # decoder-only: FLOPs only (the byte model covers encoder-decoder generation)
+        flops = decoder_only_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
+                                   settings.new_tokens)
+        roof = None
     hf_median = statistics.median(results["HF generate (PyTorch)"].seconds)
     return {"settings": asdict(settings), "model": manifest.data["source"], "dims": manifest.dims,
-            "flops_per_generate": total_flops, "matmul_peak_gflops": peak / 1e9,
+            "flops_per_generate": flops, "matmul_peak_gflops": peak / 1e9,
             "read_bandwidth_gb_s": bandwidth / 1e9, "roofline": roof, "skipped_peers": skipped,
-            "systems": [r.summary(settings, hf_median, total_flops, peak, roof["floor_s"]) for r in results.values()]}
+            "systems": [r.summary(settings, hf_median, flops, peak, roof and roof["floor_s"]) for r in results.values()]}
 
 
 def generator_for(folder: Path, settings: BenchSettings) -> Generator:
     """The elx runner of a bench folder: ONNX Runtime on the CPU, IOBinding on the CUDA EP for cuda."""
     return Generator.from_folder(folder, device=settings.device, threads=settings.threads)
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _mb(value) -> str:
@@ -376,12 +416,15 @@ def describe(report: dict, without: str | None = None) -> str:
 
 
 def markdown_table(report: dict) -> str:
-    roof = report.get("roofline") or {}
+    roof = report.get("roofline")
     head = (f"{describe(report)}; matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s, read bandwidth "
-            f"{report.get('read_bandwidth_gb_s', 0):.1f} GB/s; {report['flops_per_generate'] / 1e9:.1f} GFLOP and "
-            f"{roof.get('bytes', 0) / 1e9:.2f} GB moved per generate; floor {roof.get('floor_s', 0):.3f} s "
-            f"({roof.get('layout', '-')} layout, {roof.get('memory_bound_phases', 0)}/{roof.get('phases', 0)} "
-            f"phases memory-bound)\n")
+            f"{report.get('read_bandwidth_gb_s', 0):.1f} GB/s; {report['flops_per_generate'] / 1e9:.1f} GFLOP")
+    if roof:
+        head += (f" and {roof['bytes'] / 1e9:.2f} GB moved per generate; floor {roof['floor_s']:.3f} s ({roof['layout']} "
+                 f"layout, {roof['memory_bound_phases']}/{roof['phases']} phases memory-bound)")
+    else:
+        head += " per generate; no byte floor (the byte model covers encoder-decoder generation)"
+    head += "\n"
     for name, why in (report.get("skipped_peers") or {}).items():
         head += f"\npeer {name} skipped: {why}\n"
     lines = ["| system | median s | samples/s | tokens/s | vs HF | input state MB | self cache MB | "
@@ -392,5 +435,5 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r['system']} | {r['median_s']:.3f} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_hf']:.2f}x | {_mb(r['state_bytes'])} | {_mb(r['cache_bytes'])} | "
                      f"{_mb(r['peak_rss_growth_bytes'])} | {r['gflops_per_s']:.1f} | "
-                     f"{r.get('time_over_floor', float('nan')):.2f}x | {equal} |")
+                     f"{_ratio(r.get('time_over_floor'))} | {equal} |")
     return head + "\n" + "\n".join(lines)

@@ -82,7 +82,7 @@ def _sweep(folders, settings: BenchSettings, out: Path, field: str, values, name
     reports = []
     for value in values:
         log(f"sweep {name}: {label} {value}")
-        reports.append(run_bench(folders, replace(settings, **{field: value}), peers=peers, work=out))
+        reports.append(run_bench(folders, replace(settings, **{field: value}), peer_names=peers, work=out))
     title = describe(reports[0], without=field)
     tables = "\n\n".join(f"### {label} {v}\n\n{markdown_table(r)}" for v, r in zip(values, reports))
     _write(out, name, {"x": list(values), "reports": reports}, tables)

@@ -36,6 +36,7 @@ class Family:
     cross_projections: Callable[[nn.Module], tuple[nn.Linear, nn.Linear]]
     dims: Callable[[object], dict]
     uses_encoder_mask: bool = True
+    is_encoder_decoder: bool = True  # False: the prompt is the decoder's own input (exporter/decoder_only.py)
 
 
 def _token_encoder_inputs(config) -> tuple[TensorSpec, ...]:
@@ -93,7 +94,46 @@ WHISPER = Family(
     uses_encoder_mask=False,
 )
 
-FAMILIES = (T5, BART, WHISPER)
+def _no_cross_attention(_):
+    raise ElxError("decoder-only models have no cross-attention")
+
+
+def _gpt2_dims(c) -> dict:
+    return dict(d_model=c.n_embd, num_heads=c.n_head, d_kv=c.n_embd // c.n_head, num_decoder_layers=c.n_layer,
+                num_encoder_layers=0, vocab_size=c.vocab_size, max_position_embeddings=c.n_positions)
+
+
+GPT2 = Family(
+    name="gpt2",
+    architectures=("GPT2LMHeadModel",),
+    encoder_inputs=lambda config: (),
+    decoder_layers=lambda m: list(m.transformer.h),
+    cross_attention=_no_cross_attention,
+    cross_projections=_no_cross_attention,
+    dims=_gpt2_dims,
+    uses_encoder_mask=False,
+    is_encoder_decoder=False,
+)
+
+def _opt_dims(c) -> dict:
+    return dict(d_model=c.hidden_size, num_heads=c.num_attention_heads, d_kv=c.hidden_size // c.num_attention_heads,
+                num_decoder_layers=c.num_hidden_layers, num_encoder_layers=0, vocab_size=c.vocab_size,
+                max_position_embeddings=c.max_position_embeddings)
+
+
+OPT = Family(  # learned absolute positions (offset 2, inside HF's embedding), fed as GPT-2's are
+    name="opt",
+    architectures=("OPTForCausalLM",),
+    encoder_inputs=lambda config: (),
+    decoder_layers=lambda m: list(m.model.decoder.layers),
+    cross_attention=_no_cross_attention,
+    cross_projections=_no_cross_attention,
+    dims=_opt_dims,
+    uses_encoder_mask=False,
+    is_encoder_decoder=False,
+)
+
+FAMILIES = (T5, BART, WHISPER, GPT2, OPT)
 
 
 def supported_architectures() -> list[str]:

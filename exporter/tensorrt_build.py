@@ -12,8 +12,9 @@ Design:
 * **Profiles**: one optimization profile per engine covering the axes the runner feeds
   (``exporter/tensorrt_profiles.py``: batch, rows = batch·beams, source length, step length, past
   length from 0, history length).
-* **Precision**: strongly typed networks; fp16 is an ONNX rewrite verified on ONNX Runtime before
-  TensorRT sees it (``exporter/tensorrt_precision.py``); TF32 is off.
+* **Precision**: strongly typed networks; fp16 is an ONNX rewrite (the rule of ``exporter/precision.py``)
+  verified on ONNX Runtime before TensorRT sees it (``exporter/tensorrt_precision.py``); TF32 is off.
+  Engines are built from fp32 exports (an ``--precision fp16`` export is refused).
 * **Where TensorRT runs**: each engine is built by ``python -m exporter.tensorrt_worker`` in its own
   process (crash isolation, ``LD_LIBRARY_PATH`` for TensorRT for RTX's plugin import).  TensorRT for
   RTX builds ahead of time without a GPU, for the compute capabilities asked for (default: all its
@@ -41,6 +42,7 @@ from runners.tensorrt_engines import BUILD_FILE, FORMAT, SECTION
 from runners.tensorrt_runtime import library_shim, load, resolve, version
 
 from . import tensorrt_ngram as ngram_engines
+from .precision_export import refuse_fp16
 from .tensorrt_precision import convert as convert_fp16
 from .tensorrt_precision import verify as verify_fp16
 from .tensorrt_profiles import Limits, axis_ranges, input_profiles
@@ -266,6 +268,7 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
     instead, ``host`` does not try.  Returns the engines folder."""
     folder = Path(folder).expanduser().absolute()
     manifest = Manifest.load(folder)
+    refuse_fp16(manifest, "build engines")
     if precision not in PRECISIONS:
         raise ElxError(f"unknown precision {precision!r}; choose fp32 or fp16")
     if ngram not in NGRAM_MODES:
@@ -303,7 +306,7 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
             section["ngram"] = ngram_record
         if precision == "fp16":
             report = _verify_fp16(build, step_host)
-            section["fp16"] = {"rule": "exporter/tensorrt_precision.py", "graphs": build.fp16_counts,
+            section["fp16"] = {"rule": "exporter/precision.py", "graphs": build.fp16_counts,
                                "verification": report}
         (build.staging / BUILD_FILE).write_text(json.dumps({"build_id": build_id, "runtime": info.name,
                                                             "runtime_version": version(trt)}, indent=1) + "\n")

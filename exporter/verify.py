@@ -8,6 +8,11 @@ last-position scores, and the max abs difference must stay within 1e-4 (fp32; ne
 * ``verify_export``: HF's own PyTorch forward (per-row caches, the semantics the export must
   match) against the exported graphs run through the runtime (``runners.model.Model``), so the
   manifest contract is checked along with the graphs; also compares the encoder output.
+* Decoder-only exports (``DecoderOnlyTorchSide``): the case's inputs are a left-padded prompt;
+  both sides run it (the runtime through its prefill stage), then one more token per row over a
+  cache of [the prompt's keys/values ; a random generated past]; the scores compared are both
+  steps' (prompt and token).  ``verify_rewrite`` between the two prompt-cache forms (shared and
+  per-beam) runs the same way.
 * ``verify_rewrite``: the graphs before a pass against the graphs after it.  A pass that changes
   the cache layout supplies ``past_from`` (the candidate's past for the reference's random past,
   e.g. slim's K-only cache built from random hidden states); a pass that changes what the step
@@ -43,6 +48,12 @@ class Shape:
 
 
 SHAPES = (Shape(1, 1, 5, 0), Shape(2, 3, 9, 4), Shape(3, 2, 6, 0, 2), Shape(2, 4, 11, 7))
+# decoder-only step graphs take one token per row; ``source`` is the prompt width, ``past`` the generated tokens
+DECODER_ONLY_SHAPES = (Shape(1, 1, 5, 0), Shape(2, 3, 9, 4), Shape(3, 2, 6, 1), Shape(2, 4, 11, 7), Shape(4, 1, 8, 3))
+
+
+def default_shapes(manifest: Manifest) -> tuple:
+    return SHAPES if manifest.data.get("is_encoder_decoder", True) else DECODER_ONLY_SHAPES
 
 
 @dataclass
@@ -52,6 +63,7 @@ class Case:
     tokens: np.ndarray  # [rows, step]
     past: dict  # self-cache input name → [rows, ...] host array (the reference's layout)
     history: np.ndarray  # [rows, length] tokens with planted repeats (for in-graph n-gram blocking)
+    prefix: np.ndarray  # [rows, past] tokens a prefilled side runs first (its own cache instead of ``past``)
 
     @property
     def rows(self) -> int:
@@ -71,27 +83,80 @@ def make_case(manifest: Manifest, shape: Shape, seed: int) -> Case:
         past[entry["input"]] = rng.standard_normal(dims).astype(np.float32)
     history = rng.integers(3, min(vocab, 6), size=(rows, shape.past + shape.step + 10), dtype=np.int64)
     history[:, 0] = 0  # a three-token alphabet: repeated n-grams everywhere
-    return Case(shape, inputs, tokens, past, history)
+    prefix = np.random.default_rng([seed, 1]).integers(3, vocab, size=(rows, shape.past), dtype=np.int64)
+    return Case(shape, inputs, tokens, past, history, prefix)
 
 
 class RuntimeSide:
     """An export folder's graphs through the runtime's own ``Model`` on ONNX Runtime (CPU)."""
 
-    def __init__(self, manifest: Manifest, no_repeat_ngram_size: int = 0):
+    def __init__(self, manifest: Manifest, no_repeat_ngram_size: int = 0, prefill: bool = False):
         self.model = Model(manifest, OrtBackend(manifest)).for_run(no_repeat_ngram_size)
+        self.prefill = prefill
 
     def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray | None]:
         state = self.model.encode(case.inputs)
+        if self.model.plan.first_scores is not None:
+            return self._run_prompt_then_token(case, past, state), None
         history = case.history if self.model.needs_history else None
-        scores, _ = self.model.step(case.tokens, state, DecoderCache(past, case.rows), history)
+        cache = DecoderCache(past, case.rows)
+        if self.prefill:
+            cache = self.model.empty_cache(case.rows)
+            if case.prefix.shape[1]:
+                _, cache = self.model.step(case.prefix, state, cache, history)
+        scores, _ = self.model.step(case.tokens, state, cache, history)
         return scores, state.kept.get("encoder:last_hidden_state")
+
+
+    def _run_prompt_then_token(self, case: Case, past: dict, state) -> np.ndarray:
+        """Decoder-only: the prompt's step (per row), then one token over [prompt ; ``past``]; both steps' scores."""
+        model, beams = self.model, case.shape.beams
+        prompt = np.repeat(case.inputs["input_ids"], beams, axis=0)
+        first, cache = model.step(prompt, state, model.empty_cache(case.rows))
+        cache = model.append_to_cache(cache, past)
+        scores, _ = model.step(case.tokens, state, cache)
+        return np.concatenate([scores, first])
+
+
+class DecoderOnlyTorchSide:
+    """HF's own forward of a decoder-only model: the prompt, then one token per row over a per-row cache
+    [the prompt's keys/values repeated per beam ; ``past``], with HF's masks and position ids."""
+
+    def __init__(self, model, manifest: Manifest):
+        self.model, self.layers = model, manifest.dims["num_decoder_layers"]
+
+    def run(self, case: Case, past: dict) -> tuple[np.ndarray, None]:
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        from runners.prompt import prompt_positions, sequence_positions
+
+        beams, generated = case.shape.beams, case.shape.past
+        ids, mask = case.inputs["input_ids"], case.inputs["attention_mask"]
+        width = ids.shape[1]
+        with torch.no_grad():
+            first = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                               position_ids=torch.from_numpy(prompt_positions(mask)), use_cache=True)
+            pairs = []
+            for i, layer in enumerate(first.past_key_values.layers):
+                pairs.append(tuple(torch.cat([t.repeat_interleave(beams, 0),
+                                              torch.from_numpy(past[f"past_key_values.{i}.{kind}"])], dim=2)
+                                   for t, kind in ((layer.keys, "key"), (layer.values, "value"))))
+            rows_mask = np.repeat(mask, beams, axis=0)
+            full_mask = np.concatenate([rows_mask, np.ones((case.rows, generated + 1), dtype=np.int64)], axis=1)
+            positions = sequence_positions(rows_mask, width + generated + 1)[:, -1:]
+            out = self.model(input_ids=torch.from_numpy(case.tokens), attention_mask=torch.from_numpy(full_mask),
+                             position_ids=torch.from_numpy(positions), past_key_values=DynamicCache(pairs),
+                             use_cache=True)
+        first_scores = first.logits[:, -1, :].repeat_interleave(beams, 0)
+        return np.concatenate([out.logits[:, -1, :].numpy(), first_scores.numpy()]), None
 
 
 class TorchSide:
     """HF's own forward in PyTorch with per-row self-attention caches."""
 
-    def __init__(self, model, manifest: Manifest):
-        self.model, self.layers = model, manifest.dims["num_decoder_layers"]
+    def __init__(self, model, manifest: Manifest, prefill: bool = False):
+        self.model, self.layers, self.prefill = model, manifest.dims["num_decoder_layers"], prefill
 
     def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -101,6 +166,11 @@ class TorchSide:
         rep = {role: torch.from_numpy(a).repeat_interleave(beams, 0) for role, a in case.inputs.items()}
         with torch.no_grad():
             encoder = self.model.get_encoder()(**rep).last_hidden_state
+            if self.prefill:
+                tokens = torch.from_numpy(np.concatenate([case.prefix, case.tokens], axis=1))
+                out = self.model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
+                                 decoder_input_ids=tokens, use_cache=False)
+                return out.logits[:, -1, :].numpy(), encoder[::beams].numpy()
             pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"]),
                       torch.from_numpy(past[f"past_key_values.{i}.decoder.value"])) for i in range(self.layers)]
             cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())
@@ -151,16 +221,24 @@ def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int =
     return report
 
 
-def verify_export(model, manifest: Manifest, shapes=SHAPES, seed: int = 0) -> dict:
+def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0) -> dict:
     """The exported graphs (through the runtime) against HF's PyTorch forward."""
-    return measure(TorchSide(model, manifest), RuntimeSide(manifest), manifest, shapes, seed)
+    torch_side = (TorchSide if manifest.data.get("is_encoder_decoder", True) else DecoderOnlyTorchSide)(model, manifest)
+    return measure(torch_side, RuntimeSide(manifest), manifest, shapes or default_shapes(manifest), seed)
 
 
-def verify_rewrite(before: Manifest, after: Manifest, shapes=SHAPES, seed: int = 0, past_from=None, expect=None,
+def verify_rewrite(before: Manifest, after: Manifest, shapes=None, seed: int = 0, past_from=None, expect=None,
                    no_repeat_ngram_size: int = 0, reference: RuntimeSide | None = None) -> dict:
     """The graphs after a pass against the graphs before it (``reference`` reuses loaded sessions)."""
     reference = reference or RuntimeSide(before)
-    return measure(reference, RuntimeSide(after, no_repeat_ngram_size), before, shapes, seed, past_from, expect)
+    return measure(reference, RuntimeSide(after, no_repeat_ngram_size), before, shapes or default_shapes(before), seed,
+                   past_from, expect)
+
+
+def worst_report(reports: list) -> dict:
+    """One report from several runs (e.g. at several seeds): the worst one's numbers, every shape listed.  NaN is worst."""
+    worst = max(reports, key=lambda r: r["max_abs_logits_diff"] if not np.isnan(r["max_abs_logits_diff"]) else np.inf)
+    return {**worst, "shapes": [s for r in reports for s in r["shapes"]]}
 
 
 def require_within_tolerance(report: dict, what: str) -> None:

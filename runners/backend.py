@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .prompt import Prompt
+
 DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16": np.float16, "bool": np.bool_}
 
 
@@ -62,16 +64,21 @@ class EncoderState:
 
     ``feeds`` maps step input names to device values: the "input-related state" bytes.
     ``kept`` holds stage outputs on the host that the plan keeps (e.g. the encoder output, for compare).
+    ``prompt`` is a decoder-only model's prompt (mask, positions, the prefill's outputs: ``runners/prompt.py``).
     """
 
     feeds: dict
     batch: int
     kept: dict = field(default_factory=dict)
+    prompt: Prompt | None = None
 
 
 @dataclass
 class DecoderCache:
-    """The self-attention cache: step input name → device value [rows, ...], reordered with the beams."""
+    """The self-attention cache: step input name → device value [rows, ...], reordered with the beams.
+
+    ``length`` counts the sequence positions the model has consumed (prompt and generated tokens)."""
 
     arrays: dict
     rows: int
+    length: int = 0

@@ -298,19 +298,21 @@ def run_batch(generator, settings: GenerationSettings, batch: Batch) -> list[Res
     out = generator.generate(**batch.inputs, settings=settings, decode=False)
     rules = generator.rules
     per_input = rules.rows_per_input(settings)
-    prompt = len(settings.prompt())
+    fixed = rules.prompt_length(settings)  # None: decoder-only, the prompt is the input, left-padded to the batch's
+    prompt = fixed if fixed is not None else max(len(r.tokens) for r in batch.records)
     eos = np.asarray(settings.eos_token_id, dtype=np.int64)
     raw = out.raw_sequences
     scores = out.sequences_scores
     results = []
     for i, record in enumerate(batch.records):
         rows, new = [], 0
+        start = 0 if fixed is not None else prompt - len(record.tokens)  # the input alone has no left padding
         for r in range(i * per_input, (i + 1) * per_input):
             tail = raw[r, prompt:]
             hits = np.flatnonzero(np.isin(tail, eos)) if eos.size else []
             end = prompt + (int(hits[0]) + 1 if len(hits) else tail.shape[0])
             new += end - prompt
-            rows.append(rules.output_sequences(raw[r: r + 1, :end], settings)[0].tolist())
+            rows.append(rules.output_sequences(raw[r: r + 1, start:end], settings)[0].tolist())
         row_scores = None
         if scores is not None:
             row_scores = [_finite(s) for s in scores[i * per_input: (i + 1) * per_input]]

@@ -9,6 +9,9 @@ EOS.  Each family's ``Rules`` object answers these questions; ``runners.settings
 * ``EncoderDecoderRules`` (T5, BART, Marian, mBART): HF's generic rules; the decoder prompt is
   the start token and HF returns the sequences with it.
 * ``WhisperRules``: ``runners/whisper.py`` (transformers' ``WhisperGenerationMixin``).
+* ``DecoderOnlyRules`` (GPT-2, OPT): the prompt is the user's own token ids, left-padded, and HF
+  returns the sequences with it; lengths count it (``max_length``, ``min_length``, the length
+  penalty and n-gram blocking all see the padded prompt, as in HF); no start token.
 """
 from __future__ import annotations
 
@@ -16,12 +19,36 @@ import numpy as np
 
 from .errors import ElxError
 from .manifest import Manifest
+from .validation import check_int
 
 
 class EncoderDecoderRules:
     """HF ``GenerationMixin.generate`` for encoder-decoder models."""
 
     options: tuple[str, ...] = ()  # generation options beyond GenerationSettings' fields
+    padding_side = "right"  # how rows of different lengths are padded (the encoder's inputs)
+
+    def validate(self, settings) -> None:
+        """Family-specific checks of resolved settings (one-line ``ElxError``)."""
+        if settings.decoder_start_token_id is None:
+            raise ElxError("the manifest names no decoder_start_token_id; re-export from a model whose config sets it")
+        check_int("decoder_start_token_id", settings.decoder_start_token_id, 0)
+
+    def pad_token(self, manifest: Manifest) -> int:
+        """The id padding rows of different lengths."""
+        return manifest.tokens.get("pad_token_id") or 0
+
+    def prompt_length(self, settings) -> int | None:
+        """The decoder prompt's length when the settings fix it (None: the inputs set it)."""
+        return len(settings.prompt())
+
+    def prompt(self, inputs: dict, settings) -> np.ndarray:
+        """The decoder prompt of each input [B, P] (int64): the start token (and Whisper's task tokens) for all."""
+        batch = int(next(iter(inputs.values())).shape[0])
+        return np.tile(np.asarray(settings.prompt(), dtype=np.int64), (batch, 1))
+
+    def check_lengths(self, manifest: Manifest, inputs: dict, settings) -> None:
+        """Refuse runs HF would refuse or crash on, given the inputs (one-line ``ElxError``)."""
 
     def resolve(self, manifest: Manifest, values: dict, extra: dict) -> dict:
         """Adjust the resolved generation values (model defaults + user options) to the family's rules."""
@@ -46,6 +73,15 @@ class EncoderDecoderRules:
         """The options to pass HF ``generate`` so that it runs what elx runs (compare)."""
         return options
 
+    def output_fill(self, settings) -> int:
+        """The token HF pads finished rows with in what ``generate`` returns (-1: none; compare).
+
+        HF's beam search pads with ``pad_token_id or eos_token_id[0]``: a pad id of 0 (T5) is falsy
+        and gives the EOS (a quirk, mirrored); greedy search pads with ``pad_token_id``."""
+        if settings.num_beams > 1:
+            return int(settings.pad_token_id or settings.eos_token_id[0]) if settings.eos_token_id else -1
+        return int(settings.pad_token_id) if settings.pad_token_id is not None else -1
+
 
 class WhisperRules(EncoderDecoderRules):
     options = ("language", "task", "return_timestamps")
@@ -63,15 +99,34 @@ class WhisperRules(EncoderDecoderRules):
     def rows_per_input(self, settings):
         return settings.num_return_sequences * settings.input_repeats
 
+    def final_eos(self, settings) -> int | None:
+        """The EOS id HF Whisper cuts from the end of each returned row; None when it cuts none.
+
+        HF quirk, mirrored: ``generate_with_fallback`` compares each row's last token with
+        ``generation_config.eos_token_id`` in the form the caller gave it.  A list (even of one id)
+        makes ``tensor == list`` plain ``False`` in PyTorch: no final EOS is cut, and ``pad == eos``
+        never holds, so every pad token counts as padding.  Defaults from the manifest count as an
+        int (every Whisper checkpoint's config has one); ``settings.eos_listed`` records the form.
+        """
+        if settings.eos_listed or not settings.eos_token_id:
+            return None
+        return int(settings.eos_token_id[0])
+
     def output_sequences(self, sequences, settings):
         from .whisper import hf_sequences
 
-        return hf_sequences(sequences, settings)
+        return hf_sequences(sequences, settings, self.final_eos(settings))
 
     def full_sequences(self, hf_sequences, settings):
         from .whisper import full_sequences
 
-        return full_sequences(hf_sequences, settings)
+        # one more position (a pad token), so that the step after HF's last kept token (its cut EOS) is
+        # teacher-forced too, and an output of no tokens at all (EOS first) still has a step to check
+        forced = full_sequences(hf_sequences, settings)
+        return np.concatenate([forced, np.full((forced.shape[0], 1), settings.pad_token_id or 0, np.int64)], 1)
+
+    def output_fill(self, settings):
+        return int(settings.pad_token_id) if settings.pad_token_id is not None else -1
 
     def hf_options(self, manifest, options):
         from .whisper import hf_language
@@ -80,7 +135,49 @@ class WhisperRules(EncoderDecoderRules):
         return {**options, "language": language} if language is not None else dict(options)
 
 
-RULES = {"t5": EncoderDecoderRules(), "bart": EncoderDecoderRules(), "whisper": WhisperRules()}
+class DecoderOnlyRules(EncoderDecoderRules):
+    """HF ``GenerationMixin.generate`` for decoder-only models (transformers 5.23)."""
+
+    padding_side = "left"  # HF: "decoder-only models must use left-padding for batched generation"
+
+    def validate(self, settings) -> None:
+        pass  # no decoder start token: the prompt is the user's input
+
+    def pad_token(self, manifest: Manifest) -> int:
+        # HF generate pads with eos_token_id[0] when the model has no pad token (GPT-2)
+        pad = manifest.tokens.get("pad_token_id")
+        eos = manifest.tokens.get("eos_token_id") or []
+        return int(pad) if pad is not None else (int(eos[0]) if eos else 0)
+
+    def prompt_length(self, settings):
+        return None  # the prompt is the user's input
+
+    def prompt(self, inputs, settings):
+        return np.ascontiguousarray(inputs["input_ids"], dtype=np.int64)
+
+    def check_lengths(self, manifest, inputs, settings):
+        """HF raises when the prompt is not shorter than ``max_length``; past the position table its
+        embedding lookup fails: both are one-line errors here, before any work."""
+        from .prompt import sequence_positions
+
+        width = int(inputs["input_ids"].shape[1])
+        max_length = settings.total_max_length(width)
+        if width >= max_length:
+            raise ElxError(f"the prompt is {width} tokens (padded) but max_length is {max_length}: nothing to "
+                           "generate; raise max_length or set max_new_tokens")
+        positions = manifest.dims.get("max_position_embeddings")
+        if positions:
+            mask = inputs.get("attention_mask", np.ones_like(inputs["input_ids"]))
+            # the last token is generated but never fed: positions up to index max_length - 2 are looked up
+            needed = int(sequence_positions(mask, max_length - 1).max()) + 1
+            if needed > positions:
+                raise ElxError(f"this run needs {needed} positions (prompt of {width} tokens + up to "
+                               f"{max_length - width} new tokens) but the model has {positions} (n_positions); "
+                               "shorten the prompt or lower max_new_tokens / max_length")
+
+
+RULES = {"t5": EncoderDecoderRules(), "bart": EncoderDecoderRules(), "whisper": WhisperRules(),
+         "gpt2": DecoderOnlyRules(), "opt": DecoderOnlyRules()}
 
 
 def rules_for(manifest: Manifest) -> EncoderDecoderRules:

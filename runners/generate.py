@@ -109,7 +109,8 @@ class Generator:
                 raise ElxError(f"{self.manifest.folder} has no tokenizer; pass input_ids instead of text")
             input_ids = self.text.encode([text] if isinstance(text, str) else list(text))
         if attention_mask is None and not isinstance(input_ids, np.ndarray):
-            return pad_rows([list(map(int, row)) for row in input_ids], self.manifest.tokens.get("pad_token_id") or 0)
+            return pad_rows([list(map(int, row)) for row in input_ids], self.rules.pad_token(self.manifest),
+                            self.rules.padding_side)
         return {"input_ids": input_ids, **({} if attention_mask is None else {"attention_mask": attention_mask})}
 
     def generate(self, inputs: dict | None = None, *, text=None, audio=None, input_ids=None, attention_mask=None,
@@ -123,12 +124,14 @@ class Generator:
         inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
                                      audio=audio, input_features=input_features)
         inputs = self.rules.prepare_inputs(_check_inputs(self.manifest, inputs), settings)
-        check_memory(self.manifest, settings, inputs)  # runners/validation.py: refuse what cannot fit
+        self.rules.check_lengths(self.manifest, inputs, settings)
+        prompt = self.rules.prompt(inputs, settings)
+        check_memory(self.manifest, settings, inputs, prompt.shape[1])  # runners/validation.py: refuse what cannot fit
         model = self.model.for_run(settings.no_repeat_ngram_size)
-        processors = build_processors(settings, len(settings.prompt()), graph_blocks_ngrams=model.returns_log_probs)
+        processors = build_processors(settings, prompt.shape[1], graph_blocks_ngrams=model.returns_log_probs)
         state = model.encode(inputs)
         search = greedy_search if settings.num_beams == 1 else beam_search
-        result = search(model, state, settings, processors, track_memory=track_memory)
+        result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt)
         sequences = self.rules.output_sequences(result.sequences, settings)
         text_out = self.text.decode(sequences) if decode and self.text is not None else None
         return GenerationOutput(sequences, result.scores, text_out, result.sequences, settings, result.steps,

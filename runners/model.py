@@ -9,6 +9,13 @@ Which step output the search reads is decided per run (``for_run``): after the `
 the step graph exposes both plain logits and log-softmaxed scores with n-grams of one size
 blocked; a run asking for exactly that size reads the blocked scores (the searches then skip
 their log-softmax and n-gram processor), any other run reads the plain logits.
+
+Decoder-only exports (``runners/prompt.py``): ``encode`` keeps the prompt's mask and HF's
+position ids, and runs the prefill stage on the prompt once per input.  The first ``step`` (the
+searches hand it the prompt tokens, as for any model) then consumes the prefill's outputs instead
+of running the step graph: its scores, copied to the item's rows, and, where the manifest fills
+cache entries from the prefill (a per-beam prompt cache), those entries; afterwards each step
+feeds the step's position ids and the attention mask derived from the prompt mask.
 """
 from __future__ import annotations
 
@@ -19,7 +26,8 @@ import numpy as np
 from .backend import Backend, DecoderCache, EncoderState
 from .errors import ElxError
 from .manifest import Manifest
-from .plan import INPUT, RunPlan
+from .plan import INPUT, PROMPT_POSITIONS, RunPlan
+from .prompt import Prompt
 
 
 class Model:
@@ -47,6 +55,11 @@ class Model:
         """Run the stages on user inputs given by role (``input_ids``, ``attention_mask``, ``input_features``)."""
         backend = self.backend
         available = {f"{INPUT}{role}": backend.to_device(np.ascontiguousarray(a)) for role, a in inputs.items()}
+        prompt = None
+        if self.plan.uses_prompt:
+            ids = inputs["input_ids"]
+            prompt = Prompt.from_mask(inputs.get("attention_mask", np.ones(np.shape(ids), dtype=np.int64)))
+            available[PROMPT_POSITIONS] = backend.to_device(prompt.positions)
         for stage in self.plan.stages:
             feeds = {f.name: _resolve(f.source, available, stage.name) for f in stage.feeds}
             outputs = list(stage.outputs)
@@ -55,11 +68,14 @@ class Model:
         feeds = {f.name: _resolve(f.source, available, self.plan.step.name) for f in self.plan.state_feeds}
         kept = {key: backend.to_host(available[key]) for key in self.plan.kept if key in available}
         batch = int(next(iter(inputs.values())).shape[0])
-        return EncoderState(feeds, batch, kept)
+        if prompt is not None and self.plan.first_scores is not None:
+            prompt.scores = backend.to_host(available[self.plan.first_scores])
+            prompt.initial = {slot.input: available[slot.init] for slot in self.plan.cache if slot.init}
+        return EncoderState(feeds, batch, kept, prompt)
 
     # -- per step ----------------------------------------------------------------------------
     def empty_cache(self, rows: int) -> DecoderCache:
-        return DecoderCache({s.input: self.backend.zeros(s.empty_shape(rows), s.dtype) for s in self.plan.cache}, rows)
+        return DecoderCache({s.input: self.backend.zeros(s.empty_shape(rows), s.dtype) for s in self.plan.cache}, rows, 0)
 
     def step(self, input_ids: np.ndarray, state: EncoderState, cache: DecoderCache,
              history: np.ndarray | None = None) -> tuple[np.ndarray, DecoderCache]:
@@ -67,27 +83,64 @@ class Model:
 
         ``history`` [rows, cur_len] is the token history, needed when ``needs_history``."""
         plan = self.plan
+        count = int(input_ids.shape[1])
+        if plan.first_scores is not None and cache.length == 0:
+            return self._first_step(count, state, cache)
         feeds = dict(state.feeds)
         feeds.update(cache.arrays)
         feeds[plan.token_input] = np.ascontiguousarray(input_ids, dtype=np.int64)
+        if plan.step_positions is not None:
+            feeds[plan.step_positions] = state.prompt.step_positions(cache.rows, cache.length, count)
+        if plan.step_mask is not None:
+            feeds[plan.step_mask] = state.prompt.step_mask(cache.rows, cache.length + count)
         if plan.history_input is not None:
             if history is None:
                 raise ElxError("this decoder graph reads the token history (n-gram blocking); pass it")
             feeds[plan.history_input] = np.ascontiguousarray(history, dtype=np.int64)
         outputs = [self._scores, *(slot.output for slot in plan.cache)]
         scores, *presents = self.backend.run(plan.step.name, feeds, outputs, host_outputs=(self._scores,))
-        return scores, DecoderCache({slot.input: v for slot, v in zip(plan.cache, presents)}, cache.rows)
+        return scores, DecoderCache({slot.input: v for slot, v in zip(plan.cache, presents)}, cache.rows,
+                                    cache.length + count)
+
+    def _first_step(self, count: int, state: EncoderState, cache: DecoderCache) -> tuple[np.ndarray, DecoderCache]:
+        """The prompt's step, computed by the prefill stage at batch B: its scores and initial cache, per row.
+
+        The prefill's outputs are consumed (released from the state): the per-beam copies replace them."""
+        prompt = state.prompt
+        if prompt is None or prompt.scores is None:
+            raise ElxError("the prompt's first step was already taken from this state; encode the inputs again")
+        if count != prompt.width:
+            raise ElxError(f"the first step of a decoder-only model takes the {prompt.width} prompt tokens, got {count}")
+        items = prompt.items_of_rows(cache.rows)
+        scores = prompt.scores[items]
+        arrays = dict(cache.arrays)
+        for slot in self.plan.cache:
+            if slot.init:
+                arrays[slot.input] = self.backend.take(prompt.initial[slot.input], items)
+        prompt.scores, prompt.initial = None, {}
+        return scores, DecoderCache(arrays, cache.rows, cache.length + count)
+
+    def append_to_cache(self, cache: DecoderCache, arrays: dict) -> DecoderCache:
+        """The cache with host ``arrays`` [rows, ...] appended along each entry's sequence axis (verification)."""
+        out, added = {}, 0
+        for slot in self.plan.cache:
+            old = self.backend.to_host(cache.arrays[slot.input])
+            out[slot.input] = self.backend.to_device(np.concatenate([old, arrays[slot.input]], axis=slot.seq_axis))
+            added = int(arrays[slot.input].shape[slot.seq_axis])
+        return DecoderCache(out, cache.rows, cache.length + added)
 
     def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
         """Row r of the new cache is row ``rows[r]`` of the old one (beam reordering)."""
         if rows.shape[0] == cache.rows and np.array_equal(rows, np.arange(cache.rows)):
             return cache
-        return DecoderCache({k: self.backend.take(v, rows) for k, v in cache.arrays.items()}, int(rows.shape[0]))
+        return DecoderCache({k: self.backend.take(v, rows) for k, v in cache.arrays.items()}, int(rows.shape[0]),
+                            cache.length)
 
     def select(self, state: EncoderState, items: np.ndarray) -> EncoderState:
         """Keep only batch items ``items`` of the per-input state (finished items leave the batch)."""
         feeds = {k: self.backend.take(v, items) for k, v in state.feeds.items()}
-        return EncoderState(feeds, int(items.shape[0]), state.kept)
+        prompt = state.prompt.take(items, self.backend.take) if state.prompt is not None else None
+        return EncoderState(feeds, int(items.shape[0]), state.kept, prompt)
 
     # -- accounting --------------------------------------------------------------------------
     def state_bytes(self, state: EncoderState) -> int:

@@ -12,6 +12,15 @@
 * which step output holds the plain last-position logits, and, after the ``ngram`` pass, which
   one holds log-softmaxed scores with n-grams of one fixed size blocked in the graph.
 
+Decoder-only models (``is_encoder_decoder: false``) add three sources derived from the prompt's
+attention mask the way HF ``generate`` derives them (``runners/prompt.py``): ``prompt:position_ids``
+(the prompt's position ids, batch B, for a stage), ``step:position_ids`` and ``step:attention_mask``
+(this step's position ids and the mask over all positions so far, per row).  A stage may run the
+whole prompt once per input (the ``prefill``): the manifest's ``first_step_scores`` then names the
+stage output holding the first step's scores, and a cache entry's ``init`` names the stage output
+(batch B) that fills it, one copy per row, at the first step (a per-beam prompt cache); without
+``init`` a cache entry starts empty (the prompt's K/V then live in the per-input state).
+
 Backends run graphs and move tensors; ``runners.model.Model`` follows this plan on a backend.
 Nothing here assumes an encoder exists, or that the encoder takes token ids.
 """
@@ -24,6 +33,10 @@ from .manifest import Manifest
 
 STEP_TOKENS = "step:input_ids"
 STEP_HISTORY = "step:history"
+STEP_MASK = "step:attention_mask"
+STEP_POSITIONS = "step:position_ids"
+PROMPT_POSITIONS = "prompt:position_ids"
+STEP = "step:"
 CACHE = "cache:"
 INPUT = "input:"
 KEPT = ("encoder:last_hidden_state",)  # stage outputs kept on the host after encoding (compare reads them)
@@ -54,6 +67,7 @@ class CacheSlot:
     dtype: str
     shape: tuple  # symbolic: "rows" for the row axis, ints for fixed sizes
     seq_axis: int
+    init: str | None = None  # a stage output (batch B) copied to every row at the first step; None: empty
 
     def empty_shape(self, rows: int) -> list[int]:
         return [rows if d == "rows" else (0 if i == self.seq_axis else int(d)) for i, d in enumerate(self.shape)]
@@ -71,6 +85,10 @@ class RunPlan:
     blocked: str | None  # the step output holding log-softmaxed, n-gram-blocked scores (the ngram pass)
     ngram_size: int  # the n-gram size ``blocked`` blocks (0: no such output)
     kept: tuple[str, ...]  # stage outputs kept on the host after encoding (for compare)
+    first_scores: str | None = None  # a stage output holding the first step's scores (decoder-only prefill)
+    step_mask: str | None = None  # the step input fed from step:attention_mask
+    step_positions: str | None = None  # the step input fed from step:position_ids
+    uses_prompt: bool = False  # whether a graph reads prompt-derived inputs (runners/prompt.py)
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> "RunPlan":
@@ -84,20 +102,32 @@ class RunPlan:
         if not tokens or len(tokens) != 1:
             raise ElxError(f"{_where(manifest)}: the step graph has no single {STEP_TOKENS} input; re-run 'elx export'")
         history = by_source.get(STEP_HISTORY, [None])[0]
-        cache = tuple(CacheSlot(e["input"], e["output"], e.get("dtype", "float32"), tuple(e["shape"]), int(e["seq_axis"]))
-                      for e in manifest.cache_entries)
+        cache = tuple(CacheSlot(e["input"], e["output"], e.get("dtype", "float32"), tuple(e["shape"]), int(e["seq_axis"]),
+                                e.get("init")) for e in manifest.cache_entries)
+        outputs = {f"{s.name}:{o}" for s in stages for o in s.outputs}
+        first_scores = manifest.data.get("first_step_scores")
+        for source in [first_scores, *(slot.init for slot in cache)]:
+            if source is not None and source not in outputs:
+                raise ElxError(f"{_where(manifest)}: {source!r} is no stage output; re-run 'elx export'")
         cached = {slot.input for slot in cache}
         for feed in step.feeds:
             if feed.source.startswith(CACHE) and feed.name not in cached:
                 raise ElxError(f"{_where(manifest)}: step input {feed.name} is fed from the cache but has no cache entry; "
                                "re-run 'elx export'")
-        state = tuple(f for f in step.feeds if f.source not in (STEP_TOKENS, STEP_HISTORY)
-                      and not f.source.startswith(CACHE))
+        for feed in step.feeds:
+            if feed.source.startswith(STEP) and feed.source not in (STEP_TOKENS, STEP_HISTORY, STEP_MASK, STEP_POSITIONS):
+                raise ElxError(f"{_where(manifest)}: step input {feed.name} has an unknown source {feed.source!r}; "
+                               "upgrade elx or re-export")
+        state = tuple(f for f in step.feeds if not f.source.startswith(STEP) and not f.source.startswith(CACHE))
+        derived = {f.source: f.name for f in step.feeds if f.source in (STEP_MASK, STEP_POSITIONS)}
+        uses_prompt = (bool(derived) or first_scores is not None
+                       or any(f.source == PROMPT_POSITIONS for s in stages for f in s.feeds))
         spec = graphs[manifest.step]
         blocked = spec.get("blocked") or {}
         kept = tuple(f"{s.name}:{o}" for s in stages for o in s.outputs if f"{s.name}:{o}" in KEPT)
         return cls(stages, step, tokens[0].name, history.name if history else None, state, cache,
-                   spec.get("logits", "logits"), blocked.get("output"), int(blocked.get("ngram_size") or 0), kept)
+                   spec.get("logits", "logits"), blocked.get("output"), int(blocked.get("ngram_size") or 0), kept,
+                   first_scores, derived.get(STEP_MASK), derived.get(STEP_POSITIONS), uses_prompt)
 
     @property
     def graph_names(self) -> list[str]:

@@ -12,7 +12,13 @@ Two things differ, neither changes a token:
   finished ones, or ``early_stopping=True`` and all its beams are finished) is dropped from the
   batch: its rows leave the cache and the per-input state, so the decoder stops computing them.
   HF keeps computing them and discards the results (its masks guarantee they cannot enter).
+  Except where two of its finished scores are exactly equal: HF's later merges run ``torch.topk``
+  over them again, which may swap equal scores (it is not stable), so such an item stays.
 * Host work is numpy on arrays owned by the search (log-softmax and processors in place).
+
+The decoder prompt is per item (``prompt`` [B, P]): the start token for every item of an
+encoder-decoder model (the default, from the settings), the left-padded input ids of a
+decoder-only model.  Lengths, the length penalty and the processors count it, as in HF.
 
 Every top-k is ``runners.topk.topk``: ``torch.topk``'s CPU order, ties included.  Peaked models
 produce exactly equal scores (log-probs of 0.0, candidates masked to -1e9, blocked tokens at
@@ -41,6 +47,12 @@ class SearchResult:
     scores: np.ndarray | None = None  # beam search: HF's sequences_scores (length-penalized), per returned row
 
 
+def _has_ties(scores: np.ndarray) -> np.ndarray:
+    """Per row: whether two of its values are exactly equal."""
+    ordered = np.sort(scores, axis=1)
+    return (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+
+
 def log_softmax_(x: np.ndarray) -> np.ndarray:
     """In-place float32 log-softmax over the last axis (HF: ``nn.functional.log_softmax``)."""
     x -= x.max(axis=-1, keepdims=True)
@@ -53,6 +65,12 @@ def as_float32(logits: np.ndarray) -> np.ndarray:
     return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
 
+def _prompt_rows(settings: GenerationSettings, batch: int, prompt: np.ndarray | None) -> np.ndarray:
+    if prompt is None:  # one decoder prompt for every item (encoder-decoder models)
+        return np.tile(np.asarray(settings.prompt(), dtype=np.int64), (batch, 1))
+    return np.asarray(prompt, dtype=np.int64)
+
+
 def _record(memory: list, model, state: EncoderState, cache, track: bool) -> None:
     if track:
         memory.append({"state_bytes": model.state_bytes(state), "cache_bytes": model.cache_bytes(cache),
@@ -60,9 +78,10 @@ def _record(memory: list, model, state: EncoderState, cache, track: bool) -> Non
 
 
 def greedy_search(model, state: EncoderState, settings: GenerationSettings, processors: list,
-                  track_memory: bool = False) -> SearchResult:
-    prompt = settings.prompt()
-    batch, p_len = state.batch, len(prompt)
+                  track_memory: bool = False, prompt: np.ndarray | None = None) -> SearchResult:
+    batch = state.batch
+    prompt = _prompt_rows(settings, batch, prompt)
+    p_len = prompt.shape[1]
     max_len = settings.total_max_length(p_len)
     eos = np.asarray(settings.eos_token_id, dtype=np.int64)
     pad = settings.pad_token_id
@@ -92,11 +111,12 @@ def greedy_search(model, state: EncoderState, settings: GenerationSettings, proc
 
 
 def beam_search(model, state: EncoderState, settings: GenerationSettings, processors: list,
-                track_memory: bool = False) -> SearchResult:
+                track_memory: bool = False, prompt: np.ndarray | None = None) -> SearchResult:
     s = settings
     k = s.num_beams
-    prompt = s.prompt()
-    batch, p_len = state.batch, len(prompt)
+    batch = state.batch
+    prompt = _prompt_rows(s, batch, prompt)
+    p_len = prompt.shape[1]
     max_len = s.total_max_length(p_len)
     eos = np.asarray(s.eos_token_id, dtype=np.int64)
     keep_k = max(2, 1 + eos.size) * k
@@ -105,7 +125,7 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
     early, lp = s.early_stopping, s.length_penalty
 
     running = np.full((batch, k, max_len), fill, dtype=np.int64)
-    running[:, :, :p_len] = prompt
+    running[:, :, :p_len] = prompt[:, None, :]
     finished_seq = running.copy()
     finished_len = np.zeros((batch, k), dtype=np.int64)  # generated tokens of each finished hypothesis
     running_scores = np.zeros((batch, k), dtype=np.float32)
@@ -174,10 +194,14 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
             break
         item_done = ~unsatisfied[active, 0] | (is_finished[active].all(axis=1) & (early is True))
         rows = (np.arange(n)[:, None] * k + parents).reshape(-1)  # new row r comes from old row rows[r]
-        if item_done.any():
-            keep = np.flatnonzero(~item_done)
-            if keep.size == 0:
-                break
+        if item_done.all():
+            break
+        # HF goes on merging a done item's finished hypotheses every step (its candidates masked), and
+        # torch.topk may reorder exactly equal scores in each merge: an item whose finished scores tie stays
+        # in the batch, so that it gets the same merges; the others leave it (their order cannot change)
+        leave = item_done & ~_has_ties(beam_scores[active])
+        if leave.any():
+            keep = np.flatnonzero(~leave)
             state = model.select(state, keep)
             rows = rows.reshape(n, k)[keep].reshape(-1)
             active = active[keep]

@@ -1,9 +1,9 @@
 """Generation settings resolved the way HF ``generate`` resolves them.
 
 The manifest carries the model's ``generation_config`` values; the user overrides them per call.
-Lengths follow HF: for encoder-decoder models ``max_length`` and ``min_length`` count the decoder
-prompt (the start token), ``max_new_tokens``/``min_new_tokens`` do not, and ``max_new_tokens``
-wins over ``max_length``.  Options the runners do not implement are refused, not ignored.
+Lengths follow HF: ``max_length`` and ``min_length`` count the decoder prompt (encoder-decoder
+models: the start token; decoder-only models: the left-padded prompt), ``max_new_tokens``/
+``min_new_tokens`` do not, and ``max_new_tokens`` wins over ``max_length``.  Options the runners do not implement are refused, not ignored.
 """
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ class GenerationSettings:
     begin_suppress_tokens: list | None = None
     decoder_prompt: list = field(default_factory=list)  # tokens after the start token (Whisper's lang/task)
     input_repeats: int = 1  # Whisper: HF runs num_return_sequences=r as r copies of each input (runners/whisper.py)
+    # the caller passed eos_token_id as a list (HF keeps the form it was given; Whisper's output depends on it:
+    # WhisperRules.output_sequences)
+    eos_listed: bool = False
 
     def prompt(self) -> list[int]:
         return [int(self.decoder_start_token_id), *map(int, self.decoder_prompt)]
@@ -94,17 +97,18 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
     for name, value in overrides.items():
         if value is not None:
             values[name] = _eos_list(value) if name == "eos_token_id" else value
+    if overrides.get("eos_token_id") is not None:
+        values["eos_listed"] = isinstance(overrides["eos_token_id"], (list, tuple))
     settings = GenerationSettings(**rules.resolve(manifest, values, extra))
     if settings.pad_token_id is None and settings.eos_token_id:
         settings.pad_token_id = settings.eos_token_id[0]
-    _validate(settings)
+    rules.validate(settings)
+    _validate(settings, rules.prompt_length(settings))
     return settings
 
 
-def _validate(s: GenerationSettings) -> None:
-    if s.decoder_start_token_id is None:
-        raise ElxError("the manifest names no decoder_start_token_id; re-export from a model whose config sets it")
-    check_settings(s)  # runners/validation.py: types, ranges, total length vs the model's positions
+def _validate(s: GenerationSettings, prompt_len: int | None) -> None:
+    check_settings(s, prompt_len)  # runners/validation.py: types, ranges, total length vs the model's positions
     if s.input_repeats < 1:
         raise ElxError(f"input_repeats must be >= 1, got {s.input_repeats}")
     if s.num_beams < 1:

@@ -72,8 +72,9 @@ def token_rows(text: str) -> list[list[int]]:
         raise ElxError(f"--input-ids must be integers separated by spaces, rows by ';' (got {text!r})")
 
 
-def pad_rows(rows: list[list[int]], pad: int) -> dict:
-    """Right-padded ``input_ids`` and ``attention_mask`` for rows of different lengths (encoder inputs)."""
+def pad_rows(rows: list[list[int]], pad: int, side: str = "right") -> dict:
+    """``input_ids`` and ``attention_mask`` for rows of different lengths, padded on ``side``
+    (right for encoder inputs, left for decoder-only prompts)."""
     if not rows or not all(len(r) for r in rows):
         raise ElxError("no input tokens given (an empty row); pass token ids or text")
     check_token_rows(rows)  # runners/validation.py: ids that do not fit in int64
@@ -81,5 +82,6 @@ def pad_rows(rows: list[list[int]], pad: int) -> dict:
     ids = np.full((len(rows), width), pad, dtype=np.int64)
     mask = np.zeros((len(rows), width), dtype=np.int64)
     for i, row in enumerate(rows):
-        ids[i, : len(row)], mask[i, : len(row)] = row, 1
+        at = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[i, at], mask[i, at] = row, 1
     return {"input_ids": ids, "attention_mask": mask}

@@ -69,12 +69,15 @@ def _inside_folder(file) -> bool:
 
 
 def _known_source(source: str, graphs: dict) -> bool:
-    """``input:<role>``, ``step:input_ids``, ``step:history``, ``cache:<output>`` or ``<graph>:<output>``."""
+    """``input:<role>``, ``step:input_ids|history|attention_mask|position_ids``, ``prompt:position_ids``,
+    ``cache:<output>`` or ``<graph>:<output>`` (``runners/plan.py``)."""
     kind, sep, name = source.partition(":")
     if not sep or not name:
         return False
     if kind == "step":
-        return name in ("input_ids", "history")
+        return name in ("input_ids", "history", "attention_mask", "position_ids")
+    if kind == "prompt":
+        return name == "position_ids"
     return kind in ("input", "cache") or kind in graphs
 
 
@@ -108,13 +111,12 @@ def _length_option(s) -> str:
     return "the default length"
 
 
-def check_total_length(s) -> None:
+def check_total_length(s, prompt_len: int) -> None:
     """The longest sequence the search may build fits the decoder's positions (or elx's cap without a table).
 
     A decoder with a table of P positions reads positions 0..P-1: the last of L tokens is never fed
     back, so sequences reach at most P + 1 tokens (the decoder prompt included).
     """
-    prompt_len = len(s.prompt())
     total = s.total_max_length(prompt_len)
     limit = s.max_positions
     if limit is not None and total > int(limit) + 1:
@@ -127,21 +129,25 @@ def check_total_length(s) -> None:
                        "allocated up front): lower it")
 
 
-def check_settings(s) -> None:
-    """Types and ranges of every option of a ``GenerationSettings``, then the total length."""
-    check_int("decoder_start_token_id", s.decoder_start_token_id, 0)
+def check_settings(s, prompt_len: int | None) -> None:
+    """Types and ranges of every option of a ``GenerationSettings``, then the total length.
+
+    ``prompt_len``: the decoder prompt's length, or None when the inputs set it (decoder-only models: the
+    prompt is the input; ``runners.families.DecoderOnlyRules.check_lengths`` checks lengths once it is known)."""
+    check_int("decoder_start_token_id", s.decoder_start_token_id, 0, optional=True)  # required by the family's rules
     check_int("num_beams", s.num_beams, 1)
     check_int("num_return_sequences", s.num_return_sequences, 1)
     check_int("input_repeats", s.input_repeats, 1)
     check_int("max_new_tokens", s.max_new_tokens, 1, optional=True)
-    check_int("max_length", s.max_length, len(s.prompt()), optional=True)
+    check_int("max_length", s.max_length, prompt_len or 1, optional=True)
     check_int("min_new_tokens", s.min_new_tokens, 0, optional=True)
     check_int("min_length", s.min_length, 0)
     check_int("no_repeat_ngram_size", s.no_repeat_ngram_size, 0)
     check_length_penalty(s.length_penalty)
     if s.num_return_sequences > s.num_beams:
         raise ElxError(f"num_return_sequences ({s.num_return_sequences}) must be <= num_beams ({s.num_beams})")
-    check_total_length(s)
+    if prompt_len is not None:
+        check_total_length(s, prompt_len)
 
 
 # -- encoder inputs ------------------------------------------------------------------------------------
@@ -233,28 +239,29 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
-def first_step_bytes(manifest, settings, batch: int) -> int:
+def first_step_bytes(manifest, settings, batch: int, prompt_len: int) -> int:
     """What a search allocates before its first step ends, whatever the outputs: its [rows, max length] token
     buffers (beam search keeps about 8 such copies: running, finished, candidates, merged) and the first
     step's [rows, vocab] float32 scores (about 4 copies: logits, log-probs, processors, beam scores)."""
     beams = settings.num_beams
     rows = batch * beams  # ``batch``: the inputs the search runs on (Whisper's repeats included)
-    length = settings.total_max_length(len(settings.prompt()))
+    length = settings.total_max_length(prompt_len)
     copies = 8 if beams > 1 else 2
     return rows * length * 8 * copies + rows * vocab_size(manifest) * 4 * 4
 
 
-def check_memory(manifest, settings, inputs: dict) -> None:
+def check_memory(manifest, settings, inputs: dict, prompt_len: int) -> None:
     """Refuse a run whose first step alone cannot fit in the memory left (instead of being OOM-killed).
 
-    ``inputs``: the encoder inputs as the search gets them (after the family's repeats)."""
+    ``inputs``: the inputs as the search gets them (after the family's repeats); ``prompt_len``: the
+    decoder prompt's length (padded)."""
     available = available_memory()
     if available is None or not inputs:
         return
     batch = int(next(iter(inputs.values())).shape[0])
-    needed = first_step_bytes(manifest, settings, batch)
+    needed = first_step_bytes(manifest, settings, batch, prompt_len)
     if needed > available:
         gib = 1 << 30
-        raise ElxError(f"{batch} inputs x {settings.num_beams} beams x {settings.total_max_length(len(settings.prompt()))}"
+        raise ElxError(f"{batch} inputs x {settings.num_beams} beams x {settings.total_max_length(prompt_len)}"
                        f" tokens need about {needed / gib:.1f} GiB before the first step ends, more than the "
                        f"{available / gib:.1f} GiB of memory available; lower num_beams, the batch or the length")

@@ -180,9 +180,9 @@ def hf_language(manifest: Manifest, language: str | None, task: str | None) -> s
     return effective_language(manifest, language, task)
 
 
-def generated_rows(sequences: np.ndarray, prompt_len: int, eos: list, pad: int | None) -> list[list[int]]:
-    """Per row, the tokens HF Whisper keeps: prompt cut, padding stripped (EOS kept if pad == EOS), EOS cut."""
-    eos_id = int(eos[0]) if eos else None
+def generated_rows(sequences: np.ndarray, prompt_len: int, eos_id: int | None, pad: int | None) -> list[list[int]]:
+    """Per row, the tokens HF Whisper keeps: prompt cut, padding stripped (EOS kept if pad == EOS), a final
+    ``eos_id`` cut (None: none is cut; ``WhisperRules.final_eos`` says which)."""
     rows = []
     for row in np.asarray(sequences)[:, prompt_len:]:
         row = [int(t) for t in row]
@@ -198,10 +198,12 @@ def generated_rows(sequences: np.ndarray, prompt_len: int, eos: list, pad: int |
     return rows
 
 
-def hf_sequences(sequences: np.ndarray, settings) -> np.ndarray:
-    """elx sequences (prompt included) → what HF Whisper ``generate`` returns: [B, longest] right-padded."""
+def hf_sequences(sequences: np.ndarray, settings, eos_id: int | None) -> np.ndarray:
+    """elx sequences (prompt included) → what HF Whisper ``generate`` returns: [B, longest] right-padded.
+
+    ``eos_id``: the final EOS HF cuts (``WhisperRules.final_eos``)."""
     pad = settings.pad_token_id
-    rows = generated_rows(sequences, len(settings.prompt()), settings.eos_token_id, pad)
+    rows = generated_rows(sequences, len(settings.prompt()), eos_id, pad)
     width = max((len(r) for r in rows), default=0)
     out = np.full((len(rows), width), pad if pad is not None else -1, dtype=np.int64)
     for i, row in enumerate(rows):

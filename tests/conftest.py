@@ -41,7 +41,21 @@ def _whisper(**overrides):
     return WhisperForConditionalGeneration(WhisperConfig(**config))
 
 
-BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper}
+def _biased(model, std: float = 0.5):
+    """Every bias drawn from N(0, std²) (HF initializes them to zero, which would hide bias handling)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, std)
+    return model
+
+
+BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper,
+            # heads·d_kv = 48 ≠ d_model = 32 (as in T5-3B/11B, where h·d_kv > d_model)
+            "t5-wide": lambda **o: _t5(**{"d_kv": 12, **o}),
+            # sharper attention (init_std 0.1) and non-zero biases: b_K, b_V and the K projection without bias
+            "bart-biased": lambda **o: _biased(_bart(**{"init_std": 0.1, **o})),
+            "whisper-biased": lambda **o: _biased(_whisper(**{"init_std": 0.1, **o}))}
 
 
 def make_model_folder(root: Path, family: str, seed: int = 0, **overrides) -> Path:
@@ -76,3 +90,20 @@ def exported(tmp_path_factory, model_folders):
         return _EXPORTS[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def differential_pool(tmp_path_factory, exported):
+    """The differential tests' exports (tests/differential.py), one pool per session."""
+    from tests.differential import ExportPool
+
+    return ExportPool(tmp_path_factory.mktemp("differential"), shared_export=exported)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """PyTorch on one thread for a module: 4x less CPU for tiny models on a busy 2-core machine (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -65,3 +65,39 @@ def hf_numpy_features(extractor, audio: list, **kwargs):
 
     with mock.patch.object(feature_extraction_whisper, "is_torch_available", lambda: False):
         return extractor(audio, sampling_rate=extractor.sampling_rate, return_tensors="np", **kwargs)
+
+
+class HfDecoderOnlyLogitsBackend:
+    """``HfLogitsBackend`` for a decoder-only model: the prompt (left-padded, with its mask) is the first
+    step's input; each step recomputes the whole sequence with HF's mask and position ids."""
+
+    needs_history = False
+    returns_log_probs = False
+
+    def __init__(self, model):
+        self.model = model
+
+    def encode(self, inputs: dict) -> EncoderState:
+        mask = np.asarray(inputs["attention_mask"], dtype=np.int64)
+        return EncoderState({"attention_mask": mask}, int(mask.shape[0]))
+
+    def empty_cache(self, rows: int) -> DecoderCache:
+        return DecoderCache({"history": np.zeros((rows, 0), dtype=np.int64)}, rows)
+
+    def step(self, input_ids, state: EncoderState, cache: DecoderCache, history=None):
+        from runners.prompt import sequence_positions
+
+        tokens = np.concatenate([cache.arrays["history"], input_ids], axis=1)
+        prompt_mask = np.repeat(state.feeds["attention_mask"], tokens.shape[0] // state.batch, axis=0)
+        width = prompt_mask.shape[1]
+        mask = np.concatenate([prompt_mask, np.ones((tokens.shape[0], tokens.shape[1] - width), dtype=np.int64)], 1)
+        positions = sequence_positions(prompt_mask, tokens.shape[1])
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask),
+                                position_ids=torch.from_numpy(positions)).logits[:, -1]
+        return logits.to(torch.float32).numpy().copy(), DecoderCache({"history": tokens}, cache.rows)
+
+    reorder = HfLogitsBackend.reorder
+    select = HfLogitsBackend.select
+    state_bytes = HfLogitsBackend.state_bytes
+    cache_bytes = HfLogitsBackend.cache_bytes

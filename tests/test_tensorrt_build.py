@@ -22,7 +22,7 @@ import onnx
 import pytest
 
 from exporter import tensorrt_build, tensorrt_ngram
-from exporter.tensorrt_precision import to_fp16
+from exporter.precision import to_fp16
 from exporter.tensorrt_profiles import Limits, axis_ranges, input_profiles
 from runners.errors import ElxError
 from runners.manifest import Manifest

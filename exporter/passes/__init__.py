@@ -8,6 +8,8 @@
   or an ``ElxError`` saying what it takes; ``parse_passes`` calls it before any heavy work;
 * ``CONFLICTS``: ``{other pass name: why they cannot be combined}`` (declaring it on one side
   is enough);
+* ``REFUSES`` (optional): ``{model kind: why the pass does not apply to it}``, kinds
+  ``"decoder-only"`` and ``"encoder-decoder"``; ``check_model_kind`` refuses before any work;
 * ``apply(folder, manifest, argument) -> dict``: rewrites graph files inside the (temporary)
   export folder, updates the manifest in place, and returns the record stored in the manifest's
   ``passes`` list, which must hold the measured verification error.
@@ -24,6 +26,7 @@ PASSES = {
     "el": "el",
     "slim-cross": "slim_cross",
     "slim": "slim",
+    "el-self": "el_self",
     "ngram": "ngram",
 }
 
@@ -96,6 +99,20 @@ def parse_passes(text: str | None) -> list[PassRequest]:
         requests.append(PassRequest(name, argument or None, module))
     _check_conflicts([r.name for r in requests])
     return sorted(requests, key=lambda r: r.order)
+
+
+def model_kind(is_encoder_decoder: bool) -> str:
+    return "encoder-decoder" if is_encoder_decoder else "decoder-only"
+
+
+def check_model_kind(requests: list[PassRequest], family: str, is_encoder_decoder: bool) -> None:
+    """Refuse passes that do not apply to this kind of model (e.g. cross-attention passes on GPT-2)."""
+    kind = model_kind(is_encoder_decoder)
+    for request in requests:
+        reason = getattr(request.module, "REFUSES", {}).get(kind)
+        if reason:
+            raise ElxError(f"pass {request.name} does not apply to {family} exports ({kind}): {reason}; "
+                           f"drop it from --pass")
 
 
 def check_not_applied(requests: list[PassRequest], applied: list[str]) -> None:

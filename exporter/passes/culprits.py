@@ -5,6 +5,11 @@ some layers (ill-conditioned weights).  ``verified_rewrite`` rewrites every laye
 pass's own checks and verifies the result; beyond the tolerance it measures each layer rewritten
 alone and either refuses naming the worst layer, or (``skip-bad``) leaves layers out, worst first,
 until the rest verifies.  Candidates that are not kept are deleted; nothing else stays written.
+
+Acceptance is stricter than the tolerance: each candidate is verified at ``VERIFY_SEEDS`` (the
+error varies with the inputs more than one sample shows) and must stay within ``VERIFY_LIMIT``,
+half the 1e-4 tolerance.  The tolerance itself is never loosened; the headroom is for inputs the
+verification does not sample (see ``VERIFY_LIMIT``).
 """
 from __future__ import annotations
 
@@ -15,9 +20,16 @@ import numpy as np
 from runners.errors import ElxError
 from runners.manifest import Manifest
 
-from ..verify import TOLERANCE
+from ..verify import TOLERANCE, worst_report
 
 SKIP_BAD = "skip-bad"
+# A rewrite is accepted only within half the tolerance.  Verification samples a few shapes; generation on
+# other inputs reached up to 1.9x the verified max (issue 10's differential test: t5-gated-square's slim
+# layers, verified at 8.4e-5 against 1e-4 at one seed, gave 1.1e-4 along a real 20-token decode, and
+# `elx compare` rightly failed the export).  Half leaves that headroom; the tolerance stays 1e-4.
+VERIFY_LIMIT = TOLERANCE / 2
+VERIFY_SEEDS = (0, 1, 2)  # every shape at three seeds
+_LIMIT = f"{VERIFY_LIMIT:g} (half the {TOLERANCE:g} tolerance)"
 
 
 def skip_bad_argument(argument: str | None, name: str) -> bool:
@@ -45,7 +57,8 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     """Rewrite the layers not in ``bad``, verify, and on an accuracy failure find the culprit layers.
 
     ``candidate(layers, suffix) -> Manifest`` writes graphs with those layers rewritten (file
-    names carry ``suffix``); ``verify(after, layers) -> report`` compares them with ``manifest``.
+    names carry ``suffix``); ``verify(after, layers, seed) -> report`` compares them with ``manifest``
+    (run at every one of ``VERIFY_SEEDS``; the worst counts, and must be within ``VERIFY_LIMIT``).
     Refuses naming a layer unless ``skip_bad``; then layers are left out (joining ``bad``, in
     place), worst first by their error when rewritten alone, until the rest verifies.
     Returns (the verified manifest, the rewritten layers, the report); nothing else stays written.
@@ -59,23 +72,23 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
         raise ElxError(f"pass {name}: no {where} layer can be rewritten (layer {index}: {bad[index]}); "
                        "nothing was written")
     after = candidate(todo, name)
-    report = verify(after, todo)
-    if report["max_abs_logits_diff"] <= TOLERANCE:
+    report = _verify_seeds(verify, after, todo)
+    if report["max_abs_logits_diff"] <= VERIFY_LIMIT:
         return after, todo, report
     remove_new_files(folder, manifest, after)
     alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
     worst = max(alone, key=lambda i: alone[i])
     if not skip_bad:
         together = report["max_abs_logits_diff"]
-        detail = (f"max abs logits diff {alone[worst]:.3g} exceeds {TOLERANCE:g}" if alone[worst] > TOLERANCE else
-                  f"max abs logits diff {together:.3g} with all layers exceeds {TOLERANCE:g} "
+        detail = (f"max abs logits diff {alone[worst]:.3g} exceeds {_LIMIT}" if alone[worst] > VERIFY_LIMIT else
+                  f"max abs logits diff {together:.3g} with all layers exceeds {_LIMIT} "
                   f"(this layer alone: {alone[worst]:.3g}, the largest)")
         raise refuse(name, where, worst, detail)
     while todo:
-        for layer in [layer for layer in todo if alone[layer.index] > TOLERANCE] or [
+        for layer in [layer for layer in todo if alone[layer.index] > VERIFY_LIMIT] or [
                 max(todo, key=lambda layer: alone[layer.index])]:
-            bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {TOLERANCE:g}"
-                                if alone[layer.index] > TOLERANCE else
+            bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {_LIMIT}"
+                                if alone[layer.index] > VERIFY_LIMIT else
                                 f"left out: with the other layers the max abs logits diff reached "
                                 f"{report['max_abs_logits_diff']:.3g} (this layer alone: {alone[layer.index]:.3g})")
             alone[layer.index] = -1.0  # handled
@@ -83,12 +96,16 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
         if not todo:
             break
         after = candidate(todo, name)
-        report = verify(after, todo)
-        if report["max_abs_logits_diff"] <= TOLERANCE:
+        report = _verify_seeds(verify, after, todo)
+        if report["max_abs_logits_diff"] <= VERIFY_LIMIT:
             return after, todo, report
         remove_new_files(folder, manifest, after)
     raise ElxError(f"pass {name}: no {where} layer is accurate enough to rewrite (max abs logits diff beyond "
-                   f"{TOLERANCE:g}); nothing was written")
+                   f"{_LIMIT}); nothing was written")
+
+
+def _verify_seeds(verify, after: Manifest, layers: list) -> dict:
+    return worst_report([verify(after, layers, seed) for seed in VERIFY_SEEDS])
 
 
 def _errors_alone(folder: Path, manifest: Manifest, name: str, layers: list, candidate, verify) -> dict:
@@ -97,7 +114,7 @@ def _errors_alone(folder: Path, manifest: Manifest, name: str, layers: list, can
     for layer in layers:
         probe = candidate([layer], f"{name}-probe")
         try:
-            diff = verify(probe, [layer])["max_abs_logits_diff"]
+            diff = _verify_seeds(verify, probe, [layer])["max_abs_logits_diff"]
         finally:
             remove_new_files(folder, manifest, probe)
         alone[layer.index] = diff if np.isfinite(diff) else float("inf")  # NaN counts as the worst

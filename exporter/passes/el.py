@@ -47,6 +47,8 @@ from .rewrite import (Builder, commit, constant_value, linear_before, load_graph
 
 NAME = "el"
 ORDER = 10
+REFUSES = {"decoder-only": "EL-attention rewrites cross-attention, which decoder-only models do not have "
+                           "(their prompt's K/V are already shared by the beams: --prompt-cache shared)"}
 CONFLICTS = {"slim-cross": "el removes the cross-attention cache that slim-cross shrinks"}
 ENCODER_INPUT = "encoder_hidden_states"
 

@@ -40,6 +40,8 @@ from .rewrite import Builder, commit, load_graph, pass_file, refuse_twice, save_
 
 NAME = "ngram"
 ORDER = 90  # last: it consumes the final logits
+REFUSES = {"decoder-only": "its in-graph blocker sees generated tokens only, while HF counts the prompt's "
+                           "n-grams for decoder-only models; their n-gram blocking runs in the search"}
 CONFLICTS: dict = {}
 HISTORY_INPUT = "decoder_input_ids_history"
 OUTPUT = "log_probs"
@@ -71,7 +73,7 @@ def _append_blocking(graph: gs.Graph, logits_name: str, spec) -> None:
         graph.import_domains = list(graph.import_domains or []) + [onnx.helper.make_opsetid(spec.domain, 1)]
 
 
-def _log_softmax_blocked(n: int):
+def log_softmax_blocked(n: int):
     """``expect`` for the verification: what ``log_probs`` must be, from the old graph's logits."""
 
     def expect(logits: np.ndarray, case) -> np.ndarray:
@@ -100,7 +102,7 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     step["outputs"] = {OUTPUT: dict(step["outputs"][logits_name]), **step["outputs"]}
     step["blocked"] = {"output": OUTPUT, "ngram_size": n, "log_softmax": True}
     reference = RuntimeSide(before)
-    report = commit(folder, before, manifest, f"pass ngram ({OUTPUT})", expect=_log_softmax_blocked(n),
+    report = commit(folder, before, manifest, f"pass ngram ({OUTPUT})", expect=log_softmax_blocked(n),
                     no_repeat_ngram_size=n, reference=reference)
     plain = commit(folder, before, manifest, f"pass ngram ({logits_name})", reference=reference)
     return {"name": NAME, "ngram_size": n, "ort_op": "com.microsoft.NGramRepeatBlock",

@@ -1,0 +1,118 @@
+"""Differential tests against HF ``generate`` (issue 10): random settings no hand-picked list covers.
+
+``test_differential_exports``: tiny models of every family (``tests/differential.py: SPECS``) ×
+pass sets × random generation settings and padded batches, elx on ONNX Runtime against HF
+``generate``; a differing row is excused only where HF's own answer is unstable (eager fp32,
+sdpa fp32 and fp64 disagree), and excuses are counted, printed and bounded.
+``test_differential_search``: random tiny configs, elx's search on HF's own float64 logits
+against HF ``generate(use_cache=False)`` on the same model.  The one numeric step the two do
+differently is the float32 log-softmax (numpy vs torch's vectorized kernel, a few ulps apart):
+a differing example is rerun with torch's log-softmax in elx's search, and counts as a
+rounding-decided near-tie (reported, bounded) only if it is then identical; otherwise it fails.
+
+CI runs a derandomized slice (a few minutes: three exported specs, fixed examples).  More:
+
+    ELX_DIFF_EXAMPLES=500 [ELX_DIFF_SEARCH_EXAMPLES=1500] [ELX_DIFF_SEED=7] \\
+        [ELX_DIFF_REPORT=diff.jsonl] python -m pytest tests/test_differential.py -q
+
+(all specs; ``ELX_DIFF_SEED`` picks another random stream; the report gets the stats as JSON).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from tests.differential import (EOS_MODES, SPECS, ModelInfo, Stats, batches, generation_options, pass_sets,
+                                random_configs, run_export_example, run_search_example, uniform, with_ngram)
+
+EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
+CI = EXAMPLES == 0
+EXPORT_EXAMPLES = EXAMPLES or 30
+SEARCH_EXAMPLES = int(os.environ.get("ELX_DIFF_SEARCH_EXAMPLES") or 0) or EXAMPLES or 200
+SEED = os.environ.get("ELX_DIFF_SEED")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# Where HF's own answer is unstable nothing can be concluded; such examples must stay a minority or the
+# test would stop testing anything.  Measured: a few percent over 2,000+ examples (see the commit notes).
+MAX_EXCUSED_FRACTION = 0.2
+
+
+def _run(test, examples: int):
+    configured = settings(max_examples=examples, deadline=None, database=None, derandomize=SEED is None,
+                          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
+                          print_blob=False)(test)
+    if SEED is not None:
+        configured = seed(int(SEED))(configured)
+    configured()
+
+
+def _report(stats: Stats, capsys) -> None:
+    stats.dump()
+    with capsys.disabled():
+        print("\n" + stats.summary())
+    assert not stats.failures, stats.summary()
+    assert stats.examples >= examples_floor(stats), stats.summary()
+    assert stats.excused_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
+    assert stats.rounding_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
+
+
+def examples_floor(stats: Stats) -> int:
+    """Hypothesis may stop early when it runs out of distinct examples; it never does here by much."""
+    wanted = EXPORT_EXAMPLES if stats.variant == "export" else SEARCH_EXAMPLES
+    return int(0.9 * wanted) - sum(stats.pass_refused.values())
+
+
+@pytest.fixture(scope="module")
+def pool(differential_pool):
+    return differential_pool
+
+
+def test_differential_exports(pool, capsys):
+    specs = [s for s in SPECS if s.ci or not CI]
+    stats = Stats("export")
+
+    @given(st.data())
+    def example(data):
+        rnd = data.draw(uniform(), label="uniform")  # even coverage of the pool
+        spec = rnd.choice(specs)
+        ngram = rnd.choice([None, None, 1, 2, 3, 4])
+        # pass sets that refused the spec (slim: not accurate enough) are not drawn again
+        passes = rnd.choice([p for p in (with_ngram(b, ngram) for b in pass_sets(spec)) if not pool.refused(spec, p)])
+        info = ModelInfo.of(pool.loaded(spec).generator.manifest)  # the baseline: a pass set may be refused
+        inputs = data.draw(batches(info), label="inputs")
+        options = data.draw(generation_options(ngram=ngram), label="options")
+        eos_mode = data.draw(st.sampled_from(EOS_MODES), label="eos_mode")
+        eos_rank = data.draw(st.integers(0, 2), label="eos_rank")
+        run_export_example(stats, pool, spec, passes, inputs, options, eos_mode, eos_rank)
+
+    _run(example, EXPORT_EXAMPLES)
+    _report(stats, capsys)
+
+
+def test_differential_search(capsys):
+    stats = Stats("search")
+
+    @given(st.data())
+    def example(data):
+        family, model_seed, config = data.draw(random_configs(), label="config")
+        info = _info(family, config)
+        inputs = data.draw(batches(info), label="inputs")
+        options = data.draw(generation_options(), label="options")
+        eos_mode = data.draw(st.sampled_from(EOS_MODES), label="eos_mode")
+        eos_rank = data.draw(st.integers(0, 2), label="eos_rank")
+        run_search_example(stats, family, model_seed, config, inputs, options, eos_mode, eos_rank)
+
+    _run(example, SEARCH_EXAMPLES)
+    _report(stats, capsys)
+
+
+def _info(family: str, config: dict) -> ModelInfo:
+    """``ModelInfo`` from a config without building the model (conftest's special tokens per family)."""
+    vocab = config["vocab_size"]
+    if family == "t5":
+        return ModelInfo(family, vocab, 0, (0, 1))
+    if family == "bart":
+        return ModelInfo(family, vocab, 1, (0, 1, 2))
+    return ModelInfo(family, vocab, 2, (2, 3), (config["num_mel_bins"], 2 * config["max_source_positions"]))

@@ -1,0 +1,131 @@
+"""Divergences the differential test (``test_differential.py``) found, pinned as plain cases.
+
+Each case is the exact config, inputs and settings of a found example (or its reduction), fixed
+in elx, and asserts the behaviour it got wrong.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from exporter.compare import _hf_generate, compare_loaded
+from runners.errors import ElxError
+from tests.differential import SPECS, Stats, build_fp64, run_search_example
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# search-only, Whisper: issue-10 differential run, ELX_DIFF_SEED=1
+WHISPER_TINY = {"vocab_size": 25, "d_model": 4, "encoder_attention_heads": 1, "decoder_attention_heads": 1,
+                "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "encoder_layers": 1, "decoder_layers": 1,
+                "init_std": 0.02, "max_source_positions": 16, "num_mel_bins": 8, "suppress_tokens": None,
+                "begin_suppress_tokens": [2, 9]}
+
+
+def _features(seed: int, batch: int = 1) -> dict:
+    return {"input_features": np.random.default_rng(seed).standard_normal((batch, 8, 32)).astype(np.float32)}
+
+
+def _search_case(family, seed, config, inputs, options):
+    stats = Stats("pinned")
+    run_search_example(stats, family, seed, config, inputs, options)
+    assert stats.examples == 1 and not stats.failures, stats.summary()
+
+
+def test_whisper_eos_list_keeps_the_final_eos():
+    """HF Whisper cuts a final EOS only when ``eos_token_id`` is an int: it compares the last token with
+    the option as given, and ``tensor == [19, 2]`` is False.  elx cut it for lists too (HF [15, 19], elx [15])."""
+    options = dict(num_beams=6, num_return_sequences=6, no_repeat_ngram_size=1, length_penalty=3.0,
+                   early_stopping=True, max_new_tokens=2)
+    inputs = _features(0)
+    model = build_fp64("whisper", 1982, WHISPER_TINY)
+    as_list = _hf_generate(model, inputs, dict(options, eos_token_id=[19, 2], use_cache=False))
+    as_int = _hf_generate(model, inputs, dict(options, eos_token_id=19, use_cache=False))
+    assert (as_list[:, -1] == 19).all() and not (as_int == 19).any()  # the case exercises the quirk
+    for eos in ([19, 2], [19], 19, [2, 19]):
+        _search_case("whisper", 1982, WHISPER_TINY, inputs, dict(options, eos_token_id=eos))
+    _search_case("whisper", 1982, WHISPER_TINY, _features(1, batch=3),
+                 dict(num_beams=1, max_new_tokens=5, eos_token_id=[19, 2]))
+
+
+@pytest.fixture(scope="module")
+def pool(differential_pool):
+    return differential_pool
+
+
+# export, t5-gated-square (gated-gelu, untied head, logits up to ~15): CI slice, default derandomized seed
+GATED_SQUARE_INPUTS = {
+    "input_ids": np.array([[58, 75, 0, 0, 0, 0, 0, 0, 0, 0], [74, 36, 46, 0, 0, 0, 0, 0, 0, 0],
+                           [91, 80, 11, 6, 16, 77, 92, 68, 90, 94], [6, 4, 10, 79, 84, 61, 86, 20, 0, 0]]),
+    "attention_mask": np.array([[1, 1, 0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+                                [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])}
+
+
+@pytest.mark.parametrize("passes", ["slim=skip-bad", "el,slim=skip-bad,ngram=4", "slim-cross=skip-bad",
+                                    "slim-cross=skip-bad,slim=skip-bad"])
+def test_slim_exports_meet_the_tolerance_in_generation(pool, passes):
+    """``slim`` verified this model's layers at 8.4e-5 (one seed, 4 shapes) and wrote them; a real decode
+    then gave 1.1e-4 > 1e-4 at the first step and ``elx compare`` failed the export (tokens all HF's).
+    Now the pass verifies at three seeds within half the tolerance: what it writes meets 1e-4 in
+    generation, and here it refuses ``slim`` (every layer alone is beyond 5e-5) and says why."""
+    spec = next(s for s in SPECS if s.name == "t5-gated-square")
+    try:
+        loaded = pool.loaded(spec, passes)
+    except ElxError as err:
+        assert "slim" in passes.replace("slim-cross", "") and "half the 0.0001 tolerance" in str(err)
+        return
+    assert "slim" not in passes.replace("slim-cross", ""), "slim was written for a model it cannot keep in 1e-4"
+    ngram = 4 if "ngram" in passes else 0
+    for options in (dict(num_beams=2, max_length=2), dict(num_beams=4, max_new_tokens=20, min_new_tokens=20)):
+        report = compare_loaded(loaded.generator, loaded.model, inputs=GATED_SQUARE_INPUTS, variants=None,
+                                no_repeat_ngram_size=ngram, **options)
+        assert report.logits_within_tolerance and report.encoder_within_tolerance, report.max_logits_diff
+
+
+# search-only, T5 (gated-gelu, tied, initializer_factor 4): CI slice of test_differential_search
+T5_TIED_PEAKED = {"vocab_size": 256, "d_model": 48, "d_kv": 16, "num_heads": 2, "d_ff": 64, "num_layers": 1,
+                  "num_decoder_layers": 1, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": True,
+                  "initializer_factor": 4.0, "relative_attention_num_buckets": 8}
+
+
+def test_search_near_tie_is_decided_by_log_softmax_rounding():
+    """Beams 5, 5 returned, no EOS reached: HF's 4th and 5th hypotheses score 1 float32 ulp apart
+    (-0x1.33dcbep-1, -0x1.33dcc0p-1); with elx's numpy log-softmax they tie exactly and come out
+    swapped.  The search itself is HF's: with torch's log-softmax in its place elx returns HF's rows
+    and scores bit for bit.  The differential test counts such examples apart (``rounding_*``)."""
+    from runners.generate import Generator
+    from tests.differential import SearchBackend, bare_manifest, torch_log_softmax
+
+    model = build_fp64("t5", 420, T5_TIED_PEAKED)
+    inputs = {"input_ids": np.array([[61, 128, 146, 92, 125]]), "attention_mask": np.ones((1, 5), np.int64)}
+    options = dict(num_beams=5, num_return_sequences=5, max_length=18, eos_token_id=4)
+    hf = _hf_generate(model, inputs, dict(options, use_cache=False))
+    generator = Generator(SearchBackend(model, bare_manifest(model)))
+    with torch_log_softmax():
+        assert np.array_equal(generator.generate(inputs, **options).sequences, hf)
+    numpy_ls = generator.generate(inputs, **options)
+    assert np.array_equal(numpy_ls.sequences[:3], hf[:3])
+    assert numpy_ls.sequences_scores[3] == numpy_ls.sequences_scores[4]  # the tie the rounding made
+    stats = Stats("pinned")
+    run_search_example(stats, "t5", 420, T5_TIED_PEAKED, inputs, dict(options, early_stopping="never"))
+    assert not stats.failures and stats.rounding_examples == 1, stats.summary()
+
+
+# search-only, T5 (relu, untied, initializer_factor 4): long run, ELX_DIFF_SEED=2026
+T5_RELU_UNTIED = {"vocab_size": 359, "d_model": 16, "d_kv": 4, "num_heads": 2, "d_ff": 32, "num_layers": 1,
+                  "num_decoder_layers": 1, "feed_forward_proj": "relu", "tie_word_embeddings": False,
+                  "initializer_factor": 4.0, "relative_attention_num_buckets": 32}
+
+
+def test_done_item_with_tied_scores_gets_hf_later_merges():
+    """Item 0 is done at step 17 with two finished hypotheses of exactly equal score (one has an extra
+    token of log-prob 0.0).  elx dropped the item from the batch; HF ran one more merge for it, whose
+    ``torch.topk`` swapped the two equal scores (returned rows 1 and 2 came out swapped).  An item whose
+    finished scores tie now stays in the batch until HF's search stops.  Alone, the item passed."""
+    ids = np.array([[54, 201, 210, 34, 43, 340, 229, 75, 16, 323, 90, 272, 28, 321, 121],
+                    [50, 11, 344, 142, 264, 313, 151, 206, 179, 87, 248, 232, 229, 0, 0]])
+    inputs = {"input_ids": ids, "attention_mask": np.array([[1] * 15, [1] * 13 + [0, 0]])}
+    options = dict(num_beams=3, num_return_sequences=3, no_repeat_ngram_size=2, length_penalty=0.0,
+                   early_stopping="never", max_new_tokens=17, min_new_tokens=13, eos_token_id=351)
+    stats = Stats("pinned")
+    run_search_example(stats, "t5", 562, T5_RELU_UNTIED, inputs, options)
+    assert stats.identical_rows == stats.rows == 6 and not stats.failures, stats.summary()

@@ -331,7 +331,7 @@ def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str
             name += f" (prompt {prompt['kind']})"
         systems[name] = ((lambda g=g: g.generate(inputs, **options).sequences), g)
     skipped = {}
-    for peer_name in peers:
+    for peer_name in peer_names:
         try:
             peer = make_peer(peer_name, model, manifest.data["source"], Path(work or "out/bench") / "peers", settings)
         except PeerUnavailable as err:

@@ -18,7 +18,10 @@ raises ``PeerUnavailable`` with the reason; the bench prints it and goes on with
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -111,13 +114,11 @@ def with_ngram(path: Path, ngram: int) -> Path:
 
 
 def convert_t5_beam_search(hf_model, source: dict, work: Path) -> Path:
-    """``onnxruntime.transformers.convert_generation --model_type t5`` on ``hf_model``; the op's file."""
-    import onnx
+    """``onnxruntime.transformers.convert_generation --model_type t5`` on ``hf_model``; the op's file.
 
-    try:
-        from onnxruntime.transformers import convert_generation
-    except ImportError as err:  # pragma: no cover - part of the onnxruntime wheel
-        raise PeerUnavailable(f"onnxruntime.transformers.convert_generation is missing ({err})")
+    The conversion runs in a child process: it holds several copies of the model (PyTorch, the
+    TorchScript export, the ONNX protos), which a long bench process would otherwise keep (t5-base:
+    a 12.6 GB bench process, killed for memory on a 23 GB machine)."""
     out = work / "beam_search.onnx"
     if _fresh_folder(work, source, out.name):
         return out
@@ -126,8 +127,25 @@ def convert_t5_beam_search(hf_model, source: dict, work: Path) -> Path:
     config = json.loads((hf_dir / "config.json").read_text())
     config["attn_implementation"] = "eager"  # TorchScript at opset 12 has no scaled_dot_product_attention
     (hf_dir / "config.json").write_text(json.dumps(config, indent=1))
-    raw = work / "converted" / "beam_search.onnx"
-    raw.parent.mkdir()
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "exporter.bench_peers", str(hf_dir), str(out)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines() or [f"exit status {proc.returncode}"]
+        raise PeerUnavailable(f"convert_generation failed: {lines[-1][:300]}")
+    shutil.rmtree(hf_dir)
+    (work / "source.json").write_text(json.dumps(_key(source)))
+    return out
+
+
+def _convert(hf_dir: Path, out: Path) -> None:
+    """The child process of ``convert_t5_beam_search``."""
+    import onnx
+    from onnxruntime.transformers import convert_generation
+
+    raw = out.parent / "converted" / out.name
+    raw.parent.mkdir(exist_ok=True)
     args = convert_generation.parse_arguments(
         ["-m", str(hf_dir), "--model_type", "t5", "--output", str(raw), "--disable_parity", "--disable_perf_test",
          "--custom_attention_mask"])
@@ -136,9 +154,6 @@ def convert_t5_beam_search(hf_model, source: dict, work: Path) -> Path:
     model.ir_version = min(model.ir_version, 10)  # ORT 1.31 refuses the IR version 14 that onnx 1.23 writes
     onnx.save_model(model, str(out), save_as_external_data=True, location=out.name + ".data")
     shutil.rmtree(raw.parent)
-    shutil.rmtree(hf_dir)
-    (work / "source.json").write_text(json.dumps(_key(source)))
-    return out
 
 
 class Ct2Peer:
@@ -182,3 +197,10 @@ PEERS = {"ort-beamsearch": OrtBeamSearchPeer, "ct2": Ct2Peer}
 
 def make_peer(name: str, hf_model, source: dict, work: Path, settings):
     return PEERS[name](hf_model, source, Path(work) / name, settings)
+
+
+if __name__ == "__main__":  # python -m exporter.bench_peers HF_DIR OUT: the conversion's child process
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    _convert(Path(sys.argv[1]), Path(sys.argv[2]))

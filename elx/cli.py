@@ -264,24 +264,27 @@ QUICK = dict(model="t5-tiny", batch_size=2, input_length=32, num_beams=2, new_to
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side speed/memory: HF generate, elx pass sets, peers")
     p.add_argument("--model", help="preset (with --random-init) or local HF folder (default t5-small)")
-    p.add_argument("--random-init", action="store_true")
+    p.add_argument("--random-init", action="store_true", help="seeded random weights (the default for presets)")
     p.add_argument("--pass-sets", default="baseline|el",
                    help="pass sets separated by spaces or '|', e.g. 'baseline|el|slim|el,slim'")
     p.add_argument("--prompt-cache", default=None,
                    help="decoder-only models: prompt cache forms to compare, e.g. 'shared|per-beam' (default shared)")
-    p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--input-length", type=positive_int, default=256)
-    p.add_argument("--num-beams", type=positive_int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=4, help="inputs per generate (default 4)")
+    p.add_argument("--input-length", type=positive_int, default=256,
+                   help="input tokens of the longest row; the others are shorter, right-padded (default 256)")
+    p.add_argument("--num-beams", type=positive_int, default=4, help="beams (default 4)")
     p.add_argument("--new-tokens", type=positive_int, default=32, help="forced: min = max new tokens")
-    p.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0)
-    p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--threads", type=positive_int)
+    p.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0, help="n-gram blocking (default 0: off)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed rounds after the warm-up, systems interleaved; the median is reported (default 3)")
+    p.add_argument("--threads", type=positive_int, help="intra-op threads of every system (default: all cores)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: HF on PyTorch CUDA, elx on ONNX Runtime's CUDA EP with IOBinding (needs onnxruntime-gpu)")
     p.add_argument("--peers", default="", help="other systems on the same weights, comma-separated: "
                                                "ort-beamsearch (ONNX Runtime's BeamSearch op, T5), ct2 (CTranslate2)")
     p.add_argument("--ct2", action="store_true", help="the same as adding ct2 to --peers")
-    p.add_argument("--sweep", choices=["none", "input", "beam", "budget", "all"], default="none")
+    p.add_argument("--sweep", choices=["none", "input", "beam", "budget", "all"], default="none",
+                   help="input lengths, beam counts or the memory-budget table, with PNG plots (needs matplotlib)")
     p.add_argument("--budget-mb", type=positive_float, default=64.0, help="memory budget of the budget sweep")
     p.add_argument("--work", default="out/bench", help="where exports are cached and results written")
     p.add_argument("--quick", action="store_true",

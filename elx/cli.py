@@ -244,7 +244,7 @@ def cmd_compare(args) -> int:
     from runners.manifest import Manifest
 
     report = compare(args.folder, batch_size=args.batch_size, input_length=args.input_length, seed=args.seed,
-                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device,
+                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device, timed=True,
                      **generation_options(args))
     print(format_report(report, Manifest.load(args.folder).pass_names()))
     return 0 if report.passed else 1
@@ -262,27 +262,33 @@ QUICK = dict(model="t5-tiny", batch_size=2, input_length=32, num_beams=2, new_to
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="side-by-side speed/memory: HF generate, elx pass sets, CTranslate2")
+    p = sub.add_parser("bench", help="side-by-side speed/memory: HF generate, elx pass sets, peers")
     p.add_argument("--model", help="preset (with --random-init) or local HF folder (default t5-small)")
-    p.add_argument("--random-init", action="store_true")
+    p.add_argument("--random-init", action="store_true", help="seeded random weights (the default for presets)")
     p.add_argument("--pass-sets", default="baseline|el",
                    help="pass sets separated by spaces or '|', e.g. 'baseline|el|slim|el,slim'")
     p.add_argument("--prompt-cache", default=None,
                    help="decoder-only models: prompt cache forms to compare, e.g. 'shared|per-beam' (default shared)")
-    p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--input-length", type=positive_int, default=256)
-    p.add_argument("--num-beams", type=positive_int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=4, help="inputs per generate (default 4)")
+    p.add_argument("--input-length", type=positive_int, default=256,
+                   help="input tokens of the longest row; the others are shorter, right-padded (default 256)")
+    p.add_argument("--num-beams", type=positive_int, default=4, help="beams (default 4)")
     p.add_argument("--new-tokens", type=positive_int, default=32, help="forced: min = max new tokens")
-    p.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0)
-    p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--threads", type=positive_int)
+    p.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0, help="n-gram blocking (default 0: off)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed rounds after the warm-up, systems interleaved; the median is reported (default 3)")
+    p.add_argument("--threads", type=positive_int, help="intra-op threads of every system (default: all cores)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: HF on PyTorch CUDA, elx on ONNX Runtime's CUDA EP with IOBinding (needs onnxruntime-gpu)")
-    p.add_argument("--ct2", action="store_true", help="add CTranslate2 as a peer (pip install ctranslate2)")
-    p.add_argument("--sweep", choices=["none", "input", "beam", "budget", "all"], default="none")
+    p.add_argument("--peers", default="", help="other systems on the same weights, comma-separated: "
+                                               "ort-beamsearch (ONNX Runtime's BeamSearch op, T5), ct2 (CTranslate2)")
+    p.add_argument("--ct2", action="store_true", help="the same as adding ct2 to --peers")
+    p.add_argument("--sweep", choices=["none", "input", "beam", "budget", "all"], default="none",
+                   help="input lengths, beam counts or the memory-budget table, with PNG plots (needs matplotlib)")
     p.add_argument("--budget-mb", type=positive_float, default=64.0, help="memory budget of the budget sweep")
     p.add_argument("--work", default="out/bench", help="where exports are cached and results written")
-    p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run (t5-tiny, small shapes)")
+    p.add_argument("--quick", action="store_true",
+                   help="a ~1 minute smoke run (t5-tiny, small shapes, one repeat): labelled so, not a measurement")
     p.set_defaults(run=cmd_bench)
 
 
@@ -293,8 +299,12 @@ def _pass_sets(text: str) -> list[str]:
 
 def cmd_bench(args) -> int:
     from exporter.bench import BenchSettings, ensure_exports, markdown_table, run_bench
-    from exporter.bench_sweeps import sweep_beam, sweep_budget, sweep_input
+    from exporter.bench_peers import parse_peers
+    from exporter.bench_sweeps import require_matplotlib, sweep_beam, sweep_budget, sweep_input
 
+    peers = parse_peers(args.peers + (",ct2" if args.ct2 else ""))
+    if args.sweep != "none":
+        require_matplotlib()
     if args.quick:
         for key, value in QUICK.items():
             if key == "model" and args.model:
@@ -306,21 +316,21 @@ def cmd_bench(args) -> int:
     work = Path(args.work) / Path(model).name
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
-                             repeats=args.repeats, threads=args.threads, device=args.device)
+                             repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick)
     forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
     folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms)
     out = work / "results"
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep in ("none", "all"):
-        report = run_bench(folders, settings, ct2=args.ct2, work=work)
+        report = run_bench(folders, settings, peer_names=peers, work=work)
         table = markdown_table(report)
         (out / "bench.json").write_text(json.dumps(report, indent=1))
         (out / "bench.md").write_text(table + "\n")
         print(table)
     if args.sweep in ("input", "all"):
-        print(f"wrote {sweep_input(folders, settings, out, ct2=args.ct2)}")
+        print(f"wrote {sweep_input(folders, settings, out, peers=peers)}")
     if args.sweep in ("beam", "all"):
-        print(f"wrote {sweep_beam(folders, settings, out, ct2=args.ct2)}")
+        print(f"wrote {sweep_beam(folders, settings, out, peers=peers)}")
     if args.sweep in ("budget", "all"):
         print(f"wrote {sweep_budget(folders, settings, out, args.budget_mb)}")
     print(f"results in {out}")

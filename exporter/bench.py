@@ -1,14 +1,40 @@
-"""``elx bench``: side-by-side speed and memory of HF generate, elx pass sets, and CTranslate2.
+"""``elx bench``: side-by-side speed and memory of HF generate, elx pass sets, and peers.
 
 Honest by construction: one process, the same seeded inputs and settings for every system,
 a warm-up run that also records the tokens (compared with HF's) and the runner's live state,
-then ``repeats`` rounds in which the systems take turns (interleaved, so a noisy neighbour
-hurts all of them alike).  Reported per system: median seconds, samples/s, generated tokens/s,
-speed ratio to HF, input-related state bytes and self-attention cache bytes (peak over steps,
-from the runner's live tensors), peak RSS growth while it ran, whether its tokens equal HF's,
-and a roofline column: the FLOPs the generation needs (counted from the model dims for cached
-attention, the same count for every system) divided by its time, next to a measured fp32
-matmul peak of this machine.
+then ``repeats`` rounds (3 by default) in which the systems take turns (interleaved, so a noisy
+neighbour hurts all of them alike).  Reported per system: median seconds, samples/s, generated
+tokens/s, speed ratio to HF, input-related state bytes and self-attention cache bytes (peak over
+steps, from the runner's live tensors), peak RSS growth while it ran, whether its tokens equal HF's,
+the GFLOP/s reached, and time / floor (the roofline below).  Peers (``exporter.bench_peers``):
+ONNX Runtime's BeamSearch op and CTranslate2, on the same weights.  A ``--quick`` run is labelled a
+smoke run in its table, JSON and plots: one repeat of a tiny model is no measurement.
+
+Roofline (``phase_flops``, ``phase_bytes``, ``roofline``).  Generation is split into phases, the
+encoder (with the cross-attention K/V projection) and each decoder step; a phase cannot take less
+than ``max(FLOPs / P, bytes / W)``, where ``P`` is the fp32 matmul peak and ``W`` the read
+bandwidth of this machine, both measured when the bench starts (``matmul_peak``,
+``read_bandwidth``).  The floor is the sum over phases.  Counted, in fp32 (4 bytes a value),
+with ``d`` = d_model, ``i`` = heads · d_kv, ``f`` = FFN width (×3 weight matrices if gated, else ×2),
+``L_e``/``L_d`` the layer counts, ``V`` the vocabulary, ``B`` the batch, ``N`` the input length,
+``r = B · beams`` rows and ``t`` the self-attention positions already cached before a step:
+
+* FLOPs (2 per multiply-add, the same count for every system): the matmuls of cached attention
+  (projections, scores and values, FFN, LM head); normalisation, softmax and biases are ignored.
+* Encoder bytes: the encoder weights ``L_e(4di + fd)``, the embedding rows read and the encoder
+  output written (``2BNd``), and the cross-attention state: with the cross K/V layout the K/V
+  weights ``2 L_d d i`` read and the beam-shared K/V ``2 L_d B N i`` written; with EL-attention
+  nothing more (the encoder output is the state).
+* Decoder step bytes: the decoder weights ``L_d(4di + fd)`` plus the cross-attention weights read
+  per step (``2di`` per layer for the q/o projections with the cross K/V layout; ``4di`` with EL,
+  which applies W_K and W_V to the query and the result), the LM head ``Vd``, the embedding rows
+  ``rd``; the self cache read ``2 L_d r t i`` and the new position written ``2 L_d r i`` (an
+  in-place cache: no copy of the past, no beam reorder); the cross state read, ``2 L_d B N i``
+  (K/V) or ``L_d B N d`` (EL reads the encoder output once per layer).  Activations (hidden states,
+  logits) are not counted: they are small beside the weights at these shapes, and cache-resident.
+
+The floor is the smaller of the two layouts' totals (the best exact layout elx offers), so it is one
+number for every system; each system's time / floor says how far above it that system runs.
 """
 from __future__ import annotations
 
@@ -40,6 +66,7 @@ class BenchSettings:
     threads: int | None = None
     seed: int = 0
     device: str = "cpu"  # "cuda": HF on PyTorch CUDA, elx on ORT's CUDA EP with IOBinding
+    smoke: bool = False  # a --quick run: labelled as a smoke run everywhere, not a measurement
 
     def generation(self) -> dict:
         return dict(num_beams=self.num_beams, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
@@ -56,7 +83,8 @@ class SystemResult:
     cache_bytes: int | None = None
     peak_rss_growth: int | None = None
 
-    def summary(self, settings: BenchSettings, hf_median: float, flops: float, peak: float) -> dict:
+    def summary(self, settings: BenchSettings, hf_median: float, flops: float, peak: float,
+                floor: float | None) -> dict:
         median = statistics.median(self.seconds)
         samples = settings.batch_size
         out = {
@@ -65,6 +93,7 @@ class SystemResult:
             "state_bytes": self.state_bytes, "cache_bytes": self.cache_bytes,
             "peak_rss_growth_bytes": self.peak_rss_growth, "tokens_equal_hf": self.tokens_equal_hf,
             "note": self.note, "gflops_per_s": flops / median / 1e9, "roofline_fraction": flops / median / peak,
+            "time_over_floor": median / floor if floor else None,
             "all_seconds": self.seconds,
         }
         return out
@@ -131,22 +160,86 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def generation_flops(dims: dict, ffn: int, batch: int, source: int, beams: int, new_tokens: int,
-                     gated: bool = False) -> float:
-    """FLOPs of encoder + cached-attention decoding (multiply-adds × 2), from the model dims alone."""
-    d, inner, layers_e, layers_d = dims["d_model"], dims["num_heads"] * dims["d_kv"], dims["num_encoder_layers"], \
-        dims["num_decoder_layers"]
+def phase_flops(dims: dict, ffn: int, batch: int, source: int, beams: int, new_tokens: int,
+                gated: bool = False) -> dict:
+    """FLOPs of the encoder (with the beam-shared cross K/V projection) and of each decoder step."""
+    d, inner, layers_e, layers_d = _sizes(dims)
     ffn_flops = (3 if gated else 2) * 2 * d * ffn
     encoder = batch * source * layers_e * (4 * 2 * d * inner + 2 * 2 * source * inner + ffn_flops)
-    cross_kv = batch * source * layers_d * 2 * 2 * d * inner  # once per input (beam-shared)
-    rows, decoder = batch * beams, 0.0
+    encoder += batch * source * layers_d * 2 * 2 * d * inner  # cross K/V, once per input (beam-shared)
+    rows, steps = batch * beams, []
     for step in range(new_tokens):
         past = step + 1
         per_row = layers_d * (4 * 2 * d * inner + 2 * 2 * past * inner  # self-attention
                               + 2 * 2 * d * inner + 2 * 2 * source * inner  # cross-attention q/o + scores/values
                               + ffn_flops) + 2 * d * dims["vocab_size"]  # lm head
-        decoder += rows * per_row
-    return float(encoder + cross_kv + decoder)
+        steps.append(float(rows * per_row))
+    return {"encoder": float(encoder), "steps": steps}
+
+
+def generation_flops(dims: dict, ffn: int, batch: int, source: int, beams: int, new_tokens: int,
+                     gated: bool = False) -> float:
+    """FLOPs of encoder + cached-attention decoding (multiply-adds × 2), from the model dims alone."""
+    flops = phase_flops(dims, ffn, batch, source, beams, new_tokens, gated)
+    return flops["encoder"] + sum(flops["steps"])
+
+
+def phase_bytes(dims: dict, ffn: int, batch: int, source: int, beams: int, new_tokens: int, gated: bool = False,
+                cross: str = "kv", word: int = 4) -> dict:
+    """Bytes the encoder phase and each decoder step must move (the module docstring's model).
+
+    ``cross``: "kv" (beam-shared cross K/V written by the encoder phase, read every step) or "el"
+    (EL-attention: every layer reads the encoder output instead).
+    """
+    if cross not in ("kv", "el"):
+        raise ValueError(f"cross layout is kv or el, not {cross!r}")
+    d, inner, layers_e, layers_d = _sizes(dims)
+    layer = 4 * d * inner + (3 if gated else 2) * d * ffn  # attention q/k/v/o + FFN weights
+    kv = cross == "kv"
+    encoder = layers_e * layer + 2 * batch * source * d  # weights, embedding rows in, encoder output out
+    if kv:
+        encoder += 2 * layers_d * d * inner + 2 * layers_d * batch * source * inner  # K/V weights, K/V written
+    rows = batch * beams
+    weights = layers_d * (layer + (2 if kv else 4) * d * inner) + dims["vocab_size"] * d + rows * d
+    cross_read = (2 * layers_d * batch * source * inner) if kv else layers_d * batch * source * d
+    steps = [word * (weights + cross_read + 2 * layers_d * rows * past * inner + 2 * layers_d * rows * inner)
+             for past in range(new_tokens)]
+    return {"encoder": word * encoder, "steps": steps}
+
+
+def roofline(flops: dict, bytes_by_layout: dict, peak: float, bandwidth: float) -> dict:
+    """Floor seconds: per phase max(FLOPs / peak, bytes / bandwidth), summed; the cheapest layout's."""
+    best = None
+    for layout, moved in bytes_by_layout.items():
+        pairs = list(zip([flops["encoder"], *flops["steps"]], [moved["encoder"], *moved["steps"]]))
+        phases = [max(f / peak, b / bandwidth) for f, b in pairs]
+        result = {"floor_s": sum(phases), "layout": layout, "encoder_floor_s": phases[0],
+                  "step_floor_s": phases[1:], "memory_bound_phases": sum(b / bandwidth > f / peak for f, b in pairs),
+                  "phases": len(pairs), "bytes": moved["encoder"] + sum(moved["steps"])}
+        if best is None or result["floor_s"] < best["floor_s"]:
+            best = result
+    return best
+
+
+def _sizes(dims: dict) -> tuple[int, int, int, int]:
+    return dims["d_model"], dims["num_heads"] * dims["d_kv"], dims["num_encoder_layers"], dims["num_decoder_layers"]
+
+
+def read_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+    """Measured read bandwidth (bytes/s): the best of ``repeats`` sums over a float32 array far larger than
+    the caches, on PyTorch's threads (``torch.set_num_threads``)."""
+    import torch
+
+    a = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+
+    def once():
+        a.sum()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    once()
+    best = min(_timed(once) for _ in range(repeats))
+    return a.numel() * 4 / best
 
 
 def decoder_only_flops(dims: dict, ffn: int, batch: int, prompt: int, beams: int, new_tokens: int) -> float:
@@ -198,46 +291,21 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
     return folders
 
 
-class Ct2Peer:
-    """CTranslate2 on the same weights, with a vocabulary of unique placeholder tokens ``<t{id}>``."""
-
-    name = "CTranslate2"
-
-    def __init__(self, hf_model, work: Path, threads: int | None, device: str = "cpu"):
-        import ctranslate2
-        from ctranslate2.converters import TransformersConverter
-
-        src, out = work / "ct2-src", work / "ct2"
-        if not (out / "model.bin").is_file():
-            hf_model.save_pretrained(src)
-            TransformersConverter(str(src)).convert(str(out), force=True)
-            vocab = [f"<t{i}>" for i in range(hf_model.config.vocab_size)]
-            (out / "shared_vocabulary.json").write_text(json.dumps(vocab))
-        self.translator = ctranslate2.Translator(str(out), device=device, intra_threads=threads or 0)
-        self.start = hf_model.generation_config.decoder_start_token_id
-
-    def generate(self, inputs: dict, settings: BenchSettings) -> np.ndarray:
-        batch = []
-        for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"]):
-            batch.append([f"<t{i}>" for i in ids[mask.astype(bool)]])
-        results = self.translator.translate_batch(
-            batch, beam_size=settings.num_beams, max_decoding_length=settings.new_tokens,
-            min_decoding_length=settings.new_tokens, no_repeat_ngram_size=settings.no_repeat_ngram_size,
-            length_penalty=1.0, return_end_token=True)
-        rows = [[self.start] + [int(t[2:-1]) for t in r.hypotheses[0]] for r in results]
-        width = max(len(r) for r in rows)
-        return np.array([r + [-1] * (width - len(r)) for r in rows], dtype=np.int64)
-
-
-def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, work: Path | None = None,
+def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str] = (), work: Path | None = None,
               log=print, peers: dict | None = None) -> dict:
-    """``peers``: more systems, name → ``fn(inputs) -> sequences`` in HF's layout, timed in the same rounds."""
+    """One bench run: HF generate, an elx runner per folder, the peers named in ``peer_names`` (of
+    ``bench_peers.PEERS``, converted here) and ``peers``: more systems, name → ``fn(inputs) -> sequences``
+    in HF's layout, timed in the same rounds."""
     import torch
 
+    from exporter.bench_peers import PeerUnavailable, make_peer
     from exporter.sources import reload_model
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    # both peaks first, before models fill the memory and the caches
+    peak = matmul_peak(settings.threads) if settings.device == "cpu" else _cuda_matmul_peak()
+    bandwidth = read_bandwidth(settings.device)
     generators = [generator_for(f, settings) for f in folders]
     manifest: Manifest = generators[0].manifest
     for g in generators[1:]:
@@ -262,13 +330,15 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
         if prompt:  # decoder-only: where the prompt's K/V live
             name += f" (prompt {prompt['kind']})"
         systems[name] = ((lambda g=g: g.generate(inputs, **options).sequences), g)
-    if ct2:
+    skipped = {}
+    for peer_name in peer_names:
         try:
-            peer = Ct2Peer(model.cpu() if settings.device == "cpu" else model, Path(work or "out/bench") / "ct2",
-                           settings.threads, settings.device)
-            systems[peer.name] = ((lambda: peer.generate(inputs, settings)), None)
-        except Exception as err:  # noqa: BLE001 - an optional peer
-            log(f"bench: CTranslate2 unavailable ({type(err).__name__}: {str(err)[:120]}); skipped")
+            peer = make_peer(peer_name, model, manifest.data["source"], Path(work or "out/bench") / "peers", settings)
+        except PeerUnavailable as err:
+            skipped[peer_name] = str(err)
+            log(f"bench: peer {peer_name} skipped: {err}")
+            continue
+        systems[peer.name] = ((lambda peer=peer: peer.generate(inputs, settings)), None)
 
     for name, fn in (peers or {}).items():
         systems[name] = ((lambda fn=fn: fn(inputs)), None)
@@ -286,24 +356,31 @@ def run_bench(folders: list[Path], settings: BenchSettings, ct2: bool = False, w
             tracked = gen.generate(inputs, track_memory=True, **options).memory
             result.state_bytes = max(m["state_bytes"] for m in tracked)
             result.cache_bytes = max(m["cache_bytes"] for m in tracked)
-        if name == "CTranslate2" and settings.no_repeat_ngram_size and not result.tokens_equal_hf:
+        if name != "HF generate (PyTorch)" and gen is None and settings.no_repeat_ngram_size \
+                and not result.tokens_equal_hf:
             result.note = "n-gram blocking semantics differ from HF's"
         results[name] = result
     for _ in range(settings.repeats):  # timed rounds: no sampler thread (it would contend for the GIL)
         for name, (fn, _) in systems.items():
             results[name].seconds.append(_timed(fn))
     ffn, gated = _ffn_of(model.config)
+    ffn, gated = _ffn_of(model.config)
     if manifest.data.get("is_encoder_decoder", True):
-        flops = generation_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
-                                 settings.new_tokens, gated)
-    else:
+        shape = (manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
+                 settings.new_tokens, gated)
+        phases = phase_flops(*shape)
+        flops = phases["encoder"] + sum(phases["steps"])
+        roof = roofline(phases, {layout: phase_bytes(*shape, cross=layout) for layout in ("kv", "el")}, peak,
+                        bandwidth)
+    else:  # decoder-only: FLOPs only (the byte model covers encoder-decoder generation)
         flops = decoder_only_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
                                    settings.new_tokens)
-    peak = matmul_peak(settings.threads) if settings.device == "cpu" else _cuda_matmul_peak()
+        roof = None
     hf_median = statistics.median(results["HF generate (PyTorch)"].seconds)
     return {"settings": asdict(settings), "model": manifest.data["source"], "dims": manifest.dims,
             "flops_per_generate": flops, "matmul_peak_gflops": peak / 1e9,
-            "systems": [r.summary(settings, hf_median, flops, peak) for r in results.values()]}
+            "read_bandwidth_gb_s": bandwidth / 1e9, "roofline": roof, "skipped_peers": skipped,
+            "systems": [r.summary(settings, hf_median, flops, peak, roof and roof["floor_s"]) for r in results.values()]}
 
 
 def generator_for(folder: Path, settings: BenchSettings) -> Generator:
@@ -311,23 +388,52 @@ def generator_for(folder: Path, settings: BenchSettings) -> Generator:
     return Generator.from_folder(folder, device=settings.device, threads=settings.threads)
 
 
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def _mb(value) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
 
 
-def markdown_table(report: dict) -> str:
+SMOKE = "SMOKE RUN (--quick: tiny model, one repeat), not a measurement"
+
+
+def model_label(source: dict) -> str:
+    """``t5-small (random init, seed 0)`` or the local folder's name, from a manifest's source record."""
+    name = Path(str(source.get("model") or source.get("path") or "model")).name
+    return f"{name} (random init, seed {source.get('seed')})" if source.get("random_init") else name
+
+
+def describe(report: dict, without: str | None = None) -> str:
+    """The model and settings of a report in one line (``without``: the setting a sweep varies)."""
     s = report["settings"]
-    head = (f"batch {s['batch_size']}, input {s['input_length']}, beams {s['num_beams']}, "
-            f"{s['new_tokens']} forced new tokens, n-gram {s['no_repeat_ngram_size']}, "
-            f"median of {s['repeats']}; matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s, "
-            f"{report['flops_per_generate'] / 1e9:.1f} GFLOP per generate\n\n")
+    parts = {"batch_size": f"batch {s['batch_size']}", "input_length": f"input {s['input_length']}",
+             "num_beams": f"beams {s['num_beams']}", "new_tokens": f"{s['new_tokens']} forced new tokens",
+             "no_repeat_ngram_size": f"n-gram {s['no_repeat_ngram_size']}", "repeats": f"median of {s['repeats']}"}
+    text = model_label(report["model"]) + ", " + ", ".join(v for k, v in parts.items() if k != without)
+    return (SMOKE + ": " + text) if s.get("smoke") else text
+
+
+def markdown_table(report: dict) -> str:
+    roof = report.get("roofline")
+    head = (f"{describe(report)}; matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s, read bandwidth "
+            f"{report.get('read_bandwidth_gb_s', 0):.1f} GB/s; {report['flops_per_generate'] / 1e9:.1f} GFLOP")
+    if roof:
+        head += (f" and {roof['bytes'] / 1e9:.2f} GB moved per generate; floor {roof['floor_s']:.3f} s ({roof['layout']} "
+                 f"layout, {roof['memory_bound_phases']}/{roof['phases']} phases memory-bound)")
+    else:
+        head += " per generate; no byte floor (the byte model covers encoder-decoder generation)"
+    head += "\n"
+    for name, why in (report.get("skipped_peers") or {}).items():
+        head += f"\npeer {name} skipped: {why}\n"
     lines = ["| system | median s | samples/s | tokens/s | vs HF | input state MB | self cache MB | "
-             "peak RSS +MB | GFLOP/s (roofline %) | tokens = HF |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak RSS +MB | GFLOP/s | time / floor | tokens = HF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["systems"]:
         equal = "yes" if r["tokens_equal_hf"] else ("no: " + r["note"] if r["note"] else "NO")
         lines.append(f"| {r['system']} | {r['median_s']:.3f} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_hf']:.2f}x | {_mb(r['state_bytes'])} | {_mb(r['cache_bytes'])} | "
-                     f"{_mb(r['peak_rss_growth_bytes'])} | {r['gflops_per_s']:.1f} "
-                     f"({100 * r['roofline_fraction']:.0f}%) | {equal} |")
-    return head + "\n".join(lines)
+                     f"{_mb(r['peak_rss_growth_bytes'])} | {r['gflops_per_s']:.1f} | "
+                     f"{_ratio(r.get('time_over_floor'))} | {equal} |")
+    return head + "\n" + "\n".join(lines)

@@ -8,17 +8,19 @@
   which grows linearly with the batch) fits a memory budget, and the throughput reached at that
   batch (Table 3).
 
-Each sweep writes JSON, a Markdown table and a PNG plot into the output folder.
+Each sweep writes JSON, a Markdown table and a PNG plot into the output folder; plot titles name the
+model and the fixed settings, and say so when the run is a ``--quick`` smoke run.  The plots need
+matplotlib (``pip install 'elx[bench]'``): ``require_matplotlib`` says so in one line before anything runs.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
-from .bench import BenchSettings, generator_for, markdown_table, run_bench
+from .bench import SMOKE, BenchSettings, describe, generator_for, markdown_table, run_bench
 from runners.generate import Generator
 from runners.inputs import random_inputs
 
@@ -34,6 +36,17 @@ def _series(reports: list, key: str) -> dict:
     return out
 
 
+def require_matplotlib() -> None:
+    """Refuse a sweep up front, in one line, when its plots cannot be drawn."""
+    from runners.errors import ElxError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ElxError("--sweep draws plots with matplotlib, which is not installed; pip install 'elx[bench]' "
+                       "(the bench extra)") from None
+
+
 def _plot(path: Path, xs, reports: list, xlabel: str, title: str) -> None:
     import matplotlib
 
@@ -45,7 +58,7 @@ def _plot(path: Path, xs, reports: list, xlabel: str, title: str) -> None:
         left.plot(xs, values, marker="o", label=name)
     for name, values in _series(reports, "speedup_vs_hf").items():
         right.plot(xs, values, marker="o", label=name)
-    left.set(xlabel=xlabel, ylabel="seconds per generate (median)", title=title)
+    left.set(xlabel=xlabel, ylabel="seconds per generate (median)", title="seconds, same run")
     right.set(xlabel=xlabel, ylabel="speedup over HF generate (x)", title="ratio, same run")
     right.axhline(1.0, color="grey", lw=0.8, ls="--")
     for ax in (left, right):
@@ -54,9 +67,7 @@ def _plot(path: Path, xs, reports: list, xlabel: str, title: str) -> None:
         ax.set_xticklabels([str(x) for x in xs])
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 def _write(out: Path, name: str, payload, tables: str) -> None:
@@ -66,26 +77,26 @@ def _write(out: Path, name: str, payload, tables: str) -> None:
 
 
 def _sweep(folders, settings: BenchSettings, out: Path, field: str, values, name: str, label: str, xlabel: str,
-           title: str, ct2: bool, log) -> Path:
+           peers, log) -> Path:
     """Run the bench once per value of one setting; write JSON, Markdown and a plot named ``name``."""
     reports = []
     for value in values:
         log(f"sweep {name}: {label} {value}")
-        reports.append(run_bench(folders, replace(settings, **{field: value}), ct2=ct2, work=out))
+        reports.append(run_bench(folders, replace(settings, **{field: value}), peer_names=peers, work=out))
+    title = describe(reports[0], without=field)
     tables = "\n\n".join(f"### {label} {v}\n\n{markdown_table(r)}" for v, r in zip(values, reports))
     _write(out, name, {"x": list(values), "reports": reports}, tables)
     _plot(out / f"{name}.png", values, reports, xlabel, title)
     return out / f"{name}.png"
 
 
-def sweep_input(folders, settings: BenchSettings, out: Path, lengths=INPUT_LENGTHS, ct2=False, log=print) -> Path:
+def sweep_input(folders, settings: BenchSettings, out: Path, lengths=INPUT_LENGTHS, peers=(), log=print) -> Path:
     return _sweep(folders, settings, out, "input_length", lengths, "sweep_input", "input", "input length (tokens)",
-                  f"beam {settings.num_beams}, batch {settings.batch_size}", ct2, log)
+                  peers, log)
 
 
-def sweep_beam(folders, settings: BenchSettings, out: Path, beams=BEAMS, ct2=False, log=print) -> Path:
-    return _sweep(folders, settings, out, "num_beams", beams, "sweep_beam", "beams", "beams",
-                  f"input {settings.input_length}, batch {settings.batch_size}", ct2, log)
+def sweep_beam(folders, settings: BenchSettings, out: Path, beams=BEAMS, peers=(), log=print) -> Path:
+    return _sweep(folders, settings, out, "num_beams", beams, "sweep_beam", "beams", "beams", peers, log)
 
 
 def _bytes_per_item(gen: Generator, settings: BenchSettings) -> int:
@@ -97,9 +108,10 @@ def _bytes_per_item(gen: Generator, settings: BenchSettings) -> int:
 def sweep_budget(folders, settings: BenchSettings, out: Path, budget_mb: float, log=print) -> Path:
     import time
 
-    rows = []
+    rows, source = [], None
     for folder in folders:
         gen = generator_for(folder, settings)
+        source = gen.manifest.data["source"]
         per_item = _bytes_per_item(gen, settings)
         batch = max(1, int(budget_mb * 2**20 // per_item))
         log(f"sweep budget: {folder.name}: {per_item / 2**20:.2f} MB per input → batch {batch}")
@@ -115,19 +127,20 @@ def sweep_budget(folders, settings: BenchSettings, out: Path, budget_mb: float, 
                      "bytes_per_input": per_item, "max_batch": batch, "median_s": median,
                      "samples_per_s": batch / median})
     base = rows[0]
+    title = describe({"settings": asdict(settings), "model": source}, without="batch_size")
     lines = [f"memory budget {budget_mb:.0f} MB for live generation state (input-related state + self cache); "
-             f"input {settings.input_length}, beams {settings.num_beams}, {settings.new_tokens} new tokens\n",
+             f"{title}\n",
              "| system | MB per input | max batch | median s | samples/s | throughput vs baseline |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['bytes_per_input'] / 2**20:.2f} | {r['max_batch']} | {r['median_s']:.2f} | "
                      f"{r['samples_per_s']:.2f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x |")
     _write(out, "sweep_budget", {"budget_mb": budget_mb, "rows": rows}, "\n".join(lines))
-    _plot_budget(out / "sweep_budget.png", rows, budget_mb)
+    _plot_budget(out / "sweep_budget.png", rows, budget_mb, title)
     return out / "sweep_budget.png"
 
 
-def _plot_budget(path: Path, rows: list, budget_mb: float) -> None:
+def _plot_budget(path: Path, rows: list, budget_mb: float, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,6 +155,14 @@ def _plot_budget(path: Path, rows: list, budget_mb: float) -> None:
     for ax in (left, right):
         ax.tick_params(axis="x", rotation=20)
         ax.grid(axis="y", alpha=0.3)
+    _save(fig, path, title)
+
+
+def _save(fig, path: Path, title: str) -> None:
+    """The figure, titled with the model and settings (in red for a smoke run), as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=9, color="red" if title.startswith(SMOKE) else "black")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

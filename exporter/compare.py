@@ -67,8 +67,8 @@ class RowReport:
 class CompareReport:
     rows: list
     encoder_diff: float | None  # None: the model has no encoder
-    hf_seconds: float
-    elx_seconds: float
+    hf_seconds: float | None  # one warm run each; None when not timed
+    elx_seconds: float | None
     settings: dict
     atol: float = TOLERANCE
     shape_identical: bool = True  # elx's output array has HF's shape
@@ -233,25 +233,32 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
     return np.stack(diffs, axis=1), encoder_diff
 
 
+def _seconds(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
 def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, threads: int | None = None,
             inputs: dict | None = None, atol: float = TOLERANCE, check_stability: bool = True,
-            backend: str = "ort", device: str = "cpu", **options) -> CompareReport:
+            backend: str = "ort", device: str = "cpu", timed: bool = False, **options) -> CompareReport:
     """Compare the export in ``folder`` (run by ``backend`` on ``device``) with HF ``generate`` on the CPU
-    (see the module docstring for the verdict)."""
+    (see the module docstring for the verdict); ``timed``: see ``compare_loaded``."""
     generator = Generator.from_folder(folder, backend=backend, device=device, threads=threads)
     model = reload_model(generator.manifest.data["source"])
     return compare_loaded(generator, model, batch_size=batch_size, input_length=input_length, seed=seed,
                           inputs=inputs, atol=atol, variants=HfVariants(model) if check_stability else None,
-                          **options)
+                          timed=timed, **options)
 
 
 def compare_loaded(generator: Generator, model, batch_size: int = 4, input_length: int = 32, seed: int = 0,
                    inputs: dict | None = None, atol: float = TOLERANCE, variants: HfVariants | None = None,
-                   **options) -> CompareReport:
+                   timed: bool = False, **options) -> CompareReport:
     """``compare`` with the runner and the PyTorch model already loaded (callers that compare many times).
 
     ``variants`` (built on ``model``) runs the stability rule on rows that differ; None skips it
-    (differing rows then count as failures).
+    (differing rows then count as failures).  ``timed``: after the compared runs (the warm-ups), one
+    more run of each is timed for the report's speed line; otherwise the report has no timings.
     """
     settings = generator.settings(**options)
     rules = generator.rules
@@ -259,12 +266,12 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     if inputs is None:
         inputs = random_inputs(generator.manifest, batch_size, input_length, np.random.default_rng(seed))
     check_encoder_inputs(generator.manifest, inputs)  # before HF sees them (torch fails with a traceback)
-    started = time.perf_counter()
-    hf = _hf_generate(model, inputs, hf_options)
-    hf_seconds = time.perf_counter() - started
-    started = time.perf_counter()
+    hf = _hf_generate(model, inputs, hf_options)  # the compared runs double as warm-ups ...
     out = generator.generate(inputs, settings=settings)
-    elx_seconds = time.perf_counter() - started
+    hf_seconds = elx_seconds = None
+    if timed:  # ... of one timed warm run each
+        hf_seconds = _seconds(lambda: _hf_generate(model, inputs, hf_options))
+        elx_seconds = _seconds(lambda: generator.generate(inputs, settings=settings))
     elx = out.sequences  # HF's layout for the family
     per_item = rules.rows_per_input(settings)
     # where HF's layout keeps the decoder prompt, divergence is counted from the first generated token
@@ -326,9 +333,11 @@ def format_report(report: CompareReport, passes: list) -> str:
     same = sum(r.identical for r in report.rows)
     fragile, failures = len(report.fragile), len(report.failures)
     lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate; {failures} stable difference(s) "
-                 f"(failures), {fragile} fragile (HF's own eager fp32 / sdpa fp32 / fp64 disagree; not counted); "
-                 f"HF {report.hf_seconds:.2f} s, elx {report.elx_seconds:.2f} s "
-                 f"({report.hf_seconds / max(report.elx_seconds, 1e-9):.2f}x)")
+                 f"(failures), {fragile} fragile (HF's own eager fp32 / sdpa fp32 / fp64 disagree; not counted)"
+                 + ("" if report.hf_seconds is None else
+                    f"; speed, one warm run each (after a warm-up): HF {report.hf_seconds:.2f} s, elx "
+                    f"{report.elx_seconds:.2f} s ({report.hf_seconds / max(report.elx_seconds, 1e-9):.2f}x; elx bench "
+                    f"measures with repeats)"))
     numerics = "within" if report.logits_within_tolerance and report.encoder_within_tolerance else "OUTSIDE"
     lines.append(f"numerics {numerics} tolerance {report.atol:g}: teacher-forced max abs logits diff "
                  f"{report.max_logits_diff:.2e}" + ("" if report.encoder_diff is None

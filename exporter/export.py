@@ -75,13 +75,15 @@ def base_manifest(model, family, source: dict) -> dict:
 
 
 def export_graphs(model, family, folder: Path, manifest: dict, quiet: bool) -> None:
-    started = time.perf_counter()
-    manifest["graphs"]["encoder"] = export_encoder(model, family, folder / "encoder.onnx")
-    _log(f"  encoder.onnx  ({time.perf_counter() - started:.1f} s)", quiet)
-    manifest["graphs"]["cross_kv"] = export_cross_kv(model, family, folder / "cross_kv.onnx")
-    _log(f"  cross_kv.onnx ({time.perf_counter() - started:.1f} s)", quiet)
-    manifest["graphs"]["decoder"], manifest["cache"]["self"] = export_decoder(model, family, folder / "decoder.onnx")
-    _log(f"  decoder.onnx  ({time.perf_counter() - started:.1f} s)", quiet)
+    def timed(name: str, export):
+        started = time.perf_counter()
+        result = export(model, family, folder / f"{name}.onnx")
+        _log(f"  {name + '.onnx':<13} ({time.perf_counter() - started:.1f} s)", quiet)  # this graph's own time
+        return result
+
+    manifest["graphs"]["encoder"] = timed("encoder", export_encoder)
+    manifest["graphs"]["cross_kv"] = timed("cross_kv", export_cross_kv)
+    manifest["graphs"]["decoder"], manifest["cache"]["self"] = timed("decoder", export_decoder)
 
 
 def copy_tokenizer(model_folder: str | None, folder: Path) -> bool:

@@ -1,20 +1,32 @@
-"""``elx bench --quick``: the smoke run end to end (no timing assertions), and the IOBinding backend."""
+"""``elx bench``: the smoke run end to end with the ORT BeamSearch peer (no timing assertions), the
+byte-counting roofline against hand counts, honest labels (smoke runs, per-graph export times,
+compare's warm timing, the matplotlib extra), and the IOBinding backend."""
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import numpy as np
 import pytest
 
 
-def test_bench_quick(tmp_path):
+def test_bench_quick(tmp_path, capsys):
     from elx.cli import main
 
-    assert main(["bench", "--quick", "--work", str(tmp_path)]) == 0
+    assert main(["bench", "--quick", "--peers", "ort-beamsearch,ct2", "--work", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
     report = json.loads((tmp_path / "t5-tiny" / "results" / "bench.json").read_text())
     systems = {s["system"]: s for s in report["systems"]}
-    assert set(systems) == {"HF generate (PyTorch)", "elx baseline", "elx el"}
-    assert all(s["tokens_equal_hf"] for s in systems.values())
+    expected = {"HF generate (PyTorch)", "elx baseline", "elx el", "ORT BeamSearch op"}
+    try:
+        import ctranslate2  # noqa: F401
+        expected.add("CTranslate2")
+    except ImportError:
+        assert "ctranslate2 is not installed" in report["skipped_peers"]["ct2"]
+        assert "peer ct2 skipped: ctranslate2 is not installed" in printed
+    assert set(systems) == expected
+    assert all(systems[name]["tokens_equal_hf"] for name in expected - {"CTranslate2"})
     base, el = systems["elx baseline"], systems["elx el"]
     dims = report["dims"]
     # live tensors: el holds one [B, N, D] encoder output, the baseline 2·L cross K/V [B, h, N, d_kv]
@@ -23,8 +35,114 @@ def test_bench_quick(tmp_path):
     assert float_bytes[0] / float_bytes[1] == pytest.approx(2 * dims["num_decoder_layers"] * dims["num_heads"]
                                                            * dims["d_kv"] / dims["d_model"])
     assert base["cache_bytes"] == el["cache_bytes"]
-    assert report["flops_per_generate"] > 0 and report["matmul_peak_gflops"] > 0
-    assert (tmp_path / "t5-tiny" / "results" / "bench.md").read_text().count("| elx") == 2
+    assert report["flops_per_generate"] > 0 and report["matmul_peak_gflops"] > 0 and report["read_bandwidth_gb_s"] > 0
+    assert report["roofline"]["floor_s"] > 0 and all(s["time_over_floor"] > 0 for s in systems.values())
+    table = (tmp_path / "t5-tiny" / "results" / "bench.md").read_text()
+    assert table.count("| elx") == 2 and "| ORT BeamSearch op |" in table
+    assert table.startswith("SMOKE RUN") and "\nSMOKE RUN" in printed and report["settings"]["smoke"]
+    assert "t5-tiny (random init, seed 0), batch 2, input 32, beams 2" in table
+    # the BeamSearch op's file: loadable IR, fed elx's attention mask; an n-gram variant shares its weights
+    import onnx
+
+    from exporter.bench_peers import with_ngram
+
+    path = tmp_path / "t5-tiny" / "peers" / "ort-beamsearch" / "beam_search.onnx"
+    converted = onnx.load(str(path), load_external_data=False)
+    assert converted.ir_version <= 10 and "attention_mask" in [i.name for i in converted.graph.input]
+    blocked = onnx.load(str(with_ngram(path, 3)), load_external_data=False)
+    op = next(n for n in blocked.graph.node if n.op_type == "BeamSearch")
+    assert onnx.helper.get_attribute_value(next(a for a in op.attribute if a.name == "no_repeat_ngram_size")) == 3
+
+
+def test_repeats_default_to_three():
+    from elx.cli import build_parser
+    from exporter.bench import BenchSettings
+
+    assert build_parser().parse_args(["bench"]).repeats == 3 == BenchSettings().repeats
+
+
+# hand counts for a tiny config: d = 8, i = 2·4 = 8, f = 16 (not gated), L_e = 2, L_d = 3, V = 10,
+# B = 2, N = 5, beams 3 (r = 6), 2 steps; values of 4 bytes
+TINY = dict(d_model=8, num_heads=2, d_kv=4, num_encoder_layers=2, num_decoder_layers=3, vocab_size=10)
+
+
+def test_phase_bytes_against_hand_counts():
+    from exporter.bench import phase_bytes
+
+    layer = 4 * 8 * 8 + 2 * 8 * 16  # 256 attention + 256 FFN = 512 values
+    kv = phase_bytes(TINY, 16, batch=2, source=5, beams=3, new_tokens=2, cross="kv")
+    # encoder: 2 layers (1024) + embeddings in and output out (2·2·5·8 = 160) + K/V weights (2·3·64 = 384)
+    # + beam-shared K/V written (2·3·2·5·8 = 480)
+    assert kv["encoder"] == 4 * (1024 + 160 + 384 + 480)
+    # step: 3 layers of (512 + q/o 128) = 1920, LM head 80, embedding rows 48, cross K/V read 480;
+    # self cache: read 2·3·6·t·8 = 288 t, written 2·3·6·8 = 288
+    assert kv["steps"] == [4 * (1920 + 80 + 48 + 480 + 288), 4 * (1920 + 80 + 48 + 480 + 288 + 288)]
+    el = phase_bytes(TINY, 16, batch=2, source=5, beams=3, new_tokens=2, cross="el")
+    assert el["encoder"] == 4 * (1024 + 160)
+    # EL: 3 layers of (512 + 4·64 = 256) = 2304; encoder output read once per layer 3·2·5·8 = 240
+    assert el["steps"] == [4 * (2304 + 80 + 48 + 240 + 288), 4 * (2304 + 80 + 48 + 240 + 288 + 288)]
+    gated = phase_bytes(TINY, 16, batch=2, source=5, beams=3, new_tokens=1, cross="kv", gated=True)
+    assert gated["encoder"] - kv["encoder"] == 4 * 2 * 8 * 16  # a third FFN matrix per encoder layer
+    with pytest.raises(ValueError):
+        phase_bytes(TINY, 16, 2, 5, 3, 2, cross="slim")
+
+
+def test_roofline_takes_the_slower_bound_per_phase_and_the_cheaper_layout():
+    from exporter.bench import generation_flops, phase_flops, roofline
+
+    flops = {"encoder": 100.0, "steps": [10.0, 10.0]}
+    moved = {"a": {"encoder": 50.0, "steps": [40.0, 5.0]}, "b": {"encoder": 50.0, "steps": [40.0, 40.0]}}
+    roof = roofline(flops, moved, peak=10.0, bandwidth=10.0)
+    assert roof["layout"] == "a" and roof["floor_s"] == pytest.approx(10 + 4 + 1)
+    assert roof["memory_bound_phases"] == 1 and roof["phases"] == 3 and roof["bytes"] == 95.0
+    split = phase_flops(TINY, 16, 2, 5, 3, 4)
+    assert split["encoder"] + sum(split["steps"]) == generation_flops(TINY, 16, 2, 5, 3, 4)
+    assert split["steps"] == sorted(split["steps"]) and len(split["steps"]) == 4  # attention grows with the past
+
+
+def test_export_logs_each_graphs_own_time(monkeypatch, capsys, tmp_path):
+    import exporter.export as export
+
+    clock = iter([0.0, 1.0, 10.0, 12.0, 20.0, 23.0])
+    monkeypatch.setattr(export, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(export, "export_encoder", lambda *a: "enc")
+    monkeypatch.setattr(export, "export_cross_kv", lambda *a: "kv")
+    monkeypatch.setattr(export, "export_decoder", lambda *a: ("dec", []))
+    manifest = {"graphs": {}, "cache": {}}
+    export.export_graphs(None, None, tmp_path, manifest, quiet=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["  encoder.onnx  (1.0 s)", "  cross_kv.onnx (2.0 s)", "  decoder.onnx  (3.0 s)"]
+    assert manifest["graphs"] == {"encoder": "enc", "cross_kv": "kv", "decoder": "dec"}
+
+
+def test_compare_times_warm_runs(exported, monkeypatch):
+    import exporter.compare as compare
+
+    calls = []
+    real = compare._hf_generate
+    monkeypatch.setattr(compare, "_hf_generate", lambda *a: calls.append(1) or real(*a))
+    report = compare.compare(exported("bart"), batch_size=2, input_length=6, max_new_tokens=3, timed=True)
+    assert len(calls) == 2 and report.all_identical  # a warm-up (whose tokens are compared), then the timed run
+    assert "one warm run each (after a warm-up)" in compare.format_report(report, [])
+    untimed = compare.compare(exported("bart"), batch_size=2, input_length=6, max_new_tokens=3)
+    assert len(calls) == 3 and untimed.hf_seconds is None and " s, elx " not in compare.format_report(untimed, [])
+
+
+def test_sweep_without_matplotlib_is_one_line_error(monkeypatch, capsys, tmp_path):
+    from elx.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["bench", "--quick", "--sweep", "input", "--work", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("elx: error: ") and "matplotlib" in err[0] and "elx[bench]" in err[0]
+    assert not any(tmp_path.iterdir())  # refused before any export
+
+
+def test_unknown_peer_is_refused(capsys, tmp_path):
+    from elx.cli import main
+
+    assert main(["bench", "--peers", "ort-beamsearch,vllm", "--work", str(tmp_path)]) == 2
+    assert "unknown peer vllm; choose from ort-beamsearch, ct2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("passes", [None, "el", "ngram=2"])
@@ -58,3 +176,15 @@ def test_cuda_backend_needs_onnxruntime_gpu(exported):
         pytest.skip("onnxruntime-gpu is installed here")
     with pytest.raises(ElxError, match="onnxruntime-gpu"):
         OrtIoBackend(Manifest.load(exported("t5")), device="cuda")
+
+
+def test_titles_name_model_and_settings_and_smoke_runs():
+    from dataclasses import asdict
+
+    from exporter.bench import SMOKE, BenchSettings, describe
+
+    source = {"kind": "random-init", "model": "t5-small", "random_init": True, "seed": 0}
+    title = describe({"settings": asdict(BenchSettings(num_beams=8)), "model": source}, without="input_length")
+    assert title == "t5-small (random init, seed 0), batch 4, beams 8, 32 forced new tokens, n-gram 0, median of 3"
+    smoke = describe({"settings": asdict(BenchSettings(smoke=True, repeats=1)), "model": {"path": "/m/my-t5"}})
+    assert smoke.startswith(SMOKE + ": my-t5, batch 4, input 256") and smoke.endswith("median of 1")

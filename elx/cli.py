@@ -280,6 +280,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--threads", type=positive_int, help="intra-op threads of every system (default: all cores)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: HF on PyTorch CUDA, elx on ONNX Runtime's CUDA EP with IOBinding (needs onnxruntime-gpu)")
+    p.add_argument("--backend", choices=["ort", "tensorrt"], default="ort",
+                   help="how elx runs: ort (ONNX Runtime, default) or tensorrt (engines built into each export "
+                        "folder first when missing; needs --device cuda and a TensorRT runtime)")
     p.add_argument("--peers", default="", help="other systems on the same weights, comma-separated: "
                                                "ort-beamsearch (ONNX Runtime's BeamSearch op, T5), ct2 (CTranslate2)")
     p.add_argument("--ct2", action="store_true", help="the same as adding ct2 to --peers")
@@ -298,7 +301,7 @@ def _pass_sets(text: str) -> list[str]:
 
 
 def cmd_bench(args) -> int:
-    from exporter.bench import BenchSettings, ensure_exports, markdown_table, run_bench
+    from exporter.bench import BenchSettings, ensure_engines, ensure_exports, markdown_table, run_bench
     from exporter.bench_peers import parse_peers
     from exporter.bench_sweeps import require_matplotlib, sweep_beam, sweep_budget, sweep_input
 
@@ -316,9 +319,14 @@ def cmd_bench(args) -> int:
     work = Path(args.work) / Path(model).name
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
-                             repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick)
+                             repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick,
+                             backend=args.backend)
+    if settings.backend == "tensorrt" and settings.device != "cuda":
+        raise ElxError("--backend tensorrt runs engines on an NVIDIA GPU; add --device cuda")
     forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
     folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms)
+    if settings.backend == "tensorrt":
+        ensure_engines(folders, settings)
     out = work / "results"
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep in ("none", "all"):

@@ -66,6 +66,7 @@ class BenchSettings:
     threads: int | None = None
     seed: int = 0
     device: str = "cpu"  # "cuda": HF on PyTorch CUDA, elx on ORT's CUDA EP with IOBinding
+    backend: str = "ort"  # "tensorrt": elx on the folders' TensorRT engines (``ensure_engines``; cuda only)
     smoke: bool = False  # a --quick run: labelled as a smoke run everywhere, not a measurement
 
     def generation(self) -> dict:
@@ -384,8 +385,21 @@ def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str
 
 
 def generator_for(folder: Path, settings: BenchSettings) -> Generator:
-    """The elx runner of a bench folder: ONNX Runtime on the CPU, IOBinding on the CUDA EP for cuda."""
-    return Generator.from_folder(folder, device=settings.device, threads=settings.threads)
+    """The elx runner of a bench folder: ONNX Runtime on the CPU, IOBinding on the CUDA EP for cuda, or the
+    folder's TensorRT engines (``backend="tensorrt"``)."""
+    return Generator.from_folder(folder, backend=settings.backend, device=settings.device, threads=settings.threads)
+
+
+def ensure_engines(folders: list[Path], settings: BenchSettings, quiet: bool = False) -> None:
+    """TensorRT engines for every bench folder that has none, with profiles covering the bench's shapes."""
+    if settings.device != "cuda":
+        raise ElxError("--backend tensorrt runs engines on an NVIDIA GPU; add --device cuda")
+    from .tensorrt_build import build_engine
+
+    for folder in folders:
+        if not Manifest.load(folder).data.get("engines"):
+            build_engine(folder, max_batch_size=settings.batch_size, max_beams=settings.num_beams,
+                         max_input_length=settings.input_length, max_new_tokens=settings.new_tokens, quiet=quiet)
 
 
 def _ratio(value) -> str:

@@ -188,3 +188,14 @@ def test_titles_name_model_and_settings_and_smoke_runs():
     assert title == "t5-small (random init, seed 0), batch 4, beams 8, 32 forced new tokens, n-gram 0, median of 3"
     smoke = describe({"settings": asdict(BenchSettings(smoke=True, repeats=1)), "model": {"path": "/m/my-t5"}})
     assert smoke.startswith(SMOKE + ": my-t5, batch 4, input 256") and smoke.endswith("median of 1")
+
+
+def test_bench_tensorrt_backend_needs_a_gpu_before_any_work(tmp_path, capsys):
+    """``--backend tensorrt`` on the CPU is refused in one line before anything is exported."""
+    from elx.cli import main
+
+    work = tmp_path / "bench"
+    assert main(["bench", "--quick", "--backend", "tensorrt", "--work", str(work)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elx: error:") and "--device cuda" in err and "\n" not in err
+    assert not work.exists()

@@ -74,6 +74,9 @@ from runners.errors import ElxError
 from runners.manifest import Manifest
 
 from .rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
+from .slim import projection as head_split_projection
+from .slim import self_layers as cache_pairs
+from .slim_math import Projection, Unfit
 
 NAME = "el-self"
 ORDER = 25  # after el (10), slim-cross (15) and slim (20), before ngram (90)
@@ -84,19 +87,6 @@ PAST = "past_hidden.{}.decoder"
 PRESENT = "present_hidden.{}.decoder"
 SCORE_OPS = ("Mul", "Div", "Add")
 FP64 = "fp64"  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ accumulates in float64
-
-
-class Unfit(Exception):
-    """The graph around one layer does not have the expected structure; ``str`` says where."""
-
-
-@dataclass
-class Projection:
-    """``x·W (+ b)``, split into heads by Reshape → Transpose(0,2,1,3)."""
-
-    x: gs.Tensor
-    w: np.ndarray  # [D, h·d_k] (ONNX MatMul layout)
-    b: np.ndarray | None
 
 
 @dataclass
@@ -126,41 +116,17 @@ class SelfLayer:
 # -- matching --------------------------------------------------------------------------------------
 
 def self_layers(manifest: Manifest) -> list[SelfLayer]:
-    """Key/value pairs of the manifest's ``cache.self`` (``past_key_values.{i}.decoder.key|value``)."""
-    entries = {e["input"]: e for e in manifest.cache_entries}
-    layers = []
-    for name, entry in entries.items():
-        if not name.endswith(".key"):
-            continue
-        value = entries.get(name[: -len("key")] + "value")
-        parts = name.split(".")
-        if value is None or len(parts) < 3 or not parts[1].isdigit():
-            continue
-        layers.append(SelfLayer(int(parts[1]), name, entry["output"], value["input"], value["output"]))
-    return layers
+    """Key/value pairs of the manifest's ``cache.self`` (``past_key_values.{i}.decoder.key|value``), as slim finds them."""
+    return [SelfLayer(p.index, p.key_input, p.key_output, p.value_input, p.value_output) for p in cache_pairs(manifest)]
 
 
 def _projection(tensor, d_model: int, heads: int, d_kv: int) -> Projection:
-    chain = []
-    node = producer(tensor)
-    while node is not None and node.op in ("Reshape", "Transpose"):
-        chain.insert(0, (node.op, list(node.attrs.get("perm", []))))
-        tensor, node = node.inputs[0], producer(node.inputs[0])
-    if chain != [("Reshape", []), ("Transpose", [0, 2, 1, 3])]:
-        raise Unfit(f"unexpected head split {[op for op, _ in chain]} before the cache concat")
-    bias = None
-    if node is not None and node.op == "Add":
-        for i in (0, 1):
-            value = constant_value(node.inputs[i])
-            if value is not None and value.ndim == 1:
-                bias, tensor, node = value, node.inputs[1 - i], producer(node.inputs[1 - i])
-                break
-    weight = None if node is None or node.op != "MatMul" else constant_value(node.inputs[1])
-    if weight is None or weight.shape != (d_model, heads * d_kv):
+    """slim's head-split projection x·W (+ b), with W [D, h·d_k] as this pass needs it (bias kept in float32)."""
+    found = head_split_projection(tensor)
+    if found.w.shape != (d_model, heads * d_kv):
         raise Unfit(f"{tensor.name} is not a projection x·W (+ b) with a constant [{d_model}, {heads * d_kv}] W")
-    if bias is not None and bias.shape != (heads * d_kv,):
-        raise Unfit(f"the bias of {tensor.name} has shape {list(bias.shape)}, expected [{heads * d_kv}]")
-    return Projection(node.inputs[0], np.asarray(weight), None if bias is None else np.asarray(bias))
+    bias = None if found.b is None else found.b.astype(np.float32)
+    return Projection(found.x, np.asarray(found.w), bias, found.chain)
 
 
 def _norm_of(x, d_model: int) -> tuple | None:

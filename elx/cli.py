@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -442,11 +443,32 @@ def _termination_as_exception():
                 previous[signum] = signal.signal(signum, _raise_terminated)
         except (ValueError, OSError):  # not the main thread
             pass
+    hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_swallowed_signal(hook)
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _redeliver_swallowed_signal(hook):
+    """Python runs a signal handler wherever the main thread is, also inside a ``__del__``, where the
+    exception it raises is printed and dropped: the run would go on as if never interrupted.  Such a
+    swallowed ``Terminated`` / ``KeyboardInterrupt`` sends its signal again, handled outside the finalizer."""
+
+    def redeliver(unraisable):
+        error = unraisable.exc_value
+        if isinstance(error, (Terminated, KeyboardInterrupt)):
+            signum = error.signum if isinstance(error, Terminated) else signal.SIGINT
+            # sent from another thread a moment later: sent from here, its handler would run (and be
+            # dropped) inside this hook, still within the finalizer
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+        else:
+            hook(unraisable)
+
+    return redeliver
 
 
 def _interrupted(signum: int) -> int:

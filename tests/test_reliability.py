@@ -578,3 +578,27 @@ def test_import_ct2_refusals(tmp_path, capsys, monkeypatch):
     refused(capsys, "import-ct2", tmp_path / "none", "--output", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"]
     assert (tmp_path / "cwd" / "thesis.txt").read_text() == "five years of work"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_landing_in_a_finalizer_is_not_lost(signum):
+    """Regression (CI, 2026-11-22): a SIGTERM whose handler ran inside a ``__del__`` (regex's, during an
+    export) was printed and dropped, and the export finished with exit 0.  The swallowed exception
+    now sends its signal again, so the run still stops."""
+    import gc
+
+    from elx.cli import Terminated, _raise_terminated, _termination_as_exception
+
+    class Finalized:
+        def __del__(self):  # where Python happened to run the signal handler
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            _raise_terminated(signum, None)
+
+    expected = KeyboardInterrupt if signum == signal.SIGINT else Terminated
+    with pytest.raises(expected):
+        with _termination_as_exception():
+            Finalized()  # dropped at once: its __del__ raises, Python prints and ignores that
+            gc.collect()
+            for _ in range(1000):  # the re-sent signal is handled at the next bytecode boundaries
+                time.sleep(0.001)

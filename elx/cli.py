@@ -426,6 +426,9 @@ class Terminated(BaseException):
         self.signum = signum
 
 
+_ACTIVE = threading.Event()  # set while a command runs with SIGTERM/SIGHUP turned into Terminated
+
+
 def _raise_terminated(signum, frame):
     raise Terminated(signum)
 
@@ -444,10 +447,13 @@ def _termination_as_exception():
         except (ValueError, OSError):  # not the main thread
             pass
     hook = sys.unraisablehook
-    sys.unraisablehook = _redeliver_swallowed_signal(hook)
+    if previous:
+        sys.unraisablehook = _redeliver_swallowed_signal(hook)
+        _ACTIVE.set()
     try:
         yield
     finally:
+        _ACTIVE.clear()
         sys.unraisablehook = hook
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -456,15 +462,19 @@ def _termination_as_exception():
 def _redeliver_swallowed_signal(hook):
     """Python runs a signal handler wherever the main thread is, also inside a ``__del__``, where the
     exception it raises is printed and dropped: the run would go on as if never interrupted.  Such a
-    swallowed ``Terminated`` / ``KeyboardInterrupt`` sends its signal again, handled outside the finalizer."""
+    swallowed ``Terminated`` sends its signal again while the command still runs, handled outside the
+    finalizer.  (Ctrl-C's KeyboardInterrupt is left to Python: in-process callers raise it themselves.)"""
+
+    def resend(signum: int) -> None:
+        if _ACTIVE.is_set():  # never after the command's handlers are gone
+            os.kill(os.getpid(), signum)
 
     def redeliver(unraisable):
         error = unraisable.exc_value
-        if isinstance(error, (Terminated, KeyboardInterrupt)):
-            signum = error.signum if isinstance(error, Terminated) else signal.SIGINT
+        if isinstance(error, Terminated) and _ACTIVE.is_set():
             # sent from another thread a moment later: sent from here, its handler would run (and be
             # dropped) inside this hook, still within the finalizer
-            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+            threading.Timer(0.01, resend, (error.signum,)).start()
         else:
             hook(unraisable)
 

@@ -74,6 +74,7 @@ from runners.errors import ElxError
 from runners.manifest import Manifest
 
 from .rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
+from . import slim
 from .slim import projection as head_split_projection
 from .slim import self_layers as cache_pairs
 from .slim_math import Projection, Unfit
@@ -90,18 +91,10 @@ FP64 = "fp64"  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ a
 
 
 @dataclass
-class SelfLayer:
-    """One decoder self-attention layer: its cache names and, once matched, its graph pieces."""
+class SelfLayer(slim.SelfLayer):
+    """slim's layer (cache names, K/V projections, the P·V MatMul) plus what EL-attention rewrites."""
 
-    index: int
-    key_input: str
-    key_output: str
-    value_input: str
-    value_output: str
-    k: Projection | None = None
-    v: Projection | None = None
     qk: gs.Node | None = None  # MatMul(q, present Kᵀ)
-    pv: gs.Node | None = None  # MatMul(P, present V)
     norm: tuple | None = None  # (γ, β) of the layer norm producing x, when it has constant ones
 
     @property

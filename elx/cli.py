@@ -426,7 +426,8 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-_ACTIVE = threading.Event()  # set while a command runs with SIGTERM/SIGHUP turned into Terminated
+_INSTALLED: set[int] = set()  # the signals a running command turned into Terminated
+_INSTALLED_LOCK = threading.Lock()  # held while they change and while a swallowed one is sent again
 
 
 def _raise_terminated(signum, frame):
@@ -437,26 +438,29 @@ def _raise_terminated(signum, frame):
 def _termination_as_exception():
     """While a command runs, SIGTERM and SIGHUP raise ``Terminated`` (as Ctrl-C raises KeyboardInterrupt).
 
-    Signals someone chose to ignore stay ignored (``nohup elx export ...`` survives the hangup).
+    Signals someone chose to ignore or handle (``nohup elx ...``, a host program's own handler, such as
+    the one ``ray.init`` installs) are left as they are.
     """
     previous = {}
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            if signal.getsignal(signum) is signal.SIG_DFL:
-                previous[signum] = signal.signal(signum, _raise_terminated)
-        except (ValueError, OSError):  # not the main thread
-            pass
+    with _INSTALLED_LOCK:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                if signal.getsignal(signum) is signal.SIG_DFL:
+                    previous[signum] = signal.signal(signum, _raise_terminated)
+            except (ValueError, OSError):  # not the main thread
+                pass
+        _INSTALLED.update(previous)
     hook = sys.unraisablehook
     if previous:
         sys.unraisablehook = _redeliver_swallowed_signal(hook)
-        _ACTIVE.set()
     try:
         yield
     finally:
-        _ACTIVE.clear()
-        sys.unraisablehook = hook
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        with _INSTALLED_LOCK:
+            _INSTALLED.difference_update(previous)
+            sys.unraisablehook = hook
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def _redeliver_swallowed_signal(hook):
@@ -466,12 +470,15 @@ def _redeliver_swallowed_signal(hook):
     finalizer.  (Ctrl-C's KeyboardInterrupt is left to Python: in-process callers raise it themselves.)"""
 
     def resend(signum: int) -> None:
-        if _ACTIVE.is_set():  # never after the command's handlers are gone
-            os.kill(os.getpid(), signum)
+        # under the lock, so that the handler cannot be restored between the check and the delivery
+        # (the kernel delivers a process signal to the sending thread before kill returns)
+        with _INSTALLED_LOCK:
+            if signum in _INSTALLED and signal.getsignal(signum) is _raise_terminated:
+                os.kill(os.getpid(), signum)
 
     def redeliver(unraisable):
         error = unraisable.exc_value
-        if isinstance(error, Terminated) and _ACTIVE.is_set():
+        if isinstance(error, Terminated) and error.signum in _INSTALLED:
             # sent from another thread a moment later: sent from here, its handler would run (and be
             # dropped) inside this hook, still within the finalizer
             threading.Timer(0.01, resend, (error.signum,)).start()

@@ -580,22 +580,59 @@ def test_import_ct2_refusals(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "cwd" / "thesis.txt").read_text() == "five years of work"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_signal_landing_in_a_finalizer_is_not_lost(signum):
-    """Regression (CI, 2026-11-22): a SIGTERM whose handler ran inside a ``__del__`` (regex's, during an
-    export) was printed and dropped, and the export finished with exit 0.  The swallowed exception
-    now sends its signal again, so the run still stops."""
-    import gc
+@pytest.fixture
+def signal_handlers():
+    """Restores SIGTERM's and SIGHUP's handlers after the test (which sets its own)."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
 
-    from elx.cli import Terminated, _raise_terminated, _termination_as_exception
+
+def _finalizer_raising(signum):
+    from elx.cli import _raise_terminated
 
     class Finalized:
         def __del__(self):  # where Python happened to run the signal handler
             _raise_terminated(signum, None)
 
+    return Finalized
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_landing_in_a_finalizer_is_not_lost(signum, signal_handlers):
+    """Regression (CI, 2026-11-22): a SIGTERM whose handler ran inside a ``__del__`` (regex's, during an
+    export) was printed and dropped, and the export finished with exit 0.  The swallowed exception
+    now sends its signal again, so the run still stops."""
+    import gc
+
+    from elx.cli import Terminated, _termination_as_exception
+
+    signal.signal(signum, signal.SIG_DFL)  # as in a fresh `elx` process
     with pytest.raises(Terminated):
         with _termination_as_exception():
-            Finalized()  # dropped at once: its __del__ raises, Python prints and ignores that
+            _finalizer_raising(signum)()  # dropped at once: its __del__ raises, Python prints and ignores that
             gc.collect()
             for _ in range(1000):  # the re-sent signal is handled at the next bytecode boundaries
                 time.sleep(0.001)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped Terminated
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_host_programs_signal_handler_is_left_alone(signum, signal_handlers):
+    """Regression (CI, 2026-11-22, exit 143 at 83%): after ``ray.init`` (in an earlier test) SIGTERM had
+    Ray's handler, so elx had not installed its own, yet a swallowed ``Terminated`` was sent again and
+    reached Ray's handler, which killed the test process.  Only a signal elx turned into ``Terminated``
+    is sent again; a host program's handler is neither replaced nor called."""
+    import gc
+
+    from elx.cli import _termination_as_exception
+
+    calls = []
+    signal.signal(signum, lambda *_: calls.append(_))
+    with _termination_as_exception():
+        assert signal.getsignal(signum) is not signal.SIG_DFL and calls == []
+        _finalizer_raising(signum)()
+        gc.collect()
+        time.sleep(0.2)
+    assert calls == []

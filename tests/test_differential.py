@@ -6,9 +6,11 @@ pass sets × random generation settings and padded batches, elx on ONNX Runtime 
 sdpa fp32 and fp64 disagree), and excuses are counted, printed and bounded.
 ``test_differential_search``: random tiny configs, elx's search on HF's own float64 logits
 against HF ``generate(use_cache=False)`` on the same model.  The one numeric step the two do
-differently is the float32 log-softmax (numpy vs torch's vectorized kernel, a few ulps apart):
-a differing example is rerun with torch's log-softmax in elx's search, and counts as a
-rounding-decided near-tie (reported, bounded) only if it is then identical; otherwise it fails.
+differently is the float32 log-softmax (numpy's vs PyTorch's vectorized kernels, an ulp apart
+here and there), and PyTorch's own scalar, AVX2 and AVX-512 kernels differ the same way: where
+two beam scores are that close, HF's tokens depend on the CPU.  A differing example is rerun in HF
+on each kernel set (``tests/hf_on_cpu_kernel.py``) and is excused (reported, bounded) only if HF's
+answers disagree among themselves and elx's is one of them; otherwise it fails.
 
 CI runs a derandomized slice (a few minutes: three exported specs, fixed examples).  More:
 
@@ -25,8 +27,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from tests.differential import (EOS_MODES, SPECS, ModelInfo, Stats, batches, generation_options, pass_sets,
-                                random_configs, run_export_example, run_search_example, uniform, with_ngram)
+from tests.differential import (DECODER_ONLY, EOS_MODES, SPECS, ModelInfo, Stats, batches, decoder_only_lengths,
+                                generation_options, pass_sets, random_configs, run_export_example, run_search_example,
+                                uniform, with_ngram)
 
 EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
 CI = EXAMPLES == 0
@@ -55,7 +58,7 @@ def _report(stats: Stats, capsys) -> None:
     assert not stats.failures, stats.summary()
     assert stats.examples >= examples_floor(stats), stats.summary()
     assert stats.excused_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
-    assert stats.rounding_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
+    assert stats.kernel_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
 
 
 def examples_floor(stats: Stats) -> int:
@@ -100,6 +103,8 @@ def test_differential_search(capsys):
         info = _info(family, config)
         inputs = data.draw(batches(info), label="inputs")
         options = data.draw(generation_options(), label="options")
+        if family in DECODER_ONLY:
+            options = decoder_only_lengths(options, inputs["input_ids"].shape[1])
         eos_mode = data.draw(st.sampled_from(EOS_MODES), label="eos_mode")
         eos_rank = data.draw(st.integers(0, 2), label="eos_rank")
         run_search_example(stats, family, model_seed, config, inputs, options, eos_mode, eos_rank)
@@ -111,6 +116,8 @@ def test_differential_search(capsys):
 def _info(family: str, config: dict) -> ModelInfo:
     """``ModelInfo`` from a config without building the model (conftest's special tokens per family)."""
     vocab = config["vocab_size"]
+    if family == "gpt2":
+        return ModelInfo(family, vocab, vocab - 1, (vocab - 1,))
     if family == "t5":
         return ModelInfo(family, vocab, 0, (0, 1))
     if family == "bart":

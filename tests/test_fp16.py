@@ -27,7 +27,7 @@ PASS_SETS = (None, "el", "slim=skip-bad", "ngram=2")
 # family × pass grid (twelve) with ELX_FULL_GRID=1
 CASES = ([(f, p) for p in PASS_SETS for f in FAMILIES] if os.environ.get("ELX_FULL_GRID") == "1" else
          [("t5", None), ("bart", None), ("whisper", None), ("whisper", "el"), ("bart", "slim=skip-bad"),
-          ("t5", "ngram=2")])
+          ("t5", "ngram=2")]) + [("t5", "el,el-self")]  # el-self's X cache in fp16 (issue 17)
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                onnx.TensorProto.INT64: "int64"}
 _EXPORTS16 = {}

@@ -41,6 +41,17 @@ def _whisper(**overrides):
     return WhisperForConditionalGeneration(WhisperConfig(**config))
 
 
+def _gpt2(**overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # EOS = BOS = the last id (and HF pads with it), as in GPT-2's own vocabulary
+    vocab = overrides.get("vocab_size", 128)
+    config = dict(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=vocab - 1,
+                  eos_token_id=vocab - 1)
+    config.update(overrides)
+    return GPT2LMHeadModel(GPT2Config(**config))
+
+
 def _biased(model, std: float = 0.5):
     """Every bias drawn from N(0, std²) (HF initializes them to zero, which would hide bias handling)."""
     with torch.no_grad():
@@ -50,7 +61,7 @@ def _biased(model, std: float = 0.5):
     return model
 
 
-BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper,
+BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper, "gpt2": _gpt2,
             # heads·d_kv = 48 ≠ d_model = 32 (as in T5-3B/11B, where h·d_kv > d_model)
             "t5-wide": lambda **o: _t5(**{"d_kv": 12, **o}),
             # sharper attention (init_std 0.1) and non-zero biases: b_K, b_V and the K projection without bias

@@ -70,11 +70,16 @@ def _spec(name, family, seed, shared=False, ci=False, **overrides) -> ModelSpec:
     return ModelSpec(name, family, seed, items, shared, ci)
 
 
+DECODER_ONLY = ("gpt2",)
+
 SPECS = (
     # conftest's models (their baseline exports are shared with the rest of the suite)
     _spec("t5", "t5", 0, shared=True, ci=True),  # relu, tied, h·d_kv = d_model, 128 tokens
     _spec("bart", "bart", 0, shared=True),  # no scale_embedding, no forced EOS
     _spec("whisper", "whisper", 0, shared=True, ci=True),
+    _spec("gpt2", "gpt2", 0, shared=True, ci=True),  # left-padded prompts, the prompt cache shared by all beams
+    # peaked (initializer_range 0.3), odd head count, a small FFN
+    _spec("gpt2-peaked", "gpt2", 6, vocab_size=96, n_embd=24, n_head=3, n_inner=40, initializer_range=0.3),
     # issue 10's model: gated-gelu, untied head, a few hundred tokens (very peaked), h·d_kv ≠ d_model
     _spec("t5-peaked", "t5", 11, vocab_size=300, d_model=64, d_kv=8, d_ff=64, num_heads=4,
           feed_forward_proj="gated-gelu", tie_word_embeddings=False),
@@ -104,7 +109,10 @@ BASE_PASS_SETS = ("", "el", "slim=skip-bad", "slim-cross=skip-bad", "slim-cross=
 
 
 def pass_sets(spec: ModelSpec) -> tuple:
-    """The non-ngram pass sets that apply to ``spec`` (slim variants need square W_K)."""
+    """The non-ngram pass sets that apply to ``spec`` (slim variants need square W_K; every pass refuses
+    decoder-only models but their baseline)."""
+    if spec.family in DECODER_ONLY:
+        return ("",)
     return tuple(p for p in BASE_PASS_SETS if spec.square or "slim" not in p)
 
 
@@ -204,6 +212,8 @@ class ModelInfo:
     def of(cls, manifest: Manifest) -> "ModelInfo":
         tokens = manifest.tokens
         pad = tokens.get("pad_token_id")
+        if pad is None and not manifest.data.get("is_encoder_decoder", True):  # HF pads with EOS (GPT-2)
+            pad = (tokens.get("eos_token_id") or [0])[0]
         pad = 0 if pad is None else int(pad)
         specials = tuple(sorted({int(t) for t in [pad, tokens.get("bos_token_id"), *(tokens.get("eos_token_id") or [])]
                                  if t is not None}))
@@ -344,6 +354,11 @@ class Stats:
     # (see ``tests.hf_on_cpu_kernel``)
     kernel_rows: int = 0
     kernel_examples: int = 0
+    # the rest of such near-ties: HF's kernels agree, elx's numpy log-softmax rounds differently, and with
+    # torch's log-softmax in its place elx's search gives HF's tokens (``torch_log_softmax``): issue 10's
+    # open item, counted and bounded, never identical
+    rounding_rows: int = 0
+    rounding_examples: int = 0
     hf_refused: int = 0  # HF raised on the drawn settings (and so did elx)
     pass_refused: Counter = field(default_factory=Counter)  # spec/pass set -> examples skipped: the pass refused
     failures: list = field(default_factory=list)
@@ -377,6 +392,8 @@ class Stats:
             lines.append(f"  fragile on the CPU kernels (HF's tokens differ between PyTorch's scalar / AVX2 / "
                          f"AVX-512 kernels; elx gives one of them): {self.kernel_rows} rows in "
                          f"{self.kernel_examples} examples")
+            lines.append(f"  decided by elx's log-softmax rounding (HF's kernels agree; identical with torch's "
+                         f"log-softmax in elx's search): {self.rounding_rows} rows in {self.rounding_examples} examples")
         if self.pass_refused:
             lines.append(f"  skipped, the pass refused the model ({sum(self.pass_refused.values())}): "
                          + ", ".join(f"{k} {v}" for k, v in sorted(self.pass_refused.items())))
@@ -493,19 +510,9 @@ def random_configs(draw) -> tuple[str, int, dict]:
                               begin_suppress_tokens=draw(st.sampled_from([None, [2, 9]]), label="begin_suppress"))
 
 
-def _gpt2(**config):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(**config))
-
-
-DECODER_ONLY = ("gpt2",)
-SEARCH_BUILDERS = {**BUILDERS, "gpt2": _gpt2}
-
-
 def build_fp64(family: str, seed: int, config: dict):
     torch.manual_seed(seed)
-    return SEARCH_BUILDERS[family](**config).eval().double()
+    return BUILDERS[family](**config).eval().double()
 
 
 def decoder_only_lengths(options: dict, prompt_width: int) -> dict:
@@ -642,4 +649,11 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
         stats.kernel_rows += len(same) - sum(same)
         stats.kernel_examples += 1
         return
-    stats.record_failure("divergence", hf=hf, elx=elx, hf_by_cpu_kernels=answers, **where)
+    with torch_log_softmax():
+        again = generator.generate(inputs, settings=settings).sequences
+    if again.shape == hf.shape and all(_same_rows(hf, again)):
+        stats.rounding_rows += len(same) - sum(same)
+        stats.rounding_examples += 1
+        return
+    stats.record_failure("divergence", hf=hf, elx=elx, hf_by_cpu_kernels=answers, elx_torch_log_softmax=again,
+                         **where)

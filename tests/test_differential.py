@@ -9,8 +9,10 @@ against HF ``generate(use_cache=False)`` on the same model.  The one numeric ste
 differently is the float32 log-softmax (numpy's vs PyTorch's vectorized kernels, an ulp apart
 here and there), and PyTorch's own scalar, AVX2 and AVX-512 kernels differ the same way: where
 two beam scores are that close, HF's tokens depend on the CPU.  A differing example is rerun in HF
-on each kernel set (``tests/hf_on_cpu_kernel.py``) and is excused (reported, bounded) only if HF's
-answers disagree among themselves and elx's is one of them; otherwise it fails.
+on each kernel set (``tests/hf_on_cpu_kernel.py``) and counts as fragile (reported, bounded) if HF's
+answers disagree among themselves and elx's is one of them.  Otherwise it is rerun with torch's
+log-softmax in elx's search: identical, it counts as decided by elx's log-softmax rounding (issue
+10's open item: reported, bounded); still different, it fails.
 
 CI runs a derandomized slice (a few minutes: three exported specs, fixed examples).  More:
 
@@ -59,6 +61,7 @@ def _report(stats: Stats, capsys) -> None:
     assert stats.examples >= examples_floor(stats), stats.summary()
     assert stats.excused_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
     assert stats.kernel_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
+    assert stats.rounding_examples <= MAX_EXCUSED_FRACTION * stats.examples, stats.summary()
 
 
 def examples_floor(stats: Stats) -> int:
@@ -80,12 +83,15 @@ def test_differential_exports(pool, capsys):
     def example(data):
         rnd = data.draw(uniform(), label="uniform")  # even coverage of the pool
         spec = rnd.choice(specs)
-        ngram = rnd.choice([None, None, 1, 2, 3, 4])
+        # decoder-only models block n-grams in the search (the ngram pass refuses them): drawn with the options
+        ngram = None if spec.family in DECODER_ONLY else rnd.choice([None, None, 1, 2, 3, 4])
         # pass sets that refused the spec (slim: not accurate enough) are not drawn again
         passes = rnd.choice([p for p in (with_ngram(b, ngram) for b in pass_sets(spec)) if not pool.refused(spec, p)])
         info = ModelInfo.of(pool.loaded(spec).generator.manifest)  # the baseline: a pass set may be refused
         inputs = data.draw(batches(info), label="inputs")
         options = data.draw(generation_options(ngram=ngram), label="options")
+        if spec.family in DECODER_ONLY:
+            options = decoder_only_lengths(options, inputs["input_ids"].shape[1])
         eos_mode = data.draw(st.sampled_from(EOS_MODES), label="eos_mode")
         eos_rank = data.draw(st.integers(0, 2), label="eos_rank")
         run_export_example(stats, pool, spec, passes, inputs, options, eos_mode, eos_rank)

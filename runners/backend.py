@@ -44,6 +44,11 @@ class Backend(ABC):
     def take(self, value, rows: np.ndarray):
         """Rows ``rows`` (int64) of ``value`` along axis 0, on the device."""
 
+    def permute_rows(self, value, rows: np.ndarray):
+        """``take(value, rows)`` where ``rows`` has as many rows as ``value`` (a beam reorder); ``value`` is
+        consumed: a backend may reorder it in place and return it."""
+        return self.take(value, rows)
+
     @abstractmethod
     def nbytes(self, value) -> int:
         """Bytes ``value`` occupies on its device."""

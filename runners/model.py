@@ -130,11 +130,15 @@ class Model:
         return DecoderCache(out, cache.rows, cache.length + added)
 
     def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
-        """Row r of the new cache is row ``rows[r]`` of the old one (beam reordering)."""
-        if rows.shape[0] == cache.rows and np.array_equal(rows, np.arange(cache.rows)):
-            return cache
-        return DecoderCache({k: self.backend.take(v, rows) for k, v in cache.arrays.items()}, int(rows.shape[0]),
-                            cache.length)
+        """Row r of the new cache is row ``rows[r]`` of the old one (beam reordering).  The old cache is
+        consumed: a reorder that keeps the row count may be done in place (``Backend.permute_rows``)."""
+        if rows.shape[0] == cache.rows:
+            if np.array_equal(rows, np.arange(cache.rows)):
+                return cache
+            move = self.backend.permute_rows
+        else:
+            move = self.backend.take
+        return DecoderCache({k: move(v, rows) for k, v in cache.arrays.items()}, int(rows.shape[0]), cache.length)
 
     def select(self, state: EncoderState, items: np.ndarray) -> EncoderState:
         """Keep only batch items ``items`` of the per-input state (finished items leave the batch)."""

@@ -58,5 +58,15 @@ class OrtBackend(Backend):
     def take(self, value, rows: np.ndarray) -> np.ndarray:
         return np.take(value, rows, axis=0)
 
+    def permute_rows(self, value: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """In place where fewer than half the rows move (a beam reorder moves about a quarter of them):
+        only the moved rows are copied, twice (gathered, then written), instead of every row once into a
+        new array.  The gather is complete before any write, so chains of moves are safe."""
+        moved = np.flatnonzero(rows != np.arange(rows.shape[0]))
+        if 2 * moved.size >= rows.shape[0] or not value.flags.writeable:
+            return np.take(value, rows, axis=0)
+        value[moved] = value[rows[moved]]
+        return value
+
     def nbytes(self, value) -> int:
         return int(value.nbytes)

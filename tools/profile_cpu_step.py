@@ -13,7 +13,8 @@ With elx's own runner on a random-init export (baseline graphs, cached in ``--wo
 3. variants of the runner timed in interleaved rounds (medians), each checked to give the same
    tokens as the default: ``spin`` (ORT intra-op threads spin between steps), ``ort-io`` (IOBinding
    on the CPU EP), ``threadsN`` (intra-op threads set to N, inter-op 1), ``basic`` (graph
-   optimization level basic instead of all).
+   optimization level basic instead of all), ``copy-reorder`` (beam reorders gather every row into a
+   new array instead of moving the changed rows in place).
 
 Numbers on a shared machine are noisy: read the ratios of one run, and note ``uptime`` beside them.
 """
@@ -106,6 +107,10 @@ def variant(name: str, folder: Path):
         return Generator.from_folder(folder, backend="ort-io")
     if name.startswith("threads"):
         return Generator.from_folder(folder, threads=int(name[len("threads"):]))
+    if name == "copy-reorder":  # beam reorders gather every row into a new array (before Backend.permute_rows)
+        gen = Generator.from_folder(folder)
+        gen.model.backend.permute_rows = gen.model.backend.take
+        return gen
     gen = Generator.from_folder(folder)
     for graph in list(gen.model.backend.sessions):
         options = ort_backend.session_options()

@@ -52,6 +52,16 @@ def _gpt2(**overrides):
     return GPT2LMHeadModel(GPT2Config(**config))
 
 
+def _opt(**overrides):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    # OPT's own special ids: pad 1, BOS = EOS 2
+    config = dict(vocab_size=128, hidden_size=32, word_embed_proj_dim=32, num_hidden_layers=2, ffn_dim=64,
+                  num_attention_heads=4, max_position_embeddings=64, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    config.update(overrides)
+    return OPTForCausalLM(OPTConfig(**config))
+
+
 def _biased(model, std: float = 0.5):
     """Every bias drawn from N(0, std²) (HF initializes them to zero, which would hide bias handling)."""
     with torch.no_grad():
@@ -61,7 +71,7 @@ def _biased(model, std: float = 0.5):
     return model
 
 
-BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper, "gpt2": _gpt2,
+BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper, "gpt2": _gpt2, "opt": _opt,
             # heads·d_kv = 48 ≠ d_model = 32 (as in T5-3B/11B, where h·d_kv > d_model)
             "t5-wide": lambda **o: _t5(**{"d_kv": 12, **o}),
             # sharper attention (init_std 0.1) and non-zero biases: b_K, b_V and the K projection without bias

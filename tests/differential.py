@@ -70,7 +70,7 @@ def _spec(name, family, seed, shared=False, ci=False, **overrides) -> ModelSpec:
     return ModelSpec(name, family, seed, items, shared, ci)
 
 
-DECODER_ONLY = ("gpt2",)
+DECODER_ONLY = ("gpt2", "opt")
 
 SPECS = (
     # conftest's models (their baseline exports are shared with the rest of the suite)
@@ -80,6 +80,9 @@ SPECS = (
     _spec("gpt2", "gpt2", 0, shared=True, ci=True),  # left-padded prompts, the prompt cache shared by all beams
     # peaked (initializer_range 0.3), odd head count, a small FFN
     _spec("gpt2-peaked", "gpt2", 6, vocab_size=96, n_embd=24, n_head=3, n_inner=40, initializer_range=0.3),
+    # OPT: learned positions with HF's offset of 2, pad 1 (not EOS), separate q/k/v projections
+    _spec("opt-peaked", "opt", 4, ci=True, vocab_size=80, hidden_size=24, word_embed_proj_dim=24, num_attention_heads=3,
+          ffn_dim=40, init_std=0.3),
     # issue 10's model: gated-gelu, untied head, a few hundred tokens (very peaked), h·d_kv ≠ d_model
     _spec("t5-peaked", "t5", 11, vocab_size=300, d_model=64, d_kv=8, d_ff=64, num_heads=4,
           feed_forward_proj="gated-gelu", tie_word_embeddings=False),
@@ -472,7 +475,7 @@ def run_export_example(stats: Stats, pool: ExportPool, spec: ModelSpec, passes: 
 @st.composite
 def random_configs(draw) -> tuple[str, int, dict]:
     """(family, seed, config overrides) of a random tiny model; ``init`` scales the weights (peakedness)."""
-    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper", "gpt2"])
+    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper", "gpt2", "opt"])
     seed = draw(st.integers(0, 10_000), label="model_seed")
     vocab = draw(st.integers(24, 400), label="vocab_size")
     layers = draw(st.integers(1, 2), label="layers")
@@ -497,6 +500,11 @@ def random_configs(draw) -> tuple[str, int, dict]:
                                   n_inner=draw(st.sampled_from([None, 8, 32]), label="n_inner"),
                                   bos_token_id=vocab - 1, eos_token_id=vocab - 1,
                                   initializer_range=draw(st.sampled_from([0.02, 0.2, 0.6]), label="init"))
+    if family == "opt":  # pad 1, BOS = EOS 2 (OPT's own ids)
+        return family, seed, dict(vocab_size=vocab, hidden_size=d_model, word_embed_proj_dim=d_model,
+                                  num_attention_heads=heads, num_hidden_layers=layers, max_position_embeddings=64,
+                                  ffn_dim=draw(st.sampled_from([8, 32])), pad_token_id=1, bos_token_id=2,
+                                  eos_token_id=2, init_std=draw(st.sampled_from([0.02, 0.2, 0.6]), label="init"))
     common = dict(vocab_size=vocab, d_model=d_model, encoder_attention_heads=heads, decoder_attention_heads=heads,
                   encoder_ffn_dim=draw(st.sampled_from([8, 32])), decoder_ffn_dim=draw(st.sampled_from([8, 32])),
                   encoder_layers=layers, decoder_layers=draw(st.integers(1, 2), label="decoder_layers"),

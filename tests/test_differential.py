@@ -124,6 +124,8 @@ def _info(family: str, config: dict) -> ModelInfo:
     vocab = config["vocab_size"]
     if family == "gpt2":
         return ModelInfo(family, vocab, vocab - 1, (vocab - 1,))
+    if family == "opt":
+        return ModelInfo(family, vocab, 1, (1, 2))
     if family == "t5":
         return ModelInfo(family, vocab, 0, (0, 1))
     if family == "bart":

@@ -89,11 +89,7 @@ def test_differential_exports(pool, capsys):
         passes = rnd.choice([p for p in (with_ngram(b, ngram) for b in pass_sets(spec)) if not pool.refused(spec, p)])
         info = ModelInfo.of(pool.loaded(spec).generator.manifest)  # the baseline: a pass set may be refused
         inputs = data.draw(batches(info), label="inputs")
-        options = data.draw(generation_options(ngram=ngram), label="options")
-        if spec.family in DECODER_ONLY:
-            options = decoder_only_lengths(options, inputs["input_ids"].shape[1])
-        eos_mode = data.draw(st.sampled_from(EOS_MODES), label="eos_mode")
-        eos_rank = data.draw(st.integers(0, 2), label="eos_rank")
+        options, eos_mode, eos_rank = _draw_run(data, spec.family, inputs, ngram)
         run_export_example(stats, pool, spec, passes, inputs, options, eos_mode, eos_rank)
 
     _run(example, EXPORT_EXAMPLES)
@@ -108,15 +104,19 @@ def test_differential_search(capsys):
         family, model_seed, config = data.draw(random_configs(), label="config")
         info = _info(family, config)
         inputs = data.draw(batches(info), label="inputs")
-        options = data.draw(generation_options(), label="options")
-        if family in DECODER_ONLY:
-            options = decoder_only_lengths(options, inputs["input_ids"].shape[1])
-        eos_mode = data.draw(st.sampled_from(EOS_MODES), label="eos_mode")
-        eos_rank = data.draw(st.integers(0, 2), label="eos_rank")
+        options, eos_mode, eos_rank = _draw_run(data, family, inputs)
         run_search_example(stats, family, model_seed, config, inputs, options, eos_mode, eos_rank)
 
     _run(example, SEARCH_EXAMPLES)
     _report(stats, capsys)
+
+
+def _draw_run(data, family: str, inputs: dict, ngram: int | None = None) -> tuple:
+    """(generate options, EOS mode, EOS rank) for one example; lengths moved past a decoder-only prompt."""
+    options = data.draw(generation_options(ngram=ngram), label="options")
+    if family in DECODER_ONLY:
+        options = decoder_only_lengths(options, inputs["input_ids"].shape[1])
+    return options, data.draw(st.sampled_from(EOS_MODES), label="eos_mode"), data.draw(st.integers(0, 2), label="eos_rank")
 
 
 def _info(family: str, config: dict) -> ModelInfo:

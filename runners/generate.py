@@ -16,6 +16,7 @@ import numpy as np
 from .backend import Backend
 from .errors import ElxError
 from .families import rules_for
+from .log_softmax import kernel as log_softmax_kernel
 from .manifest import Manifest
 from .model import Model
 from .processors import build_processors
@@ -130,6 +131,8 @@ class Generator:
         model = self.model.for_run(settings.no_repeat_ngram_size)
         processors = build_processors(settings, prompt.shape[1], graph_blocks_ngrams=model.returns_log_probs)
         state = model.encode(inputs)
+        if settings.num_beams > 1:
+            log_softmax_kernel()  # a bad ELX_LOG_SOFTMAX is refused before any graph runs
         search = greedy_search if settings.num_beams == 1 else beam_search
         result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt)
         sequences = self.rules.output_sequences(result.sequences, settings)

@@ -14,7 +14,8 @@ Two things differ, neither changes a token:
   HF keeps computing them and discards the results (its masks guarantee they cannot enter).
   Except where two of its finished scores are exactly equal: HF's later merges run ``torch.topk``
   over them again, which may swap equal scores (it is not stable), so such an item stays.
-* Host work is numpy on arrays owned by the search (log-softmax and processors in place).
+* Host work is numpy on arrays owned by the search (processors in place); the log-softmax is
+  PyTorch's CPU kernel where PyTorch is installed, HF's rounding bit for bit (``runners.log_softmax``).
 
 The decoder prompt is per item (``prompt`` [B, P]): the start token for every item of an
 encoder-decoder model (the default, from the settings), the left-padded input ids of a
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import EncoderState
+from .log_softmax import log_softmax
 from .topk import topk
 from .processors import apply_processors
 from .settings import GenerationSettings
@@ -51,13 +53,6 @@ def _has_ties(scores: np.ndarray) -> np.ndarray:
     """Per row: whether two of its values are exactly equal."""
     ordered = np.sort(scores, axis=1)
     return (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
-
-
-def log_softmax_(x: np.ndarray) -> np.ndarray:
-    """In-place float32 log-softmax over the last axis (HF: ``nn.functional.log_softmax``)."""
-    x -= x.max(axis=-1, keepdims=True)
-    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
-    return x
 
 
 def as_float32(logits: np.ndarray) -> np.ndarray:
@@ -146,7 +141,7 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
         _record(memory, model, state, cache, track_memory)
         vocab = logits.shape[1]
         logits = as_float32(logits)
-        log_probs = logits if model.returns_log_probs else log_softmax_(logits)
+        log_probs = logits if model.returns_log_probs else log_softmax(logits)
         log_probs = apply_processors(processors, history, log_probs)
         scores = (log_probs.reshape(n, k, vocab) + running_scores[active][:, :, None]).reshape(n, k * vocab)
 

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from exporter.compare import HfVariants, _hf_generate, compare_loaded
 from runners.errors import ElxError
 from runners.generate import Generator
+from runners.log_softmax import ENV
 from runners.manifest import Manifest
 from tests.conftest import BUILDERS, make_model_folder
 from tests.hf_on_cpu_kernel import hf_on_cpu_kernels
@@ -354,14 +355,10 @@ class Stats:
     excused_examples: int = 0  # examples with >= 1 fragile row and no failure
     # search variant: rows where HF's own tokens depend on PyTorch's CPU kernels (scalar, AVX2, AVX-512 round
     # the float32 log-softmax differently and decide a near-tie of scores) and elx gives one of HF's answers
-    # (see ``tests.hf_on_cpu_kernel``)
+    # (see ``tests.hf_on_cpu_kernel``).  elx's search calls this CPU's kernel (``runners.log_softmax``), so
+    # none are expected; with ELX_LOG_SOFTMAX=numpy they are (and the near-ties numpy rounds its own way fail)
     kernel_rows: int = 0
     kernel_examples: int = 0
-    # the rest of such near-ties: HF's kernels agree, elx's numpy log-softmax rounds differently, and with
-    # torch's log-softmax in its place elx's search gives HF's tokens (``torch_log_softmax``): issue 10's
-    # open item, counted and bounded, never identical
-    rounding_rows: int = 0
-    rounding_examples: int = 0
     hf_refused: int = 0  # HF raised on the drawn settings (and so did elx)
     pass_refused: Counter = field(default_factory=Counter)  # spec/pass set -> examples skipped: the pass refused
     failures: list = field(default_factory=list)
@@ -395,8 +392,6 @@ class Stats:
             lines.append(f"  fragile on the CPU kernels (HF's tokens differ between PyTorch's scalar / AVX2 / "
                          f"AVX-512 kernels; elx gives one of them): {self.kernel_rows} rows in "
                          f"{self.kernel_examples} examples")
-            lines.append(f"  decided by elx's log-softmax rounding (HF's kernels agree; identical with torch's "
-                         f"log-softmax in elx's search): {self.rounding_rows} rows in {self.rounding_examples} examples")
         if self.pass_refused:
             lines.append(f"  skipped, the pass refused the model ({sum(self.pass_refused.values())}): "
                          + ", ".join(f"{k} {v}" for k, v in sorted(self.pass_refused.items())))
@@ -550,25 +545,17 @@ def bare_manifest(model) -> Manifest:
 
 
 @contextmanager
-def torch_log_softmax():
-    """elx's search with torch's CPU log-softmax in place of its numpy one (``runners.search.log_softmax_``).
-
-    Both are correct to a few float32 ulps, but not bit-equal (torch sums a vectorized exp in
-    16 lanes; numpy has its own exp and summation order).  Where two beam scores are within those
-    ulps, the rounding decides the order.  Rerunning a diverging search example with torch's kernel
-    tells such a near-tie (now identical) from a search bug (still different).
-    """
-    from runners import search
-
-    def log_softmax_(x: np.ndarray) -> np.ndarray:
-        x[...] = torch.log_softmax(torch.from_numpy(x), dim=-1).numpy()
-        return x
-
-    original, search.log_softmax_ = search.log_softmax_, log_softmax_
+def log_softmax_kernel(name: str):
+    """elx's search with the given log-softmax kernel (``runners.log_softmax``: "torch", HF's rounding, or "numpy")."""
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = name
     try:
         yield
     finally:
-        search.log_softmax_ = original
+        if saved is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = saved
 
 
 def _same_rows(hf: np.ndarray, elx: np.ndarray) -> list[bool]:
@@ -657,11 +644,4 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
         stats.kernel_rows += len(same) - sum(same)
         stats.kernel_examples += 1
         return
-    with torch_log_softmax():
-        again = generator.generate(inputs, settings=settings).sequences
-    if again.shape == hf.shape and all(_same_rows(hf, again)):
-        stats.rounding_rows += len(same) - sum(same)
-        stats.rounding_examples += 1
-        return
-    stats.record_failure("divergence", hf=hf, elx=elx, hf_by_cpu_kernels=answers, elx_torch_log_softmax=again,
-                         **where)
+    stats.record_failure("divergence", hf=hf, elx=elx, hf_by_cpu_kernels=answers, **where)

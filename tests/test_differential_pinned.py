@@ -90,13 +90,12 @@ T5_TIED_PEAKED = {"vocab_size": 256, "d_model": 48, "d_kv": 16, "num_heads": 2, 
 
 def test_search_near_tie_is_decided_by_log_softmax_rounding():
     """Beams 5, 5 returned, no EOS reached: HF's 4th and 5th hypotheses score 1 float32 ulp apart
-    (-0x1.33dcbep-1, -0x1.33dcc0p-1); with elx's numpy log-softmax they tie exactly and come out
-    swapped.  The search itself is HF's: with torch's log-softmax in its place elx returns HF's rows
-    and scores bit for bit.  And HF's own answer depends on the CPU: on PyTorch's scalar kernels
-    (``ATEN_CPU_CAPABILITY=default``) HF swaps the two rows as elx does, on AVX2 and AVX-512 it does not.
-    The differential test counts such examples apart (``kernel_*``), never as identical."""
+    (-0x1.33dcbep-1, -0x1.33dcc0p-1).  elx's search calls HF's log-softmax kernel and returns HF's rows
+    and scores bit for bit.  With numpy's log-softmax (``ELX_LOG_SOFTMAX=numpy``) the two tie exactly
+    and come out swapped.  And HF's own answer depends on the CPU: on PyTorch's scalar kernels
+    (``ATEN_CPU_CAPABILITY=default``) HF swaps the two rows as numpy does, on AVX2 and AVX-512 it does not."""
     from runners.generate import Generator
-    from tests.differential import SearchBackend, bare_manifest, torch_log_softmax
+    from tests.differential import SearchBackend, bare_manifest, log_softmax_kernel
     from tests.hf_on_cpu_kernel import hf_on_cpu_kernels
 
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
@@ -104,18 +103,24 @@ def test_search_near_tie_is_decided_by_log_softmax_rounding():
     model = build_fp64("t5", 420, T5_TIED_PEAKED)
     inputs = {"input_ids": np.array([[61, 128, 146, 92, 125]]), "attention_mask": np.ones((1, 5), np.int64)}
     options = dict(num_beams=5, num_return_sequences=5, max_length=18, eos_token_id=4)
-    hf = _hf_generate(model, inputs, dict(options, use_cache=False))
+    with torch.no_grad():
+        hf = model.generate(**{k: torch.from_numpy(v) for k, v in inputs.items()}, **options, use_cache=False,
+                            output_scores=True, return_dict_in_generate=True)
     generator = Generator(SearchBackend(model, bare_manifest(model)))
-    with torch_log_softmax():
-        assert np.array_equal(generator.generate(inputs, **options).sequences, hf)
-    numpy_ls = generator.generate(inputs, **options)
-    assert np.array_equal(numpy_ls.sequences[:3], hf[:3])
-    assert numpy_ls.sequences_scores[3] == numpy_ls.sequences_scores[4]  # the tie the rounding made
+    elx = generator.generate(inputs, **options)
+    assert np.array_equal(elx.sequences, hf.sequences.numpy())
+    assert np.array_equal(elx.sequences_scores, hf.sequences_scores.float().numpy())
+    with log_softmax_kernel("numpy"):
+        numpy_ls = generator.generate(inputs, **options)
+    assert np.array_equal(numpy_ls.sequences[:3], elx.sequences[:3])
+    assert not np.array_equal(numpy_ls.sequences, elx.sequences)
+    assert numpy_ls.sequences_scores[3] == numpy_ls.sequences_scores[4]  # the tie numpy's rounding made
     scalar = hf_on_cpu_kernels("t5", 420, T5_TIED_PEAKED, inputs, options)["DEFAULT"]
-    assert np.array_equal(scalar, numpy_ls.sequences) and not np.array_equal(scalar, hf)
+    assert np.array_equal(scalar, numpy_ls.sequences) and not np.array_equal(scalar, elx.sequences)
     stats = Stats("pinned")
     run_search_example(stats, "t5", 420, T5_TIED_PEAKED, inputs, dict(options, early_stopping="never"))
-    assert not stats.failures and stats.kernel_examples == 1 and stats.identical_rows == 3, stats.summary()
+    assert not stats.failures and stats.kernel_examples == 0 and stats.identical_rows == stats.rows == 5, \
+        stats.summary()
 
 
 # search-only, T5 (gated-gelu, tied, d_model 4, initializer_factor 4): long run, ELX_DIFF_SEED=2027
@@ -125,10 +130,11 @@ T5_TINY_PEAKED = {"vocab_size": 225, "d_model": 4, "d_kv": 4, "num_heads": 1, "d
 
 
 def test_near_tie_hf_decides_alike_on_every_cpu_kernel():
-    """Issue 10's open item, pinned as it stands: beams 2, 2 returned; HF's scalar, AVX2 and AVX-512
-    kernels agree, elx's numpy log-softmax rounds one near-tie the other way, and with torch's
-    log-softmax elx's search gives HF's rows.  Counted apart (``rounding_*``), never identical.  A
-    log-softmax bit-equal to torch's would make elx identical here: then this test must change."""
+    """Found by the seed-2027 long run (issue 10's last item): beams 2, 2 returned; HF's scalar, AVX2
+    and AVX-512 kernels agree.  numpy's log-softmax rounds one near-tie the other way (a row differs);
+    HF's kernel, which elx's search calls, gives HF's rows."""
+    from tests.differential import log_softmax_kernel
+
     inputs = {"input_ids": np.array([[33, 0, 0, 0, 0, 0, 0, 0], [49, 143, 129, 55, 0, 0, 0, 0],
                                      [116, 133, 58, 60, 162, 160, 19, 129]]),
               "attention_mask": np.array([[1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0], [1] * 8])}
@@ -136,8 +142,13 @@ def test_near_tie_hf_decides_alike_on_every_cpu_kernel():
                    early_stopping="never", max_length=19)
     stats = Stats("pinned")
     run_search_example(stats, "t5", 346, T5_TINY_PEAKED, inputs, options)
-    assert not stats.failures and stats.rounding_examples == 1 and stats.kernel_examples == 0, stats.summary()
-    assert 0 < stats.identical_rows < stats.rows
+    assert not stats.failures and stats.kernel_examples == 0 and stats.identical_rows == stats.rows == 6, \
+        stats.summary()
+    with log_softmax_kernel("numpy"):
+        numpy_stats = Stats("pinned")
+        run_search_example(numpy_stats, "t5", 346, T5_TINY_PEAKED, inputs, options)
+    assert [f["kind"] for f in numpy_stats.failures] == ["divergence"], numpy_stats.summary()
+    assert 0 < numpy_stats.identical_rows < numpy_stats.rows
 
 
 # search-only, T5 (relu, untied, initializer_factor 4): long run, ELX_DIFF_SEED=2026

@@ -19,6 +19,7 @@ from torch.export import Dim
 
 from .attention import elx_attention
 from .families import Family
+from .last_position import select_before_head
 from .wrappers import CrossKVGraph, DecoderGraph, EncoderGraph
 
 OPSET = 18
@@ -48,7 +49,9 @@ def _export(module, args, dynamic_shapes, input_names, output_names, path: Path)
         program = torch.onnx.export(module, tuple(args), dynamo=True, opset_version=OPSET, input_names=input_names,
                                     output_names=output_names, dynamic_shapes=dynamic_shapes, verbose=False)
     program.optimize()
-    return save_model(program.model_proto, path)
+    model = program.model_proto
+    select_before_head(model)  # exporter/last_position.py: the last position is picked before the LM head
+    return save_model(model, path)
 
 
 def _example_encoder_inputs(model, family: Family, batch: int, source: int) -> list[torch.Tensor]:

@@ -10,8 +10,8 @@ none with PyTorch's.
 
 So the search uses PyTorch's own kernel where PyTorch imports (it is, wherever HF ``generate``
 runs): bit for bit HF's log-probs on the same CPU, row by row (each row is computed alone, so the
-batch size does not matter), and about 2.5× faster than numpy on a 128 × 32128 step here (3.5 ms
-vs 9.6 ms).  Without PyTorch the runtime still needs none: numpy, with the limit above.  (The first
+batch size does not matter), and faster than numpy on a 128 × 32128 step here (in place 1.9 ms,
+numpy 9.6 ms).  Without PyTorch the runtime still needs none: numpy, with the limit above.  (The first
 search step imports torch, about a second, once per process.)
 ``ELX_LOG_SOFTMAX=numpy`` or ``=torch`` picks one explicitly (torch when it is missing: an error).
 
@@ -49,10 +49,18 @@ def numpy_log_softmax_(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def torch_log_softmax(x: np.ndarray) -> np.ndarray:
-    """PyTorch's CPU kernel, the one HF's search calls (a new array; ``x`` is not changed)."""
+def torch_log_softmax_(x: np.ndarray) -> np.ndarray:
+    """PyTorch's CPU kernel, the one HF's search calls; in place where ``x`` is a writable contiguous array.
+
+    In place writes each row after reading it (max, then Σ exp, then x − m − L): the same values as a
+    new tensor, bit for bit, and 1.9 ms instead of 5.2 ms on a 128 × 32128 step here (no fresh
+    16 MB to fault in)."""
     torch = _torch()
-    return torch.log_softmax(torch.from_numpy(np.ascontiguousarray(x)), dim=-1).numpy()
+    if not (x.flags.c_contiguous and x.flags.writeable):
+        return torch.log_softmax(torch.from_numpy(np.ascontiguousarray(x)), dim=-1).numpy()
+    tensor = torch.from_numpy(x)
+    torch.log_softmax(tensor, dim=-1, out=tensor)
+    return x
 
 
 def kernel() -> str:
@@ -72,5 +80,5 @@ def kernel() -> str:
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """Row-wise float32 log-softmax of a 2-D array as HF's search computes it; may overwrite and return ``x``."""
     if kernel() == "torch":
-        return torch_log_softmax(x)
+        return torch_log_softmax_(x)
     return numpy_log_softmax_(x)

@@ -21,8 +21,10 @@ def test_default_is_hfs_kernel_bit_for_bit(shape, monkeypatch):
     x = _rows(shape)
     want = torch.nn.functional.log_softmax(torch.from_numpy(x.copy()), dim=-1).numpy()
     assert ls.kernel() == "torch"
-    got = ls.log_softmax(x.copy())
+    buffer = x.copy()
+    got = ls.log_softmax(buffer)
     assert got.dtype == np.float32 and np.array_equal(got, want)
+    assert np.shares_memory(got, buffer)  # in place: no fresh array each step
     assert np.array_equal(np.concatenate([ls.log_softmax(x[r:r + 1].copy()) for r in range(shape[0])]), want)
 
 
@@ -40,7 +42,11 @@ def test_numpy_kernel_is_close_but_not_bit_equal(monkeypatch):
 def test_non_contiguous_input(monkeypatch):
     monkeypatch.delenv(ls.ENV, raising=False)
     x = _rows((6, 300))[:, ::2]
-    assert np.array_equal(ls.log_softmax(x), torch.log_softmax(torch.from_numpy(x.copy()), dim=-1).numpy())
+    want = torch.log_softmax(torch.from_numpy(x.copy()), dim=-1).numpy()
+    assert np.array_equal(ls.log_softmax(x), want)
+    frozen = _rows((6, 300))
+    frozen.flags.writeable = False
+    assert np.array_equal(ls.log_softmax(frozen), torch.log_softmax(torch.tensor(frozen), dim=-1).numpy())
 
 
 @pytest.mark.parametrize("value", ["sleef", "TORCH2", "cupy"])

@@ -77,8 +77,11 @@ def kernel() -> str:
     return "torch"
 
 
+def log_softmax_function():
+    """The row-wise float32 log-softmax in use (may overwrite and return its argument); resolve once per search."""
+    return torch_log_softmax_ if kernel() == "torch" else numpy_log_softmax_
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """Row-wise float32 log-softmax of a 2-D array as HF's search computes it; may overwrite and return ``x``."""
-    if kernel() == "torch":
-        return torch_log_softmax_(x)
-    return numpy_log_softmax_(x)
+    return log_softmax_function()(x)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import EncoderState
-from .log_softmax import log_softmax
+from .log_softmax import log_softmax_function
 from .topk import topk
 from .processors import apply_processors
 from .settings import GenerationSettings
@@ -131,6 +131,7 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
     top_mask = np.arange(keep_k) < k
 
     active = np.arange(batch)  # rows of the per-item arrays still in the model's batch
+    log_softmax = log_softmax_function()  # resolved once, not per step
     cache = model.empty_cache(batch * k)
     step_tokens = running[:, :, :p_len].reshape(batch * k, p_len).copy()
     cur_len, memory = p_len, []

@@ -14,8 +14,9 @@ ties differently; elx follows the CPU.
 
 Fast path: when the k+1 best values of a row are pairwise distinct (and the row has no NaN),
 every algorithm returns the same answer, so ONNX Runtime's TopK kernel (0.4 ms for 4 × 128k
-floats, numpy's argpartition needs 6 ms) or numpy gives it.  Only rows with ties run the
-emulation, in Python over the candidates that can enter the heap.
+floats, 2.2 ms for 32 × 128k on two cores; numpy's argpartition needs 6 ms for the former) or
+numpy gives it.  Only rows with ties run the emulation, in Python over the candidates that can
+enter the heap.
 """
 from __future__ import annotations
 
@@ -235,8 +236,8 @@ def _ort_topk():
         [helper.make_tensor_value_info("values", TensorProto.FLOAT, ["rows", "k"]),
          helper.make_tensor_value_info("indices", TensorProto.INT64, ["rows", "k"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
+    options = ort.SessionOptions()  # ONNX Runtime's default thread count: rows are split between the cores
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no busy-wait between steps
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

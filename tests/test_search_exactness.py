@@ -66,3 +66,23 @@ def test_index_tie_order_would_diverge(peaked_t5, monkeypatch):
     monkeypatch.setattr(search, "topk", by_index)
     differs = [not np.array_equal(_elx(model, inputs, **o), _hf(model, inputs, **o)) for o in PINNED]
     assert sum(differs) >= 2, differs
+
+
+@pytest.mark.parametrize("n,k,vocab", [(1, 1, 5), (3, 4, 359), (2, 3, 32128)])
+def test_beam_scores_are_hf_sums_added_in_place(n, k, vocab):
+    """The beam search adds each beam's running score to its log-probs in place: HF's float32 sums, bit for bit."""
+    rng = np.random.default_rng(n * k)
+    log_probs = rng.standard_normal((n * k, vocab)).astype(np.float32) * 7
+    running = rng.standard_normal((n, k)).astype(np.float32) * 30
+    hf = (torch.from_numpy(log_probs).view(n, k, vocab) + torch.from_numpy(running)[:, :, None]).view(n, k * vocab).numpy()
+
+    owned = log_probs.copy()
+    got = search.add_beam_scores(owned, running)
+    np.testing.assert_array_equal(got, hf)
+    assert got.shape == (n, k * vocab) and np.shares_memory(got, owned)  # no fresh array of the step's size
+
+    frozen = log_probs.copy()
+    frozen.flags.writeable = False
+    got = search.add_beam_scores(frozen, running)
+    np.testing.assert_array_equal(got, hf)
+    np.testing.assert_array_equal(frozen, log_probs)  # a read-only array is left as it was

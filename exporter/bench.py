@@ -3,12 +3,14 @@
 Honest by construction: one process, the same seeded inputs and settings for every system,
 a warm-up run that also records the tokens (compared with HF's) and the runner's live state,
 then ``repeats`` rounds (3 by default) in which the systems take turns (interleaved, so a noisy
-neighbour hurts all of them alike).  Reported per system: median seconds, samples/s, generated
-tokens/s, speed ratio to HF, input-related state bytes and self-attention cache bytes (peak over
-steps, from the runner's live tensors), peak RSS growth while it ran, whether its tokens equal HF's,
-the GFLOP/s reached, and time / floor (the roofline below).  Peers (``exporter.bench_peers``):
-ONNX Runtime's BeamSearch op and CTranslate2, on the same weights.  A ``--quick`` run is labelled a
-smoke run in its table, JSON and plots: one repeat of a tiny model is no measurement.
+neighbour hurts all of them alike; after the first round in a seeded shuffled order, so that no
+system always inherits the same predecessor's leftovers: ``round_orders``).  Reported per system:
+median seconds, samples/s, generated tokens/s, speed ratio to HF, input-related state bytes and
+self-attention cache bytes (peak over steps, from the runner's live tensors), peak RSS growth while
+it ran, whether its tokens equal HF's, the GFLOP/s reached, and time / floor (the roofline below).
+Peers (``exporter.bench_peers``): ONNX Runtime's BeamSearch op and CTranslate2, on the same weights.
+A ``--quick`` run is labelled a smoke run in its table, JSON and plots: one repeat of a tiny model
+is no measurement.
 
 Roofline (``phase_flops``, ``phase_bytes``, ``roofline``).  Generation is split into phases, the
 encoder (with the cross-attention K/V projection) and each decoder step; a phase cannot take less
@@ -159,6 +161,26 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def round_orders(names: list[str], repeats: int, seed: int = 0) -> list[list[str]]:
+    """The order the systems take turns in, per timed round: the listed order first, then seeded shuffles.
+
+    A fixed order gives every system the same predecessor in every round, and what one leaves behind
+    (a 20 s PyTorch run's freed memory and filled caches, another runtime's thread pool) moved the next
+    one's time by about 10% on this VM (issue 15: CTranslate2 right after HF ran 5.0 s, first in the round
+    5.9 s).  Shuffling spreads that over every system's rounds."""
+    rng = np.random.default_rng(seed)
+    return [list(names) if r == 0 else [names[i] for i in rng.permutation(len(names))] for r in range(repeats)]
+
+
+def timed_rounds(fns: dict, repeats: int, seed: int = 0) -> dict:
+    """Seconds of each system's call (name → fn) in each of ``repeats`` interleaved rounds (``round_orders``)."""
+    seconds = {name: [] for name in fns}
+    for order in round_orders(list(fns), repeats, seed):
+        for name in order:
+            seconds[name].append(_timed(fns[name]))
+    return seconds
 
 
 def phase_flops(dims: dict, ffn: int, batch: int, source: int, beams: int, new_tokens: int,
@@ -361,9 +383,10 @@ def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str
                 and not result.tokens_equal_hf:
             result.note = "n-gram blocking semantics differ from HF's"
         results[name] = result
-    for _ in range(settings.repeats):  # timed rounds: no sampler thread (it would contend for the GIL)
-        for name, (fn, _) in systems.items():
-            results[name].seconds.append(_timed(fn))
+    # timed rounds: no sampler thread (it would contend for the GIL)
+    for name, seconds in timed_rounds({n: fn for n, (fn, _) in systems.items()}, settings.repeats,
+                                      settings.seed).items():
+        results[name].seconds = seconds
     ffn, gated = _ffn_of(model.config)
     ffn, gated = _ffn_of(model.config)
     if manifest.data.get("is_encoder_decoder", True):

@@ -200,3 +200,21 @@ def test_bench_tensorrt_backend_needs_a_gpu_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("elx: error:") and "--device cuda" in err and "\n" not in err
     assert not work.exists()
+
+
+def test_timed_rounds_shuffle_the_order_after_the_first_round():
+    """Each system is timed once a round; the first round keeps the listed order, later rounds are seeded
+    shuffles, so no system always runs right after the same one."""
+    from exporter.bench import round_orders, timed_rounds
+
+    names = ["hf", "a", "b", "c", "d", "e"]
+    orders = round_orders(names, 5, seed=0)
+    assert orders[0] == names and all(sorted(o) == sorted(names) for o in orders)
+    assert orders == round_orders(names, 5, seed=0)  # seeded: a rerun takes the same turns
+    after_hf = {o[o.index("hf") + 1] for o in orders if o.index("hf") + 1 < len(o)}
+    assert len(after_hf) > 1
+
+    calls = []
+    seconds = timed_rounds({n: (lambda n=n: calls.append(n)) for n in names}, 3, seed=1)
+    assert calls == [n for o in round_orders(names, 3, seed=1) for n in o]
+    assert all(len(v) == 3 and all(x >= 0 for x in v) for v in seconds.values())

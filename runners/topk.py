@@ -21,6 +21,7 @@ enter the heap.
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -221,6 +222,13 @@ def topk_row_torch(row: np.ndarray, k: int) -> list:
     return pairs[:k]
 
 
+def _threads() -> int:
+    """The TopK kernel's threads: ``$OMP_NUM_THREADS`` where set (as PyTorch's log-softmax in the same search
+    reads it; Ray sets it to an actor's CPUs), else 0: ONNX Runtime's default, one per physical core."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 0
+
+
 @functools.lru_cache(maxsize=1)
 def _ort_topk():
     try:
@@ -236,7 +244,8 @@ def _ort_topk():
         [helper.make_tensor_value_info("values", TensorProto.FLOAT, ["rows", "k"]),
          helper.make_tensor_value_info("indices", TensorProto.INT64, ["rows", "k"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
-    options = ort.SessionOptions()  # ONNX Runtime's default thread count: rows are split between the cores
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = _threads()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no busy-wait between steps
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 

@@ -59,3 +59,16 @@ def test_distinct_values_take_the_fast_path(monkeypatch):
     monkeypatch.setattr(module, "topk_row_torch", lambda *a: pytest.fail("emulation used without ties"))
     x = np.random.default_rng(0).standard_normal((4, 5000)).astype(np.float32)
     _check(x, 8)
+
+
+def test_topk_threads_follow_omp_num_threads(monkeypatch):
+    """The TopK kernel uses ``$OMP_NUM_THREADS`` threads where set (a Ray actor's CPUs), else ONNX Runtime's default."""
+    import runners.topk as module
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert module._threads() == 3
+    for unset in ("", "0", "two", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert module._threads() == 0
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert module._threads() == 0

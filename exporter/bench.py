@@ -168,8 +168,9 @@ def round_orders(names: list[str], repeats: int, seed: int = 0) -> list[list[str
 
     A fixed order gives every system the same predecessor in every round, and what one leaves behind
     (a 20 s PyTorch run's freed memory and filled caches, another runtime's thread pool) moved the next
-    one's time by about 10% on this VM (issue 15: CTranslate2 right after HF ran 5.0 s, first in the round
-    5.9 s).  Shuffling spreads that over every system's rounds."""
+    one's time by about 10% on this VM (issue 15: the same CTranslate2 call took a median 5.9 s in rounds
+    without a PyTorch generate and 5.0–5.4 s in rounds with one).  Shuffling spreads that over every
+    system's rounds."""
     rng = np.random.default_rng(seed)
     return [list(names) if r == 0 else [names[i] for i in rng.permutation(len(names))] for r in range(repeats)]
 

@@ -389,7 +389,6 @@ def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str
                                       settings.seed).items():
         results[name].seconds = seconds
     ffn, gated = _ffn_of(model.config)
-    ffn, gated = _ffn_of(model.config)
     if manifest.data.get("is_encoder_decoder", True):
         shape = (manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
                  settings.new_tokens, gated)

@@ -130,9 +130,9 @@ class Generator:
         check_memory(self.manifest, settings, inputs, prompt.shape[1])  # runners/validation.py: refuse what cannot fit
         model = self.model.for_run(settings.no_repeat_ngram_size)
         processors = build_processors(settings, prompt.shape[1], graph_blocks_ngrams=model.returns_log_probs)
-        state = model.encode(inputs)
         if settings.num_beams > 1:
             log_softmax_kernel()  # a bad ELX_LOG_SOFTMAX is refused before any graph runs
+        state = model.encode(inputs)
         search = greedy_search if settings.num_beams == 1 else beam_search
         result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt)
         sequences = self.rules.output_sequences(result.sequences, settings)

@@ -79,3 +79,15 @@ def test_bad_kernel_through_the_cli(monkeypatch, exported, capsys):
                  "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("elx: error: ELX_LOG_SOFTMAX='fast'"), err
+
+
+def test_bad_kernel_is_refused_before_the_encoder_runs(monkeypatch, exported):
+    """The setting is checked before any graph runs, not after the encoder's work."""
+    from runners.generate import Generator
+    from runners.model import Model
+
+    gen = Generator.from_folder(exported("t5"))
+    monkeypatch.setattr(Model, "encode", lambda *a, **k: pytest.fail("the encoder ran before the check"))
+    monkeypatch.setenv(ls.ENV, "fast")
+    with pytest.raises(ElxError, match="ELX_LOG_SOFTMAX='fast'"):
+        gen.generate(input_ids=np.array([[5, 6, 7]]), num_beams=2, max_new_tokens=2)

@@ -1,0 +1,268 @@
+"""Llama-family (RoPE decoder-only) exports: graphs and manifest, verification, HF-identical generation.
+
+conftest's tiny models of each family (``ROPE_BUILDERS``): Llama with GQA and Llama 3's rotary
+scaling, Mistral (MQA, a sliding window), Qwen2 (MHA, non-zero q/k/v biases, tied head), Qwen3
+(q/k norms, head_dim ≠ d/h), Phi-3 (fused projections, partial rotary), Gemma (embedding scale,
+GeGLU, MQA), GPT-NeoX (partial rotary, parallel residual).  The CI run exports Llama in both
+prompt-cache forms (the shared one is conftest's, shared with the differential test) and Qwen2;
+``ELX_LONG_TESTS=1`` exports and checks every family.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from exporter.compare import compare
+from exporter.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
+from runners.errors import ElxError
+from runners.generate import Generator
+from runners.inputs import random_inputs
+from runners.manifest import Manifest
+from tests.conftest import ROPE_BUILDERS, make_model_folder
+from tests.differential import decoder_only_lengths, generation_options
+
+LONG = bool(os.environ.get("ELX_LONG_TESTS"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def llama(exported, model_folders, tmp_path_factory):
+    """{"folder": model folder, "shared": conftest's export, "per-beam": HF's layout}."""
+    from exporter.export import export_model
+
+    per_beam = export_model(str(model_folders["llama"]), tmp_path_factory.mktemp("llama") / "per-beam", quiet=True,
+                            prompt_cache="per-beam")
+    return {"folder": model_folders["llama"], "shared": exported("llama"), "per-beam": per_beam}
+
+
+def _check(report):
+    assert report.all_identical, [(r.hf_tokens, r.elx_tokens) for r in report.rows if not r.identical]
+    assert max(max(r.step_logits_diff) for r in report.rows) <= 1e-4
+
+
+# -- export ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["shared", "per-beam"])
+def test_manifest_gqa_cache(llama, form):
+    """Llama with 4 query heads and 2 key/value heads: the cache (and the shared prompt's K/V) has 2 heads."""
+    manifest = Manifest.load(llama[form])
+    data = manifest.data
+    assert data["family"] == "llama" and data["architecture"] == "LlamaForCausalLM"
+    assert data["is_encoder_decoder"] is False and data["padding_side"] == "left"
+    dims = manifest.dims
+    assert (dims["num_heads"], dims["num_kv_heads"], dims["d_kv"], dims["rotary_dim"]) == (4, 2, 8, 8)
+    assert dims["rope_type"] == "llama3" and "sliding_window" not in dims
+    for entry in manifest.cache_entries:
+        assert entry["shape"] == ["rows", 2, "past_sequence", 8]
+    step = manifest.graphs["decoder"]["inputs"]
+    if form == "shared":
+        assert step["prompt_key_values.1.value"]["shape"] == ["batch", 2, "prompt_sequence", 8]
+    assert manifest.graphs["prefill"]["outputs"]["present.0.key"]["shape"] == ["batch", 2, "prompt_sequence", 8]
+    report = data["verification"]["export"]
+    assert report["max_abs_logits_diff"] <= 1e-4 and len(report["shapes"]) == len(DECODER_ONLY_SHAPES)
+
+
+def _verified(llama, form: str, shapes: tuple, seed: int) -> float:
+    from exporter.sources import resolve_model
+
+    model = resolve_model(str(llama["folder"])).model
+    return verify_export(model, Manifest.load(llama[form]), shapes=shapes, seed=seed)["max_abs_logits_diff"]
+
+
+@pytest.mark.parametrize("form", ["shared", "per-beam"])
+def test_verified_at_new_shapes_and_positions(llama, form):
+    """Batch 1 and 5, beams 1..5, prompts of 3..40 (left-padded; positions past the llama3 scaling's 32)."""
+    shapes = (Shape(1, 5, 3, 0), Shape(5, 1, 13, 9), Shape(2, 2, 40, 1), Shape(3, 4, 6, 30))
+    assert _verified(llama, form, shapes, seed=7) <= 1e-4
+
+
+def test_verification_sees_rotary_positions(llama, monkeypatch):
+    """The check can fail: with the prompt's positions two apart (HF: consecutive) the rotations differ and the
+    same graphs disagree with PyTorch.  (RoPE scores depend on position differences only: positions counted from
+    the padded start, a shift per row, would give the same logits.)"""
+    from runners.prompt import prompt_positions
+    import runners.model as model_module
+
+    monkeypatch.setattr(model_module.Prompt, "from_mask",
+                        classmethod(lambda cls, m: cls(np.asarray(m, dtype=np.int64), 2 * prompt_positions(m))))
+    assert _verified(llama, "shared", (Shape(2, 2, 9, 0),), seed=3) > 2e-4  # the tolerance is 1e-4
+
+
+def test_shared_prompt_equals_per_beam_cache(llama):
+    shapes = (*DECODER_ONLY_SHAPES, Shape(3, 5, 16, 10))
+    report = verify_rewrite(Manifest.load(llama["per-beam"]), Manifest.load(llama["shared"]), shapes=shapes, seed=11)
+    assert report["max_abs_logits_diff"] <= 1e-5
+
+
+def test_live_cache_bytes_count_key_value_heads(llama):
+    """Per token and layer the cache holds K and V of the 2 key/value heads (not the 4 query heads); the shared
+    form keeps the prompt once per item, the per-beam form once per row."""
+    batch, width, beams, new = 3, 10, 4, 5
+    dims = Manifest.load(llama["shared"]).dims
+    per_token = 2 * dims["num_decoder_layers"] * dims["num_kv_heads"] * dims["d_kv"] * 4
+    runs = {}
+    for form in ("shared", "per-beam"):
+        generator = Generator.from_folder(llama[form])
+        inputs = random_inputs(generator.manifest, batch, width, np.random.default_rng(0))
+        runs[form] = generator.generate(inputs, num_beams=beams, max_new_tokens=new, min_new_tokens=new,
+                                        track_memory=True).memory
+    rows, mask_bytes = batch * beams, batch * width * 8
+    for step, (shared, per_beam) in enumerate(zip(runs["shared"], runs["per-beam"])):
+        assert shared["state_bytes"] == batch * width * per_token + mask_bytes
+        assert shared["cache_bytes"] == rows * step * per_token
+        assert per_beam["cache_bytes"] == rows * (width + step) * per_token
+
+
+# -- generation vs HF --------------------------------------------------------------------------
+
+@st.composite
+def runs(draw):
+    """A compare run (the differential test's option draws: beams 1–8, return sequences, n-grams, length penalty,
+    early stopping, lengths), prompt-cache form, batch, prompt width, seed, and an EOS list (Llama 3 has several)."""
+    width = draw(st.integers(2, 12))
+    options = decoder_only_lengths(draw(generation_options()), width)
+    form = draw(st.sampled_from(["shared", "per-beam"]))
+    eos = draw(st.sampled_from([None, "frequent", "frequent+default"]))
+    return options, form, draw(st.integers(1, 4)), width, draw(st.integers(0, 2 ** 16)), eos
+
+
+def _frequent_tokens(folder) -> list[int]:
+    generator = Generator.from_folder(folder)
+    inputs = random_inputs(generator.manifest, 3, 11, np.random.default_rng(1))
+    generated = generator.generate(inputs, max_new_tokens=12).sequences[:, 11:]
+    values, counts = np.unique(generated, return_counts=True)
+    return [int(v) for v in values[np.argsort(-counts, kind="stable")]]
+
+
+@example(run=(dict(num_beams=4, num_return_sequences=2, no_repeat_ngram_size=2, max_new_tokens=9), "shared", 3, 11,
+              1, "frequent+default"))
+@example(run=(dict(max_new_tokens=10), "per-beam", 2, 7, 5, "frequent"))
+@settings(max_examples=5, deadline=None, derandomize=True, database=None)
+@given(run=runs())
+def test_identical_to_hf(llama, run):
+    """Drawn settings: elx's tokens and scores are HF generate's, for left-padded prompts, in both forms, with an
+    EOS list of several ids (a frequent token first, so rows end at different steps)."""
+    options, form, batch, width, seed, eos = run
+    if eos is not None:
+        frequent = _frequent_tokens(llama["shared"])[:2]
+        options = {**options, "eos_token_id": frequent if eos == "frequent" else [*frequent, 2]}
+    _check(compare(llama[form], batch_size=batch, input_length=width, seed=seed, **options))
+
+
+# -- the other families ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen2(exported):
+    return exported("qwen2")
+
+
+def test_qwen2_biases_mha(qwen2):
+    """Qwen2: MHA (4 key/value heads), q/k/v biases (non-zero here), tied head; HF's tokens and scores."""
+    manifest = Manifest.load(qwen2)
+    assert manifest.family == "qwen2" and manifest.dims["num_kv_heads"] == manifest.dims["num_heads"] == 4
+    _check(compare(qwen2, batch_size=3, input_length=9, seed=2, num_beams=5, num_return_sequences=3,
+                   no_repeat_ngram_size=3, max_new_tokens=8))
+
+
+@pytest.mark.skipif(not LONG, reason="exports every RoPE family (minutes); set ELX_LONG_TESTS=1")
+@pytest.mark.parametrize("family", sorted(set(ROPE_BUILDERS) - {"llama", "qwen2"}))
+def test_family_export_and_generation(family, tmp_path, one_torch_thread):
+    from exporter.export import export_model
+
+    folder = make_model_folder(tmp_path, family, seed=1)
+    export = export_model(str(folder), tmp_path / "export", quiet=True)
+    manifest = Manifest.load(export)
+    assert manifest.family == family and manifest.data["verification"]["export"]["max_abs_logits_diff"] <= 1e-4
+    _check(compare(export, batch_size=3, input_length=9, seed=1, num_beams=4, num_return_sequences=2,
+                   no_repeat_ngram_size=2, max_new_tokens=8))
+    _check(compare(export, batch_size=2, input_length=6, seed=3, max_new_tokens=6))
+
+
+@pytest.mark.skipif(not LONG, reason="exports several RoPE settings (minutes); set ELX_LONG_TESTS=1")
+@pytest.mark.parametrize("rope", [dict(rope_type="linear", factor=2.0, rope_theta=500.0),
+                                  dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                       rope_theta=10000.0),
+                                  dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)],
+                         ids=["linear", "yarn", "partial"])
+def test_rope_variants(rope, tmp_path, one_torch_thread):
+    """Linear and YaRN scaling (Llama), a partial rotary factor (Phi-3): verified and HF-identical."""
+    from exporter.export import export_model
+
+    family = "phi3" if "partial_rotary_factor" in rope else "llama"
+    folder = make_model_folder(tmp_path, family, seed=2, rope_scaling=rope, num_key_value_heads=4)
+    export = export_model(str(folder), tmp_path / "export", quiet=True)
+    dims = Manifest.load(export).dims
+    assert dims["rope_type"] == rope["rope_type"] and dims["rotary_dim"] == (4 if family == "phi3" else 8)
+    _check(compare(export, batch_size=3, input_length=40, seed=1, num_beams=3, max_new_tokens=6))
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+def _folder(tmp_path, family="llama", **overrides):
+    return make_model_folder(tmp_path, family, **overrides)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)), "rope_type is 'dynamic'"),
+    (dict(rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 2, long_factor=[2.0] * 2,
+                            original_max_position_embeddings=64, rope_theta=10000.0)), "rope_type is 'longrope'"),
+    (dict(attn_logit_softcapping=30.0), "attn_logit_softcapping"),
+    (dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+], ids=["dynamic-rope", "longrope", "attn-softcap", "logit-softcap"])
+def test_export_refuses_what_it_cannot_reproduce(tmp_path, capsys, overrides, key):
+    """One line naming the config key, exit 2, nothing written (checked before any weights are loaded)."""
+    from elx.cli import main
+
+    family = "phi3" if "longrope" in key else "llama"
+    folder = _folder(tmp_path, family, **overrides)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["export", "--model", str(folder), "--output", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elx: error: ") and key in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sliding_window_refused_where_it_would_act():
+    """Mistral's sliding_window W: a run feeding more than W tokens is refused (one line naming the key); up to
+    W tokens the window changes nothing and the run goes ahead."""
+    from types import SimpleNamespace
+
+    from runners.families import RULES
+
+    rules = RULES["mistral"]
+    manifest = SimpleNamespace(dims={"sliding_window": 40, "max_position_embeddings": 128})
+    inputs = {"input_ids": np.ones((2, 30), dtype=np.int64)}
+    rules.check_lengths(manifest, inputs, SimpleNamespace(total_max_length=lambda width: width + 11))  # feeds 40
+    with pytest.raises(ElxError, match="sliding_window is 40") as info:
+        rules.check_lengths(manifest, inputs, SimpleNamespace(total_max_length=lambda width: width + 12))
+    assert "\n" not in str(info.value)
+
+
+def test_sliding_window_recorded(tmp_path):
+    """Mistral records its window; Qwen2 only when use_sliding_window marks layers sliding."""
+    from exporter.rope_families import rope_dims
+    from tests.conftest import BUILDERS
+
+    assert rope_dims(BUILDERS["mistral"]().config)["sliding_window"] == 40
+    assert "sliding_window" not in rope_dims(BUILDERS["qwen2"]().config)
+    windowed = BUILDERS["qwen2"](use_sliding_window=True, sliding_window=16, max_window_layers=1).config
+    assert rope_dims(windowed)["sliding_window"] == 16
+
+
+def test_bf16_checkpoint_loads_as_fp32(tmp_path):
+    """A checkpoint saved in bfloat16 (as Llama weights ship) is exported from fp32 weights."""
+    import torch
+
+    from exporter.sources import resolve_model
+    from tests.conftest import BUILDERS
+
+    torch.manual_seed(0)
+    BUILDERS["llama"]().to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    model = resolve_model(str(tmp_path / "bf16")).model
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

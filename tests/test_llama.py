@@ -266,3 +266,37 @@ def test_bf16_checkpoint_loads_as_fp32(tmp_path):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     model = resolve_model(str(tmp_path / "bf16")).model
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+# -- presets (--random-init with the real architectures' dims) --------------------------------------
+
+PRESETS = {  # name: (architecture, layers, d_model, heads, key/value heads, head width, tied head)
+    "smollm2-135m": ("LlamaForCausalLM", 30, 576, 9, 3, 64, True),
+    "smollm2-1.7b": ("LlamaForCausalLM", 24, 2048, 32, 32, 64, True),
+    "tinyllama-1.1b": ("LlamaForCausalLM", 22, 2048, 32, 4, 64, False),
+    "qwen2.5-0.5b": ("Qwen2ForCausalLM", 24, 896, 14, 2, 64, True),
+    "phi-3-mini": ("Phi3ForCausalLM", 32, 3072, 32, 32, 96, False),
+    "llama-3.2-1b": ("LlamaForCausalLM", 16, 2048, 32, 8, 64, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets(name):
+    """Each preset builds its architecture's config (not the weights: gigabytes), passes the family's checks and
+    has the real model's dims; Llama 3.2's carries its llama3 rotary scaling and three EOS ids."""
+    from exporter.families import family_for_architecture
+    from exporter.sources import _config_class, _find_preset, preset_names
+
+    assert name in preset_names()
+    preset = _find_preset(name)
+    architecture, layers, d_model, heads, kv_heads, head_dim, tied = PRESETS[name]
+    assert preset["architecture"] == architecture and _find_preset(preset["aliases"][0])["name"] == name
+    config = _config_class(architecture)[1](**preset["config"])
+    family = family_for_architecture(architecture)
+    family.check_config(config)
+    dims = family.dims(config)
+    assert (dims["num_decoder_layers"], dims["d_model"], dims["num_heads"], dims["num_kv_heads"], dims["d_kv"]) == (
+        layers, d_model, heads, kv_heads, head_dim)
+    assert config.tie_word_embeddings is tied
+    if name == "llama-3.2-1b":
+        assert dims["rope_type"] == "llama3" and config.eos_token_id == [128001, 128008, 128009]

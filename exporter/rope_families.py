@@ -103,3 +103,8 @@ GEMMA = _rope_family("gemma", ("GemmaForCausalLM",), _model_layers)  # embedding
 GPT_NEOX = _rope_family("gpt_neox", ("GPTNeoXForCausalLM",), lambda m: list(m.gpt_neox.layers))
 
 ROPE_FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX)
+
+
+def is_rotary(family: str) -> bool:
+    """Whether ``family`` (a manifest's family name) is one of these rotary-position families."""
+    return family in {f.name for f in ROPE_FAMILIES}

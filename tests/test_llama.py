@@ -31,13 +31,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def llama(exported, model_folders, tmp_path_factory):
-    """{"folder": model folder, "shared": conftest's export, "per-beam": HF's layout}."""
-    from exporter.export import export_model
+def llama(exported, model_folders):
+    """Llama (GQA, llama3 RoPE): {"folder": model folder, "shared": conftest's export}."""
+    return {"folder": model_folders["llama"], "shared": exported("llama")}
 
-    per_beam = export_model(str(model_folders["llama"]), tmp_path_factory.mktemp("llama") / "per-beam", quiet=True,
-                            prompt_cache="per-beam")
-    return {"folder": model_folders["llama"], "shared": exported("llama"), "per-beam": per_beam}
+
+@pytest.fixture(scope="module")
+def qwen2(qwen2_exports):
+    return qwen2_exports
 
 
 def _check(report):
@@ -47,10 +48,9 @@ def _check(report):
 
 # -- export ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("form", ["shared", "per-beam"])
-def test_manifest_gqa_cache(llama, form):
-    """Llama with 4 query heads and 2 key/value heads: the cache (and the shared prompt's K/V) has 2 heads."""
-    manifest = Manifest.load(llama[form])
+def test_manifest_gqa_cache(llama):
+    """Llama with 4 query heads and 2 key/value heads: the cache and the shared prompt's K/V have 2 heads."""
+    manifest = Manifest.load(llama["shared"])
     data = manifest.data
     assert data["family"] == "llama" and data["architecture"] == "LlamaForCausalLM"
     assert data["is_encoder_decoder"] is False and data["padding_side"] == "left"
@@ -60,25 +60,25 @@ def test_manifest_gqa_cache(llama, form):
     for entry in manifest.cache_entries:
         assert entry["shape"] == ["rows", 2, "past_sequence", 8]
     step = manifest.graphs["decoder"]["inputs"]
-    if form == "shared":
-        assert step["prompt_key_values.1.value"]["shape"] == ["batch", 2, "prompt_sequence", 8]
+    assert step["prompt_key_values.1.value"]["shape"] == ["batch", 2, "prompt_sequence", 8]
     assert manifest.graphs["prefill"]["outputs"]["present.0.key"]["shape"] == ["batch", 2, "prompt_sequence", 8]
     report = data["verification"]["export"]
     assert report["max_abs_logits_diff"] <= 1e-4 and len(report["shapes"]) == len(DECODER_ONLY_SHAPES)
 
 
-def _verified(llama, form: str, shapes: tuple, seed: int) -> float:
+def _verified(model, form: str, shapes: tuple, seed: int) -> float:
     from exporter.sources import resolve_model
 
-    model = resolve_model(str(llama["folder"])).model
-    return verify_export(model, Manifest.load(llama[form]), shapes=shapes, seed=seed)["max_abs_logits_diff"]
+    torch_model = resolve_model(str(model["folder"])).model
+    return verify_export(torch_model, Manifest.load(model[form]), shapes=shapes, seed=seed)["max_abs_logits_diff"]
 
 
-@pytest.mark.parametrize("form", ["shared", "per-beam"])
-def test_verified_at_new_shapes_and_positions(llama, form):
+@pytest.mark.parametrize("which", ["llama-shared", "qwen2-per-beam"])
+def test_verified_at_new_shapes_and_positions(llama, qwen2, which):
     """Batch 1 and 5, beams 1..5, prompts of 3..40 (left-padded; positions past the llama3 scaling's 32)."""
+    model, form = (llama, "shared") if which == "llama-shared" else (qwen2, "per-beam")
     shapes = (Shape(1, 5, 3, 0), Shape(5, 1, 13, 9), Shape(2, 2, 40, 1), Shape(3, 4, 6, 30))
-    assert _verified(llama, form, shapes, seed=7) <= 1e-4
+    assert _verified(model, form, shapes, seed=7) <= 1e-4
 
 
 def test_verification_sees_rotary_positions(llama, monkeypatch):
@@ -93,29 +93,25 @@ def test_verification_sees_rotary_positions(llama, monkeypatch):
     assert _verified(llama, "shared", (Shape(2, 2, 9, 0),), seed=3) > 2e-4  # the tolerance is 1e-4
 
 
-def test_shared_prompt_equals_per_beam_cache(llama):
+def test_shared_prompt_equals_per_beam_cache(qwen2):
     shapes = (*DECODER_ONLY_SHAPES, Shape(3, 5, 16, 10))
-    report = verify_rewrite(Manifest.load(llama["per-beam"]), Manifest.load(llama["shared"]), shapes=shapes, seed=11)
+    report = verify_rewrite(Manifest.load(qwen2["per-beam"]), Manifest.load(qwen2["shared"]), shapes=shapes, seed=11)
     assert report["max_abs_logits_diff"] <= 1e-5
 
 
 def test_live_cache_bytes_count_key_value_heads(llama):
-    """Per token and layer the cache holds K and V of the 2 key/value heads (not the 4 query heads); the shared
-    form keeps the prompt once per item, the per-beam form once per row."""
+    """Per token and layer the cache holds K and V of the 2 key/value heads (not the 4 query heads): the prompt
+    once per item, the generated tokens per row."""
     batch, width, beams, new = 3, 10, 4, 5
     dims = Manifest.load(llama["shared"]).dims
     per_token = 2 * dims["num_decoder_layers"] * dims["num_kv_heads"] * dims["d_kv"] * 4
-    runs = {}
-    for form in ("shared", "per-beam"):
-        generator = Generator.from_folder(llama[form])
-        inputs = random_inputs(generator.manifest, batch, width, np.random.default_rng(0))
-        runs[form] = generator.generate(inputs, num_beams=beams, max_new_tokens=new, min_new_tokens=new,
-                                        track_memory=True).memory
-    rows, mask_bytes = batch * beams, batch * width * 8
-    for step, (shared, per_beam) in enumerate(zip(runs["shared"], runs["per-beam"])):
-        assert shared["state_bytes"] == batch * width * per_token + mask_bytes
-        assert shared["cache_bytes"] == rows * step * per_token
-        assert per_beam["cache_bytes"] == rows * (width + step) * per_token
+    generator = Generator.from_folder(llama["shared"])
+    inputs = random_inputs(generator.manifest, batch, width, np.random.default_rng(0))
+    memory = generator.generate(inputs, num_beams=beams, max_new_tokens=new, min_new_tokens=new,
+                                track_memory=True).memory
+    for step, live in enumerate(memory):
+        assert live["state_bytes"] == batch * width * per_token + batch * width * 8  # + the prompt mask
+        assert live["cache_bytes"] == batch * beams * step * per_token
 
 
 # -- generation vs HF --------------------------------------------------------------------------
@@ -123,12 +119,12 @@ def test_live_cache_bytes_count_key_value_heads(llama):
 @st.composite
 def runs(draw):
     """A compare run (the differential test's option draws: beams 1–8, return sequences, n-grams, length penalty,
-    early stopping, lengths), prompt-cache form, batch, prompt width, seed, and an EOS list (Llama 3 has several)."""
+    early stopping, lengths), which export, batch, prompt width, seed, and an EOS list (Llama 3 has several)."""
     width = draw(st.integers(2, 12))
     options = decoder_only_lengths(draw(generation_options()), width)
-    form = draw(st.sampled_from(["shared", "per-beam"]))
+    which = draw(st.sampled_from(["llama-shared", "qwen2-per-beam"]))
     eos = draw(st.sampled_from([None, "frequent", "frequent+default"]))
-    return options, form, draw(st.integers(1, 4)), width, draw(st.integers(0, 2 ** 16)), eos
+    return options, which, draw(st.integers(1, 4)), width, draw(st.integers(0, 2 ** 16)), eos
 
 
 def _frequent_tokens(folder) -> list[int]:
@@ -139,35 +135,26 @@ def _frequent_tokens(folder) -> list[int]:
     return [int(v) for v in values[np.argsort(-counts, kind="stable")]]
 
 
-@example(run=(dict(num_beams=4, num_return_sequences=2, no_repeat_ngram_size=2, max_new_tokens=9), "shared", 3, 11,
-              1, "frequent+default"))
-@example(run=(dict(max_new_tokens=10), "per-beam", 2, 7, 5, "frequent"))
+@example(run=(dict(num_beams=4, num_return_sequences=2, no_repeat_ngram_size=2, max_new_tokens=9), "llama-shared",
+              3, 11, 1, "frequent+default"))
+@example(run=(dict(num_beams=5, num_return_sequences=3, no_repeat_ngram_size=3, max_new_tokens=8), "qwen2-per-beam",
+              3, 9, 2, None))
+@example(run=(dict(max_new_tokens=10), "qwen2-per-beam", 2, 7, 5, "frequent"))
 @settings(max_examples=5, deadline=None, derandomize=True, database=None)
 @given(run=runs())
-def test_identical_to_hf(llama, run):
-    """Drawn settings: elx's tokens and scores are HF generate's, for left-padded prompts, in both forms, with an
-    EOS list of several ids (a frequent token first, so rows end at different steps)."""
-    options, form, batch, width, seed, eos = run
+def test_identical_to_hf(llama, qwen2, run):
+    """Drawn settings: elx's tokens and scores are HF generate's for left-padded prompts (Llama: GQA, the shared
+    prompt; Qwen2: biases, HF's per-beam cache), with an EOS list of several ids (a frequent token first, so rows
+    end at different steps)."""
+    options, which, batch, width, seed, eos = run
+    folder = llama["shared"] if which == "llama-shared" else qwen2["per-beam"]
     if eos is not None:
-        frequent = _frequent_tokens(llama["shared"])[:2]
+        frequent = _frequent_tokens(folder)[:2]
         options = {**options, "eos_token_id": frequent if eos == "frequent" else [*frequent, 2]}
-    _check(compare(llama[form], batch_size=batch, input_length=width, seed=seed, **options))
+    _check(compare(folder, batch_size=batch, input_length=width, seed=seed, **options))
 
 
 # -- the other families ---------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def qwen2(exported):
-    return exported("qwen2")
-
-
-def test_qwen2_biases_mha(qwen2):
-    """Qwen2: MHA (4 key/value heads), q/k/v biases (non-zero here), tied head; HF's tokens and scores."""
-    manifest = Manifest.load(qwen2)
-    assert manifest.family == "qwen2" and manifest.dims["num_kv_heads"] == manifest.dims["num_heads"] == 4
-    _check(compare(qwen2, batch_size=3, input_length=9, seed=2, num_beams=5, num_return_sequences=3,
-                   no_repeat_ngram_size=3, max_new_tokens=8))
-
 
 @pytest.mark.skipif(not LONG, reason="exports every RoPE family (minutes); set ELX_LONG_TESTS=1")
 @pytest.mark.parametrize("family", sorted(set(ROPE_BUILDERS) - {"llama", "qwen2"}))

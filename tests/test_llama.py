@@ -287,3 +287,29 @@ def test_presets(name):
     assert config.tie_word_embeddings is tied
     if name == "llama-3.2-1b":
         assert dims["rope_type"] == "llama3" and config.eos_token_id == [128001, 128008, 128009]
+
+
+# -- the differential test's machinery on Llama ------------------------------------------------------
+
+def test_differential_examples_on_llama(differential_pool):
+    """The differential export variant (tests/differential.py: drawn batches, options and EOS modes, the
+    stability rule) on its CI-slice Llama spec, a few examples for certain (the variant draws specs at random)."""
+    from hypothesis import HealthCheck
+
+    from tests.differential import SPECS, ModelInfo, Stats, batches, run_export_example
+    from tests.test_differential import _draw_run
+
+    spec = next(s for s in SPECS if s.name == "llama")
+    stats = Stats("export")
+
+    @settings(max_examples=6, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def example(data):
+        inputs = data.draw(batches(ModelInfo.of(differential_pool.loaded(spec).generator.manifest)))
+        options, eos_mode, eos_rank = _draw_run(data, spec.family, inputs)
+        run_export_example(stats, differential_pool, spec, "", inputs, options, eos_mode, eos_rank)
+
+    example()
+    assert not stats.failures and stats.examples == 6, stats.summary()
+    assert stats.identical_rows + stats.fragile_rows == stats.rows and stats.excused_examples <= 1, stats.summary()

@@ -26,6 +26,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from .grouped_attention import probs_values, query_key_scores
 from .shared_prompt import PROMPT_KWARG, shared_prompt_attention
 
 ATTN_IMPLEMENTATION = "elx"
@@ -42,13 +43,13 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get(PROMPT_KWARG) is not None:
         prompt = kwargs[PROMPT_KWARG]
         return shared_prompt_attention(query, key, value, attention_mask, scaling, prompt, module.layer_idx), None
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = query_key_scores(query, key) * scaling  # GQA/MQA: exporter/grouped_attention.py
     if position_bias is not None:
         scores = scores + position_bias
     if attention_mask is not None:
         scores = scores + attention_mask
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    return probs_values(probs, value).transpose(1, 2).contiguous(), None
 
 
 def _beam_shared_attention(query, key, value, mask, scaling):

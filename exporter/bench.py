@@ -282,6 +282,8 @@ def decoder_only_flops(dims: dict, ffn: int, batch: int, prompt: int, beams: int
 def _ffn_of(config) -> tuple[int, bool]:
     if getattr(config, "model_type", None) == "gpt2":
         return int(config.n_inner or 4 * config.n_embd), False
+    if getattr(config, "intermediate_size", None):  # Llama-family: SwiGLU/GeGLU (gate, up, down)
+        return int(config.intermediate_size), getattr(config, "model_type", "") != "gpt_neox"
     ffn = getattr(config, "d_ff", None) or getattr(config, "decoder_ffn_dim", None) or 4 * config.d_model
     gated = "gated" in str(getattr(config, "feed_forward_proj", ""))
     return int(ffn), gated

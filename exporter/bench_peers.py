@@ -9,7 +9,12 @@
   and fed the bench's attention mask: the mask the op builds by itself when none is given made
   padded rows diverge from HF (measured: t5-small dims, a row with 155 of 256 real tokens
   differed from the first generated token).
-* ``ct2``: CTranslate2 (``pip install ctranslate2``), with a vocabulary of unique placeholder tokens.
+* ``ct2``: CTranslate2 (``pip install ctranslate2``), with a vocabulary of unique placeholder tokens; for
+  decoder-only models (Llama-family) its ``Generator`` on the prompt tokens (left padding dropped).
+* ``ort-genai``: ONNX Runtime GenAI (``pip install onnxruntime-genai``): its model builder
+  (``python -m onnxruntime_genai.models.builder``, fp32 CPU) converts a Llama-family ``save_pretrained``
+  copy (with a placeholder tokenizer: the builder reads one) and its own greedy/beam search runs the
+  left-padded prompts (GenAI masks the pad id).  Decoder-only RoPE models only.
 
 Each peer caches its converted model in ``work/<peer>/`` next to a ``source.json`` naming the
 manifest source it was built from and the conversion recipe, and rebuilds when either differs.  A peer that cannot run here
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-PEER_NAMES = ("ort-beamsearch", "ct2")
+PEER_NAMES = ("ort-beamsearch", "ct2", "ort-genai")
 
 
 class PeerUnavailable(Exception):
@@ -43,7 +48,7 @@ def parse_peers(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-RECIPE = 2  # bump when a peer's conversion changes: cached conversions are rebuilt
+RECIPE = 3  # bump when a peer's conversion changes: cached conversions are rebuilt
 
 
 def _fresh_folder(folder: Path, source: dict, ready: str) -> bool:
@@ -157,7 +162,8 @@ def _convert(hf_dir: Path, out: Path) -> None:
 
 
 class Ct2Peer:
-    """CTranslate2 on the same weights, with a vocabulary of unique placeholder tokens ``<t{id}>``."""
+    """CTranslate2 on the same weights, with a vocabulary of unique placeholder tokens ``<t{id}>``: its
+    ``Translator`` for encoder-decoder models, its ``Generator`` for decoder-only ones."""
 
     name = "CTranslate2"
 
@@ -173,26 +179,114 @@ class Ct2Peer:
         if not _fresh_folder(work, source, "model/model.bin"):
             src = work / "hf"
             hf_model.save_pretrained(src)
-            TransformersConverter(str(src)).convert(str(out), force=True)
+            if not hf_model.config.is_encoder_decoder:  # its Llama loader reads a tokenizer
+                _placeholder_tokenizer(hf_model.config.vocab_size, src)
+            try:
+                TransformersConverter(str(src)).convert(str(out), force=True)
+            except Exception as err:  # noqa: BLE001 - an architecture the converter does not know
+                raise PeerUnavailable(f"its converter failed: {_first_line(err)}")
             vocab = [f"<t{i}>" for i in range(hf_model.config.vocab_size)]
-            (out / "shared_vocabulary.json").write_text(json.dumps(vocab))
+            (out / ("vocabulary.json" if (out / "vocabulary.json").exists() else "shared_vocabulary.json")).write_text(
+                json.dumps(vocab))
+            if not hf_model.config.is_encoder_decoder:  # the placeholder tokenizer named no special tokens
+                config, gen = json.loads((out / "config.json").read_text()), hf_model.generation_config
+                eos = gen.eos_token_id[0] if isinstance(gen.eos_token_id, list) else gen.eos_token_id
+                config.update(bos_token=f"<t{gen.bos_token_id}>", eos_token=f"<t{eos}>")
+                (out / "config.json").write_text(json.dumps(config))
             shutil.rmtree(src)
             (work / "source.json").write_text(json.dumps(_key(source)))
-        self.translator = ctranslate2.Translator(str(out), device=settings.device, intra_threads=settings.threads or 0)
+        self.decoder_only = not hf_model.config.is_encoder_decoder
+        kind = ctranslate2.Generator if self.decoder_only else ctranslate2.Translator
+        self.model = kind(str(out), device=settings.device, intra_threads=settings.threads or 0)
         self.start = hf_model.generation_config.decoder_start_token_id
 
     def generate(self, inputs: dict, settings) -> np.ndarray:
         batch = []
         for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"]):
             batch.append([f"<t{i}>" for i in ids[mask.astype(bool)]])
-        results = self.translator.translate_batch(
-            batch, beam_size=settings.num_beams, max_decoding_length=settings.new_tokens,
-            min_decoding_length=settings.new_tokens, no_repeat_ngram_size=settings.no_repeat_ngram_size,
-            length_penalty=1.0, return_end_token=True)
+        options = dict(beam_size=settings.num_beams, no_repeat_ngram_size=settings.no_repeat_ngram_size,
+                       length_penalty=1.0)
+        if self.decoder_only:  # HF's layout: the left-padded prompt, then the new tokens
+            results = self.model.generate_batch(batch, max_length=settings.new_tokens,
+                                                min_length=settings.new_tokens, include_prompt_in_result=False,
+                                                **options)
+            width = inputs["input_ids"].shape[1]
+            return _padded([list(prompt[:width]) + [int(t[2:-1]) for t in r.sequences[0]]
+                            for prompt, r in zip(inputs["input_ids"].tolist(), results)])
+        results = self.model.translate_batch(batch, max_decoding_length=settings.new_tokens,
+                                             min_decoding_length=settings.new_tokens, return_end_token=True, **options)
         return _padded([[self.start] + [int(t[2:-1]) for t in r.hypotheses[0]] for r in results])
 
 
-PEERS = {"ort-beamsearch": OrtBeamSearchPeer, "ct2": Ct2Peer}
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]
+
+
+GENAI_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")  # what GenAI's model builder converts
+
+
+class GenAiPeer:
+    """ONNX Runtime GenAI's own search on its model builder's conversion (fp32, CPU) of the same weights."""
+
+    name = "onnxruntime-genai"
+
+    def __init__(self, hf_model, source: dict, work: Path, settings):
+        try:
+            import onnxruntime_genai as og
+        except ImportError as err:
+            raise PeerUnavailable(f"onnxruntime-genai is not installed ({err}); pip install 'elx[bench]'")
+        if settings.device != "cpu":
+            raise PeerUnavailable("elx bench runs it on the CPU only")
+        kind = getattr(hf_model.config, "model_type", "")
+        if kind not in GENAI_TYPES:
+            raise PeerUnavailable(f"its model builder is used here for {', '.join(GENAI_TYPES)} models, not {kind}")
+        work = Path(work)
+        out = work / "model"
+        if not _fresh_folder(work, source, "model/genai_config.json"):
+            _genai_convert(hf_model, work, out)
+            (work / "source.json").write_text(json.dumps(_key(source)))
+        self.og, self.model = og, og.Model(str(out))
+
+    def generate(self, inputs: dict, settings) -> np.ndarray:
+        ids = np.ascontiguousarray(inputs["input_ids"], dtype=np.int32)
+        batch, width = ids.shape
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(num_beams=settings.num_beams, max_length=width + settings.new_tokens,
+                                  min_length=width + settings.new_tokens, batch_size=batch, do_sample=False,
+                                  length_penalty=1.0, no_repeat_ngram_size=settings.no_repeat_ngram_size)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(ids)
+        while not generator.is_done():
+            generator.generate_next_token()
+        return _padded([list(generator.get_sequence(i)) for i in range(batch)])
+
+
+def _placeholder_tokenizer(vocab_size: int, folder: Path) -> None:
+    """A word-level tokenizer of the tokens ``<t{id}>`` saved into ``folder`` (converters that read one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<t0>").save_pretrained(folder)
+
+
+def _genai_convert(hf_model, work: Path, out: Path) -> None:
+    """``save_pretrained`` + a placeholder tokenizer (the builder saves one), then the builder in a child process."""
+    src = work / "hf"
+    hf_model.save_pretrained(src)
+    _placeholder_tokenizer(hf_model.config.vocab_size, src)
+    proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
+                           "-p", "fp32", "-e", "cpu", "-c", str(work / "cache")], capture_output=True, text=True)
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.rmtree(work / "cache", ignore_errors=True)
+    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
+        lines = (proc.stderr or proc.stdout).strip().splitlines() or [f"exit status {proc.returncode}"]
+        raise PeerUnavailable(f"its model builder failed: {lines[-1][:300]}")
+
+
+PEERS = {"ort-beamsearch": OrtBeamSearchPeer, "ct2": Ct2Peer, "ort-genai": GenAiPeer}
 
 
 def make_peer(name: str, hf_model, source: dict, work: Path, settings):

@@ -1,4 +1,4 @@
-"""Decoder-only models (GPT-2): the prefill and step graphs, and their part of the manifest.
+"""Decoder-only models (GPT-2, OPT, the RoPE families): the prefill and step graphs, and their part of the manifest.
 
 The prompt runs once per input (batch B) through the **prefill** graph; each generated token then
 runs through the **step** graph at rows = B·beams.  Names follow Optimum's decoder exports
@@ -8,7 +8,9 @@ Position ids are inputs, fed as HF ``generate`` derives them from the attention 
 (``runners/prompt.py``).
 
 * ``prefill``: ``input_ids``, ``attention_mask``, ``position_ids`` [B, P] → ``logits`` [B, vocab]
-  (the first step's scores), ``present.{i}.key|value`` [B, h, P, d_k] (the prompt's keys/values).
+  (the first step's scores), ``present.{i}.key|value`` [B, h, P, d_k] (the prompt's keys/values;
+  h is the key/value head count, fewer than the query heads with GQA/MQA; with RoPE the keys
+  are rotated, as HF caches them).
 
 Two forms of the step graph, chosen at export (``prompt_cache``):
 
@@ -102,6 +104,11 @@ class SharedPromptStepGraph(_DecoderOnlyGraph):
         return (out.logits[:, -1, :], *_presents(out.past_key_values))
 
 
+def kv_heads(dims: dict) -> int:
+    """The key/value heads of the cache (fewer than the query heads with GQA/MQA)."""
+    return dims.get("num_kv_heads") or dims["num_heads"]
+
+
 def kv_names(prefix: str, layers: int) -> list[str]:
     return [f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
 
@@ -123,7 +130,7 @@ def export_prefill(model, family: Family, path: Path) -> dict:
     axes = {0: batch, 1: width}
     extra = _export(PrefillGraph(model, family), args, {n: axes for n in names}, names, ["logits", *presents], path)
     prompt_shape = ["batch", "prompt_sequence"]
-    kv_shape = ["batch", dims["num_heads"], "prompt_sequence", dims["d_kv"]]
+    kv_shape = ["batch", kv_heads(dims), "prompt_sequence", dims["d_kv"]]
     return {
         "file": path.name, "external_data": extra,
         "inputs": {"input_ids": {"dtype": "int64", "shape": prompt_shape, "from": "input:input_ids"},
@@ -136,7 +143,7 @@ def export_prefill(model, family: Family, path: Path) -> dict:
 
 def export_step(model, family: Family, path: Path, form: str) -> tuple[dict, list[dict]]:
     dims = family.dims(model.config)
-    layers, heads, d_kv = dims["num_decoder_layers"], dims["num_heads"], dims["d_kv"]
+    layers, heads, d_kv = dims["num_decoder_layers"], kv_heads(dims), dims["d_kv"]
     b, beams, width, past = (EXAMPLE[k] for k in ("batch", "beams", "prompt", "past"))
     rows = b * beams
     row_dim, batch_dim, width_dim, past_dim = Dim("rows"), Dim("batch"), Dim("prompt_sequence"), Dim("past_sequence")

@@ -127,7 +127,7 @@ def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
     with staged_folder(target, force=True) as folder:
         shutil.copytree(source, folder, dirs_exist_ok=True)
         manifest = Manifest.load(folder)
-        check_model_kind(requests, manifest.family, manifest.data.get("is_encoder_decoder", True))
+        check_model_kind(requests, manifest.family, manifest.data.get("is_encoder_decoder", True), manifest.dims)
         check_not_applied(requests, manifest.pass_names())
         run_passes(folder, manifest, requests, quiet)
         manifest.save(folder)
@@ -157,7 +157,8 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
     output = check_output(output, force)
     with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
         loaded = resolve_model(model, random_init=random_init, seed=seed)
-        check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder)
+        check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder,
+                         loaded.family.dims(loaded.model.config))
         form = _check_decoder_only_options(loaded.family, prompt_cache)
         if form is not None and precision != "fp32":
             raise ElxError(f"--precision {precision} is not available for decoder-only exports ({loaded.family.name}) "

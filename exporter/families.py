@@ -37,6 +37,8 @@ class Family:
     dims: Callable[[object], dict]
     uses_encoder_mask: bool = True
     is_encoder_decoder: bool = True  # False: the prompt is the decoder's own input (exporter/decoder_only.py)
+    # refuses (one-line ``ElxError`` naming the config key) a config whose model elx would not reproduce
+    check_config: Callable[[object], None] = lambda config: None
 
 
 def _token_encoder_inputs(config) -> tuple[TensorSpec, ...]:
@@ -134,6 +136,11 @@ OPT = Family(  # learned absolute positions (offset 2, inside HF's embedding), f
 )
 
 FAMILIES = (T5, BART, WHISPER, GPT2, OPT)
+
+# -- decoder-only families with rotary positions (issue 24; exporter/rope_families.py) -------------
+from .rope_families import ROPE_FAMILIES  # noqa: E402 - they are built on Family above
+
+FAMILIES = FAMILIES + ROPE_FAMILIES
 
 
 def supported_architectures() -> list[str]:

@@ -21,13 +21,16 @@ which is exactly ``softmax(q·[K_p ; K_g]ᵀ·s + [m_p ; m_g])·[V_p ; V_g]``, p
 per-beam cache ``[K_p repeated per beam ; K_g]``, without the repeat.  The beams of item b are
 stacked into the query axis of one batched product against ``K_p[b]``:
 ``q`` [B·k, h, t, d_k] → [B, h, k·t, d_k].  The beam count is never baked into a graph: it is
-the ratio of the two batch sizes at run time.
+the ratio of the two batch sizes at run time.  With fewer key/value heads than query heads
+(GQA, MQA) both parts group the query heads of each key head (``exporter/grouped_attention.py``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from .grouped_attention import probs_values, query_key_scores
 
 PROMPT_KWARG = "elx_prompt"  # the keyword HF's modules pass through to the attention function
 
@@ -49,15 +52,15 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     k_p, v_p = prompt.keys[layer], prompt.values[layer]
     batch, _, width, _ = k_p.shape
     q_items = _beams_into_queries(query, batch)  # [B, h, k·t, d_k]
-    s_p = torch.matmul(q_items, k_p.transpose(2, 3)) * scaling + prompt.mask  # [B, h, k·t, P]
+    s_p = query_key_scores(q_items, k_p) * scaling + prompt.mask  # [B, h, k·t, P]
     s_p = _queries_into_beams(s_p, rows, t)  # [B·k, h, t, P]
-    s_g = torch.matmul(query, key.transpose(2, 3)) * scaling  # [B·k, h, t, G + t]
+    s_g = query_key_scores(query, key) * scaling  # [B·k, h, t, G + t]
     if gen_mask is not None:
         s_g = s_g + gen_mask
     probs = torch.softmax(torch.cat([s_p, s_g], dim=-1), dim=-1)
     p_p, p_g = probs[..., :width], probs[..., width:]
-    o_p = _queries_into_beams(torch.matmul(_beams_into_queries(p_p, batch), v_p), rows, t)  # [B·k, h, t, d_k]
-    out = o_p + torch.matmul(p_g, value)
+    o_p = _queries_into_beams(probs_values(_beams_into_queries(p_p, batch), v_p), rows, t)  # [B·k, h, t, d_k]
+    out = o_p + probs_values(p_g, value)
     return out.transpose(1, 2).contiguous()
 
 

@@ -112,12 +112,19 @@ def _load_folder(folder: Path, random_init: bool, seed: int) -> tuple[torch.nn.M
     family = family_for_architecture(architecture)
     model_cls, config_cls = _config_class(architecture)
     try:
+        config = config_cls.from_pretrained(folder, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - bad config values: transformers raises many types
+        raise ElxError(f"cannot load the config in {folder} ({type(err).__name__}: {_first_line(err)}); check "
+                       "config.json or re-save the model with save_pretrained") from None
+    family.check_config(config)  # before any weights are read
+    try:
         if random_init:
-            config = config_cls.from_pretrained(folder, local_files_only=True)
             torch.manual_seed(seed)
             model = model_cls(config)
         else:
-            model = model_cls.from_pretrained(folder, local_files_only=True)
+            # float32 whatever the checkpoint's dtype (transformers 5 loads dtype "auto": bf16 Llama weights
+            # would stay bf16); the export and its verification are fp32
+            model = model_cls.from_pretrained(folder, config=config, local_files_only=True, dtype=torch.float32)
     except Exception as err:  # noqa: BLE001 - truncated weights, bad config values: transformers raises many types
         raise ElxError(f"cannot load the model in {folder} ({type(err).__name__}: {_first_line(err)}); check its "
                        "files or re-save it with save_pretrained") from None
@@ -128,6 +135,7 @@ def _load_preset(preset: dict, seed: int) -> tuple[torch.nn.Module, Family]:
     family = family_for_architecture(preset["architecture"])
     model_cls, config_cls = _config_class(preset["architecture"])
     config = config_cls(**preset["config"])
+    family.check_config(config)
     torch.manual_seed(seed)
     model = model_cls(config)
     return model.eval(), family

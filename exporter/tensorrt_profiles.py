@@ -14,12 +14,17 @@ axis                      what the runner feeds                                 
                           step (Whisper: up to 4), then 1
 ``past_sequence``         self-attention cache length, 0 at the first step      [0, ⌈P/2⌉, P], P = T + 3
 ``history_length``        tokens so far (n-gram blocking in the graph)          [1, ⌈H/2⌉, H], H = T + 4
+``prompt_sequence``       decoder-only: the (left-padded) prompt                [1, ⌈N/2⌉, N]
 ========================  ====================================================  =========================
 
 with B = ``max_batch_size``, K = ``max_beams``, N = ``max_input_length``, T = ``max_new_tokens``.
 Whisper's encoder takes a fixed number of log-mel frames; its source length (the encoder's output frames,
 half the input frames) is fixed: min = opt = max.  Batch and rows are optimised for the full size (beam
 search keeps them full until items finish), lengths for the middle of their range.
+
+Decoder-only exports whose cache holds the prompt per beam (``--prompt-cache per-beam``: cache entries
+filled from the prefill) cache prompt and generated tokens together: there ``past_sequence`` reaches
+N + T + 3, and the step's ``attention_mask`` spans ``past_sequence + 1`` positions.
 """
 from __future__ import annotations
 
@@ -75,6 +80,13 @@ def axis_ranges(manifest: Manifest, limits: Limits) -> dict[str, list[int]]:
     fixed = _fixed_source_length(manifest)
     if fixed is not None:
         axes["encoder_sequence"] = axes["encoder_frames"] = [fixed, fixed, fixed]
+    if not manifest.data.get("is_encoder_decoder", True):
+        axes["prompt_sequence"] = [1, _half(n), n]
+        if any(entry.get("init") for entry in manifest.cache_entries):  # the prompt in the per-beam cache
+            past = n + past
+            axes["past_sequence"] = [0, _half(past), past]
+        axes["past_sequence + 1"] = [axes["past_sequence"][0] + 1, axes["past_sequence"][1] + 1,
+                                     axes["past_sequence"][2] + 1]
     return axes
 
 

@@ -109,11 +109,17 @@ class RuntimeSide:
 
 
     def _run_prompt_then_token(self, case: Case, past: dict, state) -> np.ndarray:
-        """Decoder-only: the prompt's step (per row), then one token over [prompt ; ``past``]; both steps' scores."""
+        """Decoder-only: the prompt's step (per row), then one token over [prompt ; ``past``]; both steps' scores.
+        With ``prefill`` the generated part is the case's prefix tokens, run one step each (the side fills its
+        own cache, whatever its layout), instead of ``past``."""
         model, beams = self.model, case.shape.beams
         prompt = np.repeat(case.inputs["input_ids"], beams, axis=0)
         first, cache = model.step(prompt, state, model.empty_cache(case.rows))
-        cache = model.append_to_cache(cache, past)
+        if self.prefill:
+            for t in range(case.prefix.shape[1]):
+                _, cache = model.step(np.ascontiguousarray(case.prefix[:, t: t + 1]), state, cache)
+        else:
+            cache = model.append_to_cache(cache, past)
         scores, _ = model.step(case.tokens, state, cache)
         return np.concatenate([scores, first])
 

@@ -9,7 +9,7 @@ EOS.  Each family's ``Rules`` object answers these questions; ``runners.settings
 * ``EncoderDecoderRules`` (T5, BART, Marian, mBART): HF's generic rules; the decoder prompt is
   the start token and HF returns the sequences with it.
 * ``WhisperRules``: ``runners/whisper.py`` (transformers' ``WhisperGenerationMixin``).
-* ``DecoderOnlyRules`` (GPT-2, OPT): the prompt is the user's own token ids, left-padded, and HF
+* ``DecoderOnlyRules`` (GPT-2, OPT; ``RopeDecoderOnlyRules`` for the RoPE families): the prompt is the user's own token ids, left-padded, and HF
   returns the sequences with it; lengths count it (``max_length``, ``min_length``, the length
   penalty and n-gram blocking all see the padded prompt, as in HF); no start token.
 """
@@ -158,13 +158,17 @@ class DecoderOnlyRules(EncoderDecoderRules):
     def check_lengths(self, manifest, inputs, settings):
         """HF raises when the prompt is not shorter than ``max_length``; past the position table its
         embedding lookup fails: both are one-line errors here, before any work."""
-        from .prompt import sequence_positions
-
         width = int(inputs["input_ids"].shape[1])
         max_length = settings.total_max_length(width)
         if width >= max_length:
             raise ElxError(f"the prompt is {width} tokens (padded) but max_length is {max_length}: nothing to "
                            "generate; raise max_length or set max_new_tokens")
+        self.check_positions(manifest, inputs, width, max_length)
+
+    def check_positions(self, manifest, inputs, width: int, max_length: int) -> None:
+        """Learned positions (GPT-2, OPT): every position the run looks up is in the table."""
+        from .prompt import sequence_positions
+
         positions = manifest.dims.get("max_position_embeddings")
         if positions:
             mask = inputs.get("attention_mask", np.ones_like(inputs["input_ids"]))
@@ -178,6 +182,29 @@ class DecoderOnlyRules(EncoderDecoderRules):
 
 RULES = {"t5": EncoderDecoderRules(), "bart": EncoderDecoderRules(), "whisper": WhisperRules(),
          "gpt2": DecoderOnlyRules(), "opt": DecoderOnlyRules()}
+
+
+# -- decoder-only families with rotary positions (issue 24) -------------------------------------------
+
+class RopeDecoderOnlyRules(DecoderOnlyRules):
+    """Llama, Mistral, Qwen2/Qwen3, Phi-3, Gemma, GPT-NeoX: HF's decoder-only rules; positions are rotations
+    computed from the position ids (no table to run past), and a sliding window is refused where it would act.
+
+    HF applies ``sliding_window`` W by sequence index (left padding counts): the query at index q
+    sees keys q − W + 1 .. q.  The last token of ``max_length`` is never fed, so a run feeds at most
+    ``max_length − 1`` tokens and the window changes nothing while that is ≤ W; the exported graphs
+    attend to every earlier position, so a longer run is refused (one line naming the config key)."""
+
+    def check_positions(self, manifest, inputs, width, max_length):
+        window = manifest.dims.get("sliding_window")
+        if window is not None and max_length - 1 > int(window):
+            raise ElxError(f"this run feeds up to {max_length - 1} tokens (prompt of {width} + new tokens) but the "
+                           f"model's sliding_window is {window} (config.json), which elx's graphs do not apply; "
+                           f"keep prompt + new tokens within {int(window) + 1}")
+
+
+RULES.update({family: RopeDecoderOnlyRules() for family in
+              ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox")})
 
 
 def rules_for(manifest: Manifest) -> EncoderDecoderRules:

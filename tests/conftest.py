@@ -71,12 +71,55 @@ def _biased(model, std: float = 0.5):
     return model
 
 
+def _rope(config_name: str, model_name: str, defaults: dict, biased: bool = False):
+    """A builder of a tiny decoder-only RoPE model (issue 24): ``defaults`` over the family's config."""
+    def build(**overrides):
+        import transformers
+
+        config = getattr(transformers, config_name)(**rope_config(defaults, **overrides))
+        model = getattr(transformers, model_name)(config)
+        return _biased(model, 0.2) if biased else model
+    return build
+
+
+def rope_config(defaults: dict, **overrides) -> dict:
+    return {**ROPE_COMMON, **defaults, **overrides}
+
+
+# special ids 0..2 (no pad token unless the family has one: HF then pads with the first EOS, as for Llama)
+ROPE_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32, rope_theta=10000.0)
+ROPE_CONFIGS = {  # family: (config class, model class, defaults over ROPE_COMMON, non-zero biases)
+    # GQA, untied head, Llama 3's rotary scaling (frequencies of wavelengths past 32 positions slowed 8×)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_scaling=LLAMA3_ROPE), False),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=40), False),  # MQA
+    # MHA with non-zero q/k/v biases, tied head, Qwen2.5's rope_theta
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                                      rope_theta=1e6), True),
+    # q/k RMSNorm per head, head_dim 16 ≠ hidden/heads
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+              False),
+    # fused qkv_proj / gate_up_proj, MHA, partial rotary (half the head)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=4, pad_token_id=0, partial_rotary_factor=0.5),
+             False),
+    # embedding scale, GeGLU, (1 + w) RMSNorm, MQA, head_dim 16 ≠ hidden/heads, Gemma's ids (pad 0, EOS 1, BOS 2)
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=16, pad_token_id=0,
+                                                      eos_token_id=1, bos_token_id=2), False),
+    # partial rotary (a quarter of the head), parallel residual, per-head fused q/k/v with biases
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25), True),
+}
+ROPE_BUILDERS = {family: _rope(*spec) for family, spec in ROPE_CONFIGS.items()}
+
+
 BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper, "gpt2": _gpt2, "opt": _opt,
             # heads·d_kv = 48 ≠ d_model = 32 (as in T5-3B/11B, where h·d_kv > d_model)
             "t5-wide": lambda **o: _t5(**{"d_kv": 12, **o}),
             # sharper attention (init_std 0.1) and non-zero biases: b_K, b_V and the K projection without bias
             "bart-biased": lambda **o: _biased(_bart(**{"init_std": 0.1, **o})),
-            "whisper-biased": lambda **o: _biased(_whisper(**{"init_std": 0.1, **o}))}
+            "whisper-biased": lambda **o: _biased(_whisper(**{"init_std": 0.1, **o})),
+            **ROPE_BUILDERS}
 
 
 def make_model_folder(root: Path, family: str, seed: int = 0, **overrides) -> Path:
@@ -111,6 +154,16 @@ def exported(tmp_path_factory, model_folders):
         return _EXPORTS[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def qwen2_exports(exported, model_folders, tmp_path_factory):
+    """Qwen2 (MHA, q/k/v biases; issue 24): {"folder", "shared": ``exported("qwen2")``, "per-beam": HF's layout}."""
+    from exporter.export import export_model
+
+    per_beam = export_model(str(model_folders["qwen2"]), tmp_path_factory.mktemp("qwen2") / "per-beam", quiet=True,
+                            prompt_cache="per-beam")
+    return {"folder": model_folders["qwen2"], "shared": exported("qwen2"), "per-beam": per_beam}
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,8 @@ def _spec(name, family, seed, shared=False, ci=False, **overrides) -> ModelSpec:
     return ModelSpec(name, family, seed, items, shared, ci)
 
 
-DECODER_ONLY = ("gpt2", "opt")
+ROPE_DECODER_ONLY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox")  # issue 24
+DECODER_ONLY = ("gpt2", "opt") + ROPE_DECODER_ONLY
 
 SPECS = (
     # conftest's models (their baseline exports are shared with the rest of the suite)
@@ -108,6 +109,24 @@ SPECS = (
           begin_suppress_tokens=[2, 9]),
 )
 
+# issue 24: the RoPE decoder-only families (conftest's tiny models, and peaked variants; Llama in the CI slice:
+# GQA with Llama 3's rotary scaling, the prompt shared by the beams)
+SPECS = SPECS + (
+    _spec("llama", "llama", 0, shared=True, ci=True),
+    _spec("mistral", "mistral", 0, shared=True),  # MQA (sliding window 40: runs stay within it)
+    _spec("qwen2", "qwen2", 0, shared=True),  # MHA, q/k/v biases, tied
+    _spec("qwen3", "qwen3", 0, shared=True),
+    _spec("phi3", "phi3", 0, shared=True),
+    _spec("gemma", "gemma", 0, shared=True),
+    _spec("gpt_neox", "gpt_neox", 0, shared=True),
+    # peaked, MHA (slim applies), short rotary wavelengths, odd head count
+    _spec("llama-peaked-mha", "llama", 8, vocab_size=96, hidden_size=24, num_attention_heads=3, num_key_value_heads=3,
+          intermediate_size=40, initializer_range=0.3, rope_theta=100.0),
+    # peaked GQA with linear rotary scaling, biases (Qwen2)
+    _spec("qwen2-peaked-linear", "qwen2", 9, vocab_size=80, num_key_value_heads=2, initializer_range=0.25,
+          rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}),
+)
+
 BASE_PASS_SETS = ("", "el", "slim=skip-bad", "slim-cross=skip-bad", "slim-cross=skip-bad,slim=skip-bad",
                   "el,slim=skip-bad")
 
@@ -115,9 +134,19 @@ BASE_PASS_SETS = ("", "el", "slim=skip-bad", "slim-cross=skip-bad", "slim-cross=
 def pass_sets(spec: ModelSpec) -> tuple:
     """The non-ngram pass sets that apply to ``spec`` (slim variants need square W_K; decoder-only models
     take el-self only: the other passes refuse them)."""
+    if spec.family in ROPE_DECODER_ONLY:  # slim: MHA only (it refuses GQA/MQA); el-self refuses RoPE
+        return ("", "slim=skip-bad") if rope_mha(spec) else ("",)
     if spec.family in DECODER_ONLY:
         return ("", "el-self")
     return tuple(p for p in BASE_PASS_SETS if spec.square or "slim" not in p)
+
+
+def rope_mha(spec: ModelSpec) -> bool:
+    """Whether a RoPE spec's model has as many key/value heads as query heads (conftest's defaults + overrides)."""
+    from tests.conftest import ROPE_CONFIGS, rope_config
+
+    config = rope_config(ROPE_CONFIGS[spec.family][2], **spec.config)
+    return config.get("num_key_value_heads", config["num_attention_heads"]) == config["num_attention_heads"]
 
 
 def with_ngram(passes: str, n: int | None) -> str:
@@ -470,7 +499,9 @@ def run_export_example(stats: Stats, pool: ExportPool, spec: ModelSpec, passes: 
 @st.composite
 def random_configs(draw) -> tuple[str, int, dict]:
     """(family, seed, config overrides) of a random tiny model; ``init`` scales the weights (peakedness)."""
-    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper", "gpt2", "opt"])
+    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper", "gpt2", "opt", "rope"])
+    if family == "rope":
+        return rope_config(draw)
     seed = draw(st.integers(0, 10_000), label="model_seed")
     vocab = draw(st.integers(24, 400), label="vocab_size")
     layers = draw(st.integers(1, 2), label="layers")
@@ -511,6 +542,50 @@ def random_configs(draw) -> tuple[str, int, dict]:
                               num_mel_bins=draw(st.sampled_from([4, 8])),
                               suppress_tokens=draw(st.sampled_from([None, [5, 7]]), label="suppress"),
                               begin_suppress_tokens=draw(st.sampled_from([None, [2, 9]]), label="begin_suppress"))
+
+
+def rope_config(draw) -> tuple[str, int, dict]:
+    """A random tiny RoPE decoder-only model (issue 24): MHA, GQA or MQA, a random rotary embedding (type, θ,
+    partial factor where the family reads one), head widths other than d/h (Qwen3, Gemma), HF's special ids."""
+    rnd = draw(uniform(), label="uniform")
+    family = rnd.choice(ROPE_DECODER_ONLY)
+    heads = rnd.choice([1, 2, 3, 4])
+    kv_heads = rnd.choice([d for d in range(1, heads + 1) if heads % d == 0])
+    head_dim = rnd.choice([4, 8])
+    config = dict(vocab_size=draw(st.integers(24, 400), label="vocab_size"), hidden_size=heads * head_dim,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=rnd.choice([8, 32]),
+                  num_hidden_layers=rnd.randint(1, 2), max_position_embeddings=64,
+                  initializer_range=rnd.choice([0.02, 0.2, 0.6]))
+    if family in ("qwen3", "gemma") and rnd.random() < 0.5:
+        config["head_dim"] = 2 * head_dim  # ≠ hidden / heads
+    # Phi-3's config takes only default (or longrope, which elx refuses) rotary types
+    kinds = ["default"] if family == "phi3" else ["default", "default", "linear", "llama3", "yarn"]
+    rope = dict(rope_type=rnd.choice(kinds), rope_theta=rnd.choice([100.0, 10000.0, 1e6]))
+    if rope["rope_type"] != "default":
+        rope["factor"] = rnd.choice([2.0, 8.0])
+    if rope["rope_type"] == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+    if rope["rope_type"] == "yarn":
+        rope["original_max_position_embeddings"] = 16
+    if family in ("phi3", "gpt_neox"):  # an even rotary width of at least 2
+        rope["partial_rotary_factor"] = rnd.choice([f for f in (0.25, 0.5, 1.0) if (head_dim * f) % 2 == 0])
+    config["rope_scaling"] = rope
+    if family == "gpt_neox":  # multi-head only
+        del config["num_key_value_heads"]
+    config.update(ROPE_SPECIALS[family])
+    return family, draw(st.integers(0, 10_000), label="model_seed"), config
+
+
+ROPE_SPECIALS = {family: dict(bos_token_id=1, eos_token_id=2) for family in ROPE_DECODER_ONLY}
+ROPE_SPECIALS.update(gemma=dict(bos_token_id=2, eos_token_id=1, pad_token_id=0),
+                     phi3=dict(bos_token_id=1, eos_token_id=2, pad_token_id=0))
+
+
+def rope_info(family: str, config: dict) -> ModelInfo:
+    """``ModelInfo`` of ``rope_config``'s model without building it (HF pads with the EOS without a pad id)."""
+    pad = config.get("pad_token_id", config["eos_token_id"])
+    return ModelInfo(family, config["vocab_size"], pad, tuple(sorted({pad, config["bos_token_id"],
+                                                                       config["eos_token_id"]})))
 
 
 def build_fp64(family: str, seed: int, config: dict):

@@ -28,7 +28,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from tests.differential import (DECODER_ONLY, EOS_MODES, SPECS, ModelInfo, Stats, batches, decoder_only_lengths,
+from tests.differential import (DECODER_ONLY, EOS_MODES, ROPE_DECODER_ONLY, SPECS, ModelInfo, Stats, batches,
+                                decoder_only_lengths, rope_info,
                                 generation_options, pass_sets, random_configs, run_export_example, run_search_example,
                                 uniform, with_ngram)
 
@@ -120,6 +121,8 @@ def _draw_run(data, family: str, inputs: dict, ngram: int | None = None) -> tupl
 def _info(family: str, config: dict) -> ModelInfo:
     """``ModelInfo`` from a config without building the model (conftest's special tokens per family)."""
     vocab = config["vocab_size"]
+    if family in ROPE_DECODER_ONLY:
+        return rope_info(family, config)
     if family == "gpt2":
         return ModelInfo(family, vocab, vocab - 1, (vocab - 1,))
     if family == "opt":

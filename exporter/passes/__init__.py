@@ -9,7 +9,8 @@
 * ``CONFLICTS``: ``{other pass name: why they cannot be combined}`` (declaring it on one side
   is enough);
 * ``REFUSES`` (optional): ``{model kind: why the pass does not apply to it}``, kinds
-  ``"decoder-only"`` and ``"encoder-decoder"``; ``check_model_kind`` refuses before any work;
+  ``"decoder-only"`` and ``"encoder-decoder"``; ``check_model_kind`` refuses before any work
+  (or ``refuses(family, kind, dims)``, when the family or dims decide);
 * ``apply(folder, manifest, argument) -> dict``: rewrites graph files inside the (temporary)
   export folder, updates the manifest in place, and returns the record stored in the manifest's
   ``passes`` list, which must hold the measured verification error.
@@ -105,11 +106,16 @@ def model_kind(is_encoder_decoder: bool) -> str:
     return "encoder-decoder" if is_encoder_decoder else "decoder-only"
 
 
-def check_model_kind(requests: list[PassRequest], family: str, is_encoder_decoder: bool) -> None:
-    """Refuse passes that do not apply to this kind of model (e.g. cross-attention passes on GPT-2)."""
+def check_model_kind(requests: list[PassRequest], family: str, is_encoder_decoder: bool,
+                     dims: dict | None = None) -> None:
+    """Refuse passes that do not apply to this kind of model (e.g. cross-attention passes on GPT-2).
+
+    A pass module may instead define ``refuses(family, kind, dims) -> reason | None`` (e.g. slim: rotary
+    decoder-only models with as many key/value heads as query heads only)."""
     kind = model_kind(is_encoder_decoder)
     for request in requests:
-        reason = getattr(request.module, "REFUSES", {}).get(kind)
+        hook = getattr(request.module, "refuses", None)
+        reason = hook(family, kind, dims) if hook else getattr(request.module, "REFUSES", {}).get(kind)
         if reason:
             raise ElxError(f"pass {request.name} does not apply to {family} exports ({kind}): {reason}; "
                            f"drop it from --pass")

@@ -85,6 +85,18 @@ from .slim_math import Projection, Unfit
 NAME = "el-self"
 ORDER = 25  # after el (10), slim-cross (15) and slim (20), before ngram (90)
 CONFLICTS = {"slim": "both replace the self-attention K/V cache (slim keeps K only, el-self keeps X)"}
+ROPE = ("RoPE rotates each cached key by its own position (K_n = R_n·(x_n·W_K)), so W_K cannot move to the query "
+        "side as one product (q·W_Kᵀ)·Xᵀ over all keys: EL-attention would recompute every key each step; "
+        "--pass slim keeps the keys before RoPE instead (MHA models)")
+
+
+def refuses(family: str, kind: str, dims: dict | None = None) -> str | None:
+    """el-self applies to every model kind except rotary-position decoder-only models (``ROPE``)."""
+    from ..rope_families import is_rotary
+
+    return ROPE if is_rotary(family) else None
+
+
 PAST = "past_hidden.{}.decoder"
 PRESENT = "present_hidden.{}.decoder"
 SCORE_OPS = ("Mul", "Div", "Add")

@@ -21,14 +21,37 @@ from .slim_math import Projection, Unfit
 
 
 def head_projection(tensor) -> Projection:
-    """``tensor`` = head-split(x·W (+ b)), from a projection of its own or a slice of a fused one."""
+    """``tensor`` = head-split(x·W (+ b)), from a projection of its own or a slice of a fused one (a Split's
+    output, or a Slice of the last axis: Phi-3's ``qkv_proj``)."""
     try:
         return separate_projection(tensor)
     except Unfit as separate:
         try:
             return fused_projection(tensor)
         except Unfit as fused:
-            raise Unfit(f"{separate} (nor a slice of a fused projection: {fused})")
+            try:
+                return sliced_projection(tensor)
+            except Unfit as sliced:
+                raise Unfit(f"{separate} (nor a slice of a fused projection: {fused}; {sliced})")
+
+
+def sliced_projection(tensor) -> Projection:
+    """``tensor`` = head-split(Slice(x·W (+ b), last axis, [c, e))) → the projection's columns c..e."""
+    tensor, chain = head_split(tensor)
+    node = producer(tensor)
+    if node is None or node.op != "Slice" or len(node.inputs) < 4:
+        raise Unfit(f"{tensor.name} is not a Slice of a fused projection")
+    start, end, axes = (constant_value(node.inputs[i]) for i in (1, 2, 3))
+    steps = constant_value(node.inputs[4]) if len(node.inputs) > 4 else np.array([1])
+    if any(v is None or np.size(v) != 1 for v in (start, end, axes, steps)) or int(np.reshape(steps, -1)[0]) != 1:
+        raise Unfit(f"{tensor.name} is not a constant step-1 Slice of one axis")
+    product, _ = _restored_rows(node.inputs[0])
+    weight, bias, x = _linear(product)
+    if int(np.reshape(axes, -1)[0]) not in (-1, 2):
+        raise Unfit(f"{tensor.name} slices axis {int(np.reshape(axes, -1)[0])}, not the projection's last")
+    width = weight.shape[1]
+    cols = slice(*slice(int(np.reshape(start, -1)[0]), int(np.reshape(end, -1)[0])).indices(width)[:2])
+    return Projection(x, weight[:, cols], None if bias is None else bias[cols], chain)
 
 
 def fused_projection(tensor) -> Projection:

@@ -80,9 +80,25 @@ from .slim_math import COND_LIMIT, FP16_NOTE, Analysis, Projection, Unfit, analy
 
 NAME = "slim"
 ORDER = 20
-REFUSES = {"decoder-only": "its K-only rewrite is built for encoder-decoder step graphs (separate K and V "
-                           "projections); decoder-only graphs (GPT-2's fused c_attn) are not supported yet"}
 CONFLICTS: dict = {}
+
+
+def refuses(family: str, kind: str, dims: dict | None = None) -> str | None:
+    """Why slim does not apply to a model (``passes.check_model_kind``): decoder-only models without rotary
+    positions, and GQA/MQA models (``slim_rope.py``: V is no function of K there)."""
+    from ..rope_families import is_rotary
+
+    if kind == "encoder-decoder":
+        return None
+    if not is_rotary(family):
+        return ("its decoder-only rewrite is for models with rotary positions (Llama-family: the K cache kept "
+                "before RoPE); GPT-2/OPT graphs are not supported")
+    heads, kv = (dims or {}).get("num_heads"), (dims or {}).get("num_kv_heads")
+    if heads and kv and kv != heads:
+        from .slim_rope import GQA
+
+        return GQA.format(kv=kv, heads=heads)
+    return None
 
 
 # -- graph structure ---------------------------------------------------------------------------------
@@ -248,8 +264,11 @@ def rewrite(graph: gs.Graph, layers: list[SelfLayer]) -> None:
         out = values_from_keys(build, layer.pv.inputs[0], tensors[layer.key_output], a.w_kv, a.c,
                                f"layer{layer.index}")
         replace_with(layer.pv, out)
-    removed_in = {layer.value_input for layer in layers}
-    removed_out = {layer.value_output for layer in layers}
+    drop_values(graph, {layer.value_input for layer in layers}, {layer.value_output for layer in layers})
+
+
+def drop_values(graph: gs.Graph, removed_in: set, removed_out: set) -> None:
+    """The value inputs/outputs leave the graph, and with them every node only they fed."""
     graph.inputs = [t for t in graph.inputs if t.name not in removed_in]
     graph.outputs = [t for t in graph.outputs if t.name not in removed_out]
     graph.cleanup(remove_unused_graph_inputs=False)
@@ -328,6 +347,10 @@ def _candidate(manifest: Manifest, graph_file: str, layers: list[SelfLayer]) -> 
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     refuse_twice(manifest, NAME)
+    if not manifest.data.get("is_encoder_decoder", True):  # RoPE models: keys cached before RoPE
+        from .slim_rope import apply as apply_rope
+
+        return apply_rope(folder, manifest, argument)
     skip_bad = parse_argument(argument)
     layers = self_layers(manifest)
     if not layers:

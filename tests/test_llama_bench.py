@@ -1,0 +1,47 @@
+"""Decoder-only peers of ``elx bench`` (exporter/bench_peers.py) on a tiny Llama (head width 16: GenAI's
+GroupQueryAttention kernel needs a multiple of 16).  Each skips with the reason when its package is missing."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from exporter.bench import BenchSettings
+from exporter.bench_peers import make_peer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from exporter.sources import resolve_model
+    from tests.conftest import make_model_folder
+
+    root = tmp_path_factory.mktemp("peers")
+    folder = make_model_folder(root, "llama", seed=3, hidden_size=64, initializer_range=0.2)
+    model = resolve_model(str(folder)).model
+    ids = np.random.default_rng(0).integers(3, 128, (3, 9))
+    mask = np.ones((3, 9), np.int64)
+    mask[1, :3] = mask[2, :5] = 0
+    ids[mask == 0] = 2  # HF pads with the EOS without a pad token
+    return model, {"input_ids": ids, "attention_mask": mask}, {"model": str(folder)}, root
+
+
+@pytest.mark.parametrize("peer,package", [("ort-genai", "onnxruntime_genai"), ("ct2", "ctranslate2")])
+def test_peer_runs_in_hfs_layout(tiny, peer, package, beams=3):
+    """The peer converts the weights, generates the forced number of tokens, and returns HF's layout (the
+    left-padded prompt, then the new tokens).  GenAI's rows without padding are HF's; its left-padded rows and
+    CTranslate2's differ (the bench reports tokens = HF per system)."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed (pip install 'elx[bench]')")
+    model, inputs, source, root = tiny
+    settings = BenchSettings(batch_size=3, input_length=9, num_beams=beams, new_tokens=6, repeats=1)
+    out = make_peer(peer, model, source, root / "work", settings).generate(inputs, settings)
+    with torch.no_grad():
+        hf = model.generate(**{k: torch.from_numpy(v) for k, v in inputs.items()}, **settings.generation()).numpy()
+    assert out.shape == hf.shape == (3, 15)
+    np.testing.assert_array_equal(out[:, :9], inputs["input_ids"])
+    if peer == "ort-genai":
+        np.testing.assert_array_equal(out[0], hf[0])  # no padding in row 0

@@ -187,7 +187,8 @@ def cmd_generate(args) -> int:
     elif args.audio:
         source = {"audio": args.audio}
     else:
-        raise ElxError("nothing to generate from; pass --input-ids, --text or --audio")
+        raise ElxError("nothing to generate from; pass --input-ids, --text or --audio, or a dataset with "
+                       "--input-file IN --output-file OUT")
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
     if generator.manifest.data.get("source", {}).get("random_init"):
         print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",

@@ -379,7 +379,8 @@ def add_build_engine_parser(sub) -> None:
     p.add_argument("--ngram", choices=["auto", "engine", "host"], default="auto",
                    help="--pass ngram exports: blocking in the engine (plugin) or on the host (auto: engine if it can)")
     p.add_argument("--quiet", action="store_true",
-                   help="print nothing (default: a progress bar on a terminal, one line per engine otherwise)")
+                   help="no progress (default: a bar on a terminal, one line per engine otherwise); the engines "
+                        "folder is still printed")
     p.set_defaults(run=cmd_build_engine)
 
 
@@ -390,8 +391,7 @@ def cmd_build_engine(args) -> int:
                         max_beams=args.max_beams, max_input_length=args.max_input_length,
                         max_new_tokens=args.max_new_tokens, runtime=args.runtime,
                         compute_capabilities=args.compute_capability, ngram=args.ngram, progress=_progress(args))
-    if not args.quiet:
-        print(f"wrote {path}")
+    print(f"wrote {path}")
     return 0
 
 

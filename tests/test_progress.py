@@ -125,5 +125,6 @@ def test_build_engine_plain_lines_and_quiet(exported, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert stage_names(err, "elx build-engine") == ["decoder engine", "encoder engine", "cross_kv engine",
                                                     "write engines and manifest"]
+    assert out == f"wrote {folder / 'engines'}\n"
     assert elx_run(common + ["--quiet"]) == 0
-    assert capsys.readouterr() == ("", "")
+    assert capsys.readouterr() == (f"wrote {folder / 'engines'}\n", "")  # the result, no progress

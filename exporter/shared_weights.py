@@ -26,10 +26,11 @@ with-past and a without-past decoder):
   data file (``X.onnx.data``, written for graphs above protobuf's 2 GB) is folded in and removed.
 
 Memory: this halves the disk, not what ONNX Runtime holds: each session keeps its own prepacked
-copy of its MatMul weights (measured on GPT-2: a loaded ``Generator`` went from 1.41 to 0.98 GB
-resident, because the graph protos no longer carry the weights; sharing initializers between the
-sessions with ``SessionOptions.add_initializer`` made it 1.29 GB, as each session still prepacks its
-own copy; ``session.disable_prepacking`` brought it to 0.32 GB but doubled the decoder step's time).
+copy of its MatMul weights (measured on GPT-2: loading a ``Generator`` grew the resident set by 984
+MiB instead of 1461, because the graph protos no longer carry the weights; sharing initializers between
+the two sessions with ``SessionOptions.add_initializer`` made it 1290 MiB, as each session still
+prepacks its own copy; ``session.disable_prepacking`` brought it to 315 MiB but doubled the decoder
+step's time).
 A prepacked-weights container shared by the sessions is ONNX Runtime C API only.
 
 Layout: tensors start at a multiple of 64 bytes, those of a page (4096 bytes) or more at a page

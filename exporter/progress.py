@@ -33,8 +33,8 @@ from runners.errors import ElxError
 
 MODES = ("auto", "bar", "plain", "none")
 REFRESH_SECONDS = 1.0
-# ETA weights of the export stages: about the seconds each took for t5-small on the project's 2-core VM
-# (issue 27's measurements); nothing but the ETA reads them
+# ETA weights of the export stages: rough seconds per stage for t5-small on the project's 2-core VM (the
+# graphs measured at 50, 4 and 60-67 s, verification and a pass at 15-35 s; fp16 estimated); only the ETA reads them
 WEIGHTS = {"load": 8, "encoder": 50, "cross_kv": 4, "decoder": 60, "prefill": 60, "verify": 15, "pass": 30,
            "fp16": 30, "store": 3, "write": 1}
 

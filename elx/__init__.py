@@ -21,18 +21,21 @@ __all__ = ["ElxError", "Generator", "build_engine", "export", "generate_file", "
 
 
 def export(model: str, output, *, passes: str | None = None, random_init: bool = False, seed: int = 0,
-           force: bool = False, quiet: bool = True, precision: str = "fp32", prompt_cache: str | None = None):
+           force: bool = False, quiet: bool = False, precision: str = "fp32", prompt_cache: str | None = None,
+           progress=None):
     """Export ``model`` (a local HF folder, a hub id in the local cache, or with ``random_init`` a preset) to
     ``output``: ONNX graphs + ``manifest.json``, passes applied and verified. Returns the folder's path.
     ``precision="fp16"`` converts the verified fp32 graphs last and checks them (``exporter/precision.py``).
     ``prompt_cache`` (decoder-only models): ``"shared"`` (default: the prompt's K/V once per input, read by
-    all beams) or ``"per-beam"`` (HF's layout).
+    all beams) or ``"per-beam"`` (HF's layout).  ``progress``: None (default) shows a bar on stderr when it
+    is a terminal and nothing otherwise; True also prints one line per stage when it is not; False (or
+    ``quiet=True``) prints nothing (``exporter/progress.py``).  ``elx.build_engine`` takes the same.
 
     Needs the export extra (PyTorch, transformers): ``pip install 'elx[export]'``."""
     from exporter.export import export_model
 
     return export_model(model, output, random_init=random_init, passes=passes, seed=seed, force=force, quiet=quiet,
-                        precision=precision, prompt_cache=prompt_cache)
+                        precision=precision, prompt_cache=prompt_cache, progress=progress)
 
 
 def __getattr__(name: str):

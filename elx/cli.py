@@ -153,15 +153,21 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", help="fp32 (default) or fp16: weight MatMuls, caches and per-input "
                                                        "state in fp16, checked against fp32 (exporter/precision.py)")
     p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true",
+                   help="print nothing (default: a progress bar on a terminal, one line per stage otherwise)")
+
+
+def _progress(args) -> str:
+    """Progress of a long command (exporter/progress.py): a bar on a terminal, plain lines in logs, none with --quiet."""
+    return "none" if args.quiet else "auto"
 
 
 def cmd_export(args) -> int:
     from exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
-                 force=args.force, quiet=args.quiet, precision=args.precision,
-                 prompt_cache=args.prompt_cache)
+                 force=args.force, precision=args.precision, prompt_cache=args.prompt_cache,
+                 progress=_progress(args))
     return 0
 
 
@@ -181,7 +187,8 @@ def cmd_generate(args) -> int:
     elif args.audio:
         source = {"audio": args.audio}
     else:
-        raise ElxError("nothing to generate from; pass --input-ids, --text or --audio")
+        raise ElxError("nothing to generate from; pass --input-ids, --text or --audio, or a dataset with "
+                       "--input-file IN --output-file OUT")
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
     if generator.manifest.data.get("source", {}).get("random_init"):
         print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",
@@ -245,7 +252,7 @@ def cmd_compare(args) -> int:
     from runners.manifest import Manifest
 
     report = compare(args.folder, batch_size=args.batch_size, input_length=args.input_length, seed=args.seed,
-                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device, timed=True,
+                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device,
                      **generation_options(args))
     print(format_report(report, Manifest.load(args.folder).pass_names()))
     return 0 if report.passed else 1
@@ -265,7 +272,9 @@ QUICK = dict(model="t5-tiny", batch_size=2, input_length=32, num_beams=2, new_to
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side speed/memory: HF generate, elx pass sets, peers")
     p.add_argument("--model", help="preset (with --random-init) or local HF folder (default t5-small)")
-    p.add_argument("--random-init", action="store_true", help="seeded random weights (the default for presets)")
+    p.add_argument("--random-init", action="store_true",
+                   help="build the --model preset with seeded random weights (needed for presets, as in elx export; "
+                        "without --model the bench runs t5-small with random weights)")
     p.add_argument("--pass-sets", default="baseline|el",
                    help="pass sets separated by spaces or '|', e.g. 'baseline|el|slim|el,slim'")
     p.add_argument("--prompt-cache", default=None,
@@ -274,7 +283,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--input-length", type=positive_int, default=256,
                    help="input tokens of the longest row; the others are shorter, right-padded (default 256)")
     p.add_argument("--num-beams", type=positive_int, default=4, help="beams (default 4)")
-    p.add_argument("--new-tokens", type=positive_int, default=32, help="forced: min = max new tokens")
+    p.add_argument("--new-tokens", type=positive_int, default=32,
+                   help="generated tokens per input, forced (min = max new tokens; default 32)")
     p.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0, help="n-gram blocking (default 0: off)")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed rounds after the warm-up, systems interleaved; the median is reported (default 3)")
@@ -293,6 +303,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--work", default="out/bench", help="where exports are cached and results written")
     p.add_argument("--quick", action="store_true",
                    help="a ~1 minute smoke run (t5-tiny, small shapes, one repeat): labelled so, not a measurement")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (default: a bar on a terminal, one line per stage and round otherwise); the "
+                        "results are still printed")
     p.set_defaults(run=cmd_bench)
 
 
@@ -304,7 +317,7 @@ def _pass_sets(text: str) -> list[str]:
 def cmd_bench(args) -> int:
     from exporter.bench import BenchSettings, ensure_engines, ensure_exports, markdown_table, run_bench
     from exporter.bench_peers import parse_peers
-    from exporter.bench_sweeps import require_matplotlib, sweep_beam, sweep_budget, sweep_input
+    from exporter.bench_sweeps import plot_bench, require_matplotlib, sweep_beam, sweep_budget, sweep_input
 
     peers = parse_peers(args.peers + (",ct2" if args.ct2 else ""))
     if args.sweep != "none":
@@ -325,23 +338,26 @@ def cmd_bench(args) -> int:
     if settings.backend == "tensorrt" and settings.device != "cuda":
         raise ElxError("--backend tensorrt runs engines on an NVIDIA GPU; add --device cuda")
     forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
-    folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms)
+    progress = _progress(args)
+    folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms,
+                             quiet=args.quiet, progress=progress)
     if settings.backend == "tensorrt":
-        ensure_engines(folders, settings)
+        ensure_engines(folders, settings, quiet=args.quiet, progress=progress)
     out = work / "results"
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep in ("none", "all"):
-        report = run_bench(folders, settings, peer_names=peers, work=work)
+        report = run_bench(folders, settings, peer_names=peers, work=work, progress=progress)
         table = markdown_table(report)
         (out / "bench.json").write_text(json.dumps(report, indent=1))
         (out / "bench.md").write_text(table + "\n")
         print(table)
+        print(plot_bench(report, out / "bench.png"))
     if args.sweep in ("input", "all"):
-        print(f"wrote {sweep_input(folders, settings, out, peers=peers)}")
+        print(f"wrote {sweep_input(folders, settings, out, peers=peers, progress=progress)}")
     if args.sweep in ("beam", "all"):
-        print(f"wrote {sweep_beam(folders, settings, out, peers=peers)}")
+        print(f"wrote {sweep_beam(folders, settings, out, peers=peers, progress=progress)}")
     if args.sweep in ("budget", "all"):
-        print(f"wrote {sweep_budget(folders, settings, out, args.budget_mb)}")
+        print(f"wrote {sweep_budget(folders, settings, out, args.budget_mb, progress=progress)}")
     print(f"results in {out}")
     return 0
 
@@ -362,7 +378,9 @@ def add_build_engine_parser(sub) -> None:
                                                 "(default 8.0,8.6,8.9,12.0)")
     p.add_argument("--ngram", choices=["auto", "engine", "host"], default="auto",
                    help="--pass ngram exports: blocking in the engine (plugin) or on the host (auto: engine if it can)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (default: a bar on a terminal, one line per engine otherwise); the engines "
+                        "folder is still printed")
     p.set_defaults(run=cmd_build_engine)
 
 
@@ -372,7 +390,7 @@ def cmd_build_engine(args) -> int:
     path = build_engine(args.folder, precision=args.precision, max_batch_size=args.max_batch_size,
                         max_beams=args.max_beams, max_input_length=args.max_input_length,
                         max_new_tokens=args.max_new_tokens, runtime=args.runtime,
-                        compute_capabilities=args.compute_capability, ngram=args.ngram, quiet=args.quiet)
+                        compute_capabilities=args.compute_capability, ngram=args.ngram, progress=_progress(args))
     print(f"wrote {path}")
     return 0
 
@@ -403,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-length", type=positive_int, default=32,
                    help="longest random input in tokens (others shorter, padded; default 32)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the random inputs (default 0)")
-    p.add_argument("--atol", type=positive_float, default=1e-4,
-                   help="tolerance of the teacher-forced logits and encoder output diffs (default 1e-4, fp32)")
+    p.add_argument("--atol", type=positive_float, default=None,
+                   help="tolerance of the teacher-forced logits and encoder output diffs (default: the export's own: "
+                        "1e-4 for fp32; for fp16 D·u times max |logit|, as its manifest's fp16 check applied it)")
     add_generation_options(p)
     p.set_defaults(run=cmd_compare)
 

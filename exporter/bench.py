@@ -56,6 +56,8 @@ from runners.generate import Generator
 from runners.inputs import random_inputs
 from runners.manifest import Manifest
 
+from .progress import Progress, say
+
 
 @dataclass
 class BenchSettings:
@@ -175,12 +177,17 @@ def round_orders(names: list[str], repeats: int, seed: int = 0) -> list[list[str
     return [list(names) if r == 0 else [names[i] for i in rng.permutation(len(names))] for r in range(repeats)]
 
 
-def timed_rounds(fns: dict, repeats: int, seed: int = 0) -> dict:
-    """Seconds of each system's call (name → fn) in each of ``repeats`` interleaved rounds (``round_orders``)."""
+def timed_rounds(fns: dict, repeats: int, seed: int = 0, progress: Progress | None = None) -> dict:
+    """Seconds of each system's call (name → fn) in each of ``repeats`` interleaved rounds (``round_orders``);
+    each round is a ``progress`` stage (its line lists the round's times)."""
+    progress = progress or Progress("elx bench", progress="none")
     seconds = {name: [] for name in fns}
-    for order in round_orders(list(fns), repeats, seed):
-        for name in order:
-            seconds[name].append(_timed(fns[name]))
+    for r, order in enumerate(round_orders(list(fns), repeats, seed)):
+        with progress.stage(f"round {r + 1} of {repeats}", len(order), steps=len(order)) as stage:
+            for i, name in enumerate(order):
+                seconds[name].append(_timed(fns[name]))
+                stage.step(order[i + 1] if i + 1 < len(order) else None)
+            stage.detail = ", ".join(f"{name} {seconds[name][-1]:.2f} s" for name in order)
     return seconds
 
 
@@ -290,9 +297,10 @@ def _ffn_of(config) -> tuple[int, bool]:
 
 
 def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Path, seed: int = 0,
-                   quiet: bool = True, prompt_caches: list | None = None) -> list[Path]:
+                   quiet: bool = True, prompt_caches: list | None = None, progress=None) -> list[Path]:
     """Export ``model`` once per pass set (and, for decoder-only models, prompt cache form: None is the
-    default, shared) into ``work``; reused when an export with the same source exists."""
+    default, shared) into ``work``; reused when an export with the same source exists.  ``progress``: the
+    exports' stages (``exporter/progress.py``; ``quiet`` says nothing), and a line per reused export."""
     from exporter.export import export_model
 
     folders = []
@@ -310,18 +318,29 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
                         and source.get("seed") == (seed if random_init else None)
                         and sorted(p["name"] for p in data.get("passes", [])) == wanted
                         and kind == {None: kind, "shared": "beam-shared", "per-beam": "per-beam"}[form]):
+                    if not quiet:
+                        say(f"elx bench: reusing the export {folder}", progress)
                     folders.append(folder)
                     continue
             folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
-                                        force=True, quiet=quiet, prompt_cache=form))
+                                        force=True, quiet=quiet, prompt_cache=form, progress=progress))
     return folders
 
 
 def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str] = (), work: Path | None = None,
-              log=print, peers: dict | None = None) -> dict:
+              log=None, peers: dict | None = None, progress=None) -> dict:
     """One bench run: HF generate, an elx runner per folder, the peers named in ``peer_names`` (of
     ``bench_peers.PEERS``, converted here) and ``peers``: more systems, name → ``fn(inputs) -> sequences``
-    in HF's layout, timed in the same rounds."""
+    in HF's layout, timed in the same rounds.  ``progress``: its stages (measuring the machine, loading,
+    converting peers, the warm-up, each round) as a bar, plain lines or nothing (``exporter/progress.py``);
+    ``log`` (default: a progress line) says which peers were skipped."""
+    systems_count = 1 + len(folders) + len(peer_names) + len(peers or {})
+    with Progress("elx bench", 2 + 2 + 5 * len(peer_names) + systems_count * (1 + settings.repeats),
+                  progress) as report:
+        return _run_bench(folders, settings, peer_names, work, log or report.say, peers, report)
+
+
+def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, report: Progress) -> dict:
     import torch
 
     from exporter.bench_peers import PeerUnavailable, make_peer
@@ -329,15 +348,18 @@ def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    # both peaks first, before models fill the memory and the caches
-    peak = matmul_peak(settings.threads) if settings.device == "cpu" else _cuda_matmul_peak()
-    bandwidth = read_bandwidth(settings.device)
-    generators = [generator_for(f, settings) for f in folders]
-    manifest: Manifest = generators[0].manifest
-    for g in generators[1:]:
-        if g.manifest.data["source"] != manifest.data["source"]:
-            raise ElxError("all bench folders must come from the same model export source")
-    model = reload_model(manifest.data["source"]).to(settings.device)
+    with report.stage("matmul peak and read bandwidth of this machine", 2) as stage:
+        # both peaks first, before models fill the memory and the caches
+        peak = matmul_peak(settings.threads) if settings.device == "cpu" else _cuda_matmul_peak()
+        bandwidth = read_bandwidth(settings.device)
+        stage.detail = f"{peak / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s"
+    with report.stage("load the elx runners and the PyTorch model", 2):
+        generators = [generator_for(f, settings) for f in folders]
+        manifest: Manifest = generators[0].manifest
+        for g in generators[1:]:
+            if g.manifest.data["source"] != manifest.data["source"]:
+                raise ElxError("all bench folders must come from the same model export source")
+        model = reload_model(manifest.data["source"]).to(settings.device)
     inputs = random_inputs(manifest, settings.batch_size, settings.input_length, np.random.default_rng(settings.seed))
     t_inputs = {k: torch.from_numpy(v).to(settings.device) for k, v in inputs.items()}
     options = settings.generation()
@@ -359,7 +381,9 @@ def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str
     skipped = {}
     for peer_name in peer_names:
         try:
-            peer = make_peer(peer_name, model, manifest.data["source"], Path(work or "out/bench") / "peers", settings)
+            with report.stage(f"peer {peer_name} (convert or reuse its model)", 5):
+                peer = make_peer(peer_name, model, manifest.data["source"], Path(work or "out/bench") / "peers",
+                                 settings)
         except PeerUnavailable as err:
             skipped[peer_name] = str(err)
             log(f"bench: peer {peer_name} skipped: {err}")
@@ -370,25 +394,30 @@ def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str
         systems[name] = ((lambda fn=fn: fn(inputs)), None)
 
     results, reference = {}, None
-    for name, (fn, gen) in systems.items():  # warm-up: tokens and live state
-        result = SystemResult(name)
-        with RssSampler() as rss:
-            tokens = fn()
-        result.peak_rss_growth = rss.growth
-        if reference is None:
-            reference = tokens
-        result.tokens_equal_hf = bool(tokens.shape == reference.shape and np.array_equal(tokens, reference))
-        if gen is not None:
-            tracked = gen.generate(inputs, track_memory=True, **options).memory
-            result.state_bytes = max(m["state_bytes"] for m in tracked)
-            result.cache_bytes = max(m["cache_bytes"] for m in tracked)
-        if name != "HF generate (PyTorch)" and gen is None and settings.no_repeat_ngram_size \
-                and not result.tokens_equal_hf:
-            result.note = "n-gram blocking semantics differ from HF's"
-        results[name] = result
+    names = list(systems)
+    with report.stage("warm-up (tokens and live state)", len(names), steps=len(names)) as stage:
+        for i, (name, (fn, gen)) in enumerate(systems.items()):  # warm-up: tokens and live state
+            result = SystemResult(name)
+            with RssSampler() as rss:
+                tokens = fn()
+            result.peak_rss_growth = rss.growth
+            if reference is None:
+                reference = tokens
+            result.tokens_equal_hf = bool(tokens.shape == reference.shape and np.array_equal(tokens, reference))
+            if gen is not None:
+                tracked = gen.generate(inputs, track_memory=True, **options).memory
+                result.state_bytes = max(m["state_bytes"] for m in tracked)
+                result.cache_bytes = max(m["cache_bytes"] for m in tracked)
+            if name != "HF generate (PyTorch)" and gen is None and settings.no_repeat_ngram_size \
+                    and not result.tokens_equal_hf:
+                result.note = "n-gram blocking semantics differ from HF's"
+            results[name] = result
+            stage.step(names[i + 1] if i + 1 < len(names) else None)
+        same = sum(bool(r.tokens_equal_hf) for r in results.values()) - 1
+        stage.detail = f"{same} of {len(names) - 1} systems give HF's tokens"
     # timed rounds: no sampler thread (it would contend for the GIL)
     for name, seconds in timed_rounds({n: fn for n, (fn, _) in systems.items()}, settings.repeats,
-                                      settings.seed).items():
+                                      settings.seed, report).items():
         results[name].seconds = seconds
     ffn, gated = _ffn_of(model.config)
     if manifest.data.get("is_encoder_decoder", True):
@@ -415,8 +444,9 @@ def generator_for(folder: Path, settings: BenchSettings) -> Generator:
     return Generator.from_folder(folder, backend=settings.backend, device=settings.device, threads=settings.threads)
 
 
-def ensure_engines(folders: list[Path], settings: BenchSettings, quiet: bool = False) -> None:
-    """TensorRT engines for every bench folder that has none, with profiles covering the bench's shapes."""
+def ensure_engines(folders: list[Path], settings: BenchSettings, quiet: bool = False, progress=None) -> None:
+    """TensorRT engines for every bench folder that has none, with profiles covering the bench's shapes
+    (``progress``: the builds' stages, ``exporter/progress.py``)."""
     if settings.device != "cuda":
         raise ElxError("--backend tensorrt runs engines on an NVIDIA GPU; add --device cuda")
     from .tensorrt_build import build_engine
@@ -424,7 +454,8 @@ def ensure_engines(folders: list[Path], settings: BenchSettings, quiet: bool = F
     for folder in folders:
         if not Manifest.load(folder).data.get("engines"):
             build_engine(folder, max_batch_size=settings.batch_size, max_beams=settings.num_beams,
-                         max_input_length=settings.input_length, max_new_tokens=settings.new_tokens, quiet=quiet)
+                         max_input_length=settings.input_length, max_new_tokens=settings.new_tokens, quiet=quiet,
+                         progress=progress)
 
 
 def _ratio(value) -> str:
@@ -454,6 +485,35 @@ def describe(report: dict, without: str | None = None) -> str:
     return (SMOKE + ": " + text) if s.get("smoke") else text
 
 
+def peer_lead_note(report: dict) -> str | None:
+    """Why a peer beats every elx system in this run, in numbers (None when none does).
+
+    At small shapes the model's arithmetic is a sliver of each step: the time is fixed per-step cost, and
+    elx pays it in Python (its search loop calls ONNX Runtime for the step graph and runs log-softmax, top-k
+    and the cache reorder on the host between calls), where ONNX Runtime's BeamSearch op and CTranslate2 run
+    the whole search in C++."""
+    systems = report["systems"]
+    ours = [s for s in systems if s["system"].startswith("elx")]
+    peers = [s for s in systems if not s["system"].startswith(("elx", "HF generate"))]
+    if not ours or not peers:
+        return None
+    best = min(ours, key=lambda s: s["median_s"])
+    ahead = [p for p in peers if p["median_s"] < best["median_s"]]
+    if not ahead:
+        return None
+    steps = report["settings"]["new_tokens"]
+    lead = ", ".join(f"{p['system']} {best['median_s'] / p['median_s']:.1f}x" for p in ahead)
+    text = (f"why a peer leads here ({lead} ahead of {best['system']}): {best['system']} spent "
+            f"{best['median_s'] / steps * 1e3:.2f} ms per generated token")
+    roof = report.get("roofline")
+    if roof:
+        text += (f", {best['median_s'] / roof['floor_s']:.0f}x this shape's floor of {roof['floor_s'] * 1e3:.2f} ms "
+                 "per generate")
+    return (text + ": the time is fixed per-step cost, not the model's arithmetic; elx runs its search loop in "
+            "Python between ONNX Runtime calls, the peers run theirs in C++. The README's Benchmarks section has "
+            "measured runs at real sizes")
+
+
 def markdown_table(report: dict) -> str:
     roof = report.get("roofline")
     head = (f"{describe(report)}; matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s, read bandwidth "
@@ -466,6 +526,9 @@ def markdown_table(report: dict) -> str:
     head += "\n"
     for name, why in (report.get("skipped_peers") or {}).items():
         head += f"\npeer {name} skipped: {why}\n"
+    note = peer_lead_note(report)
+    if note:
+        head += f"\n{note}\n"
     lines = ["| system | median s | samples/s | tokens/s | vs HF | input state MB | self cache MB | "
              "peak RSS +MB | GFLOP/s | time / floor | tokens = HF |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

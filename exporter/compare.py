@@ -14,7 +14,8 @@ Two rules decide the verdict (``CompareReport.passed``, exit status 0 only when 
   from elx there proves nothing either way, so such rows are reported as *fragile*, separately,
   and not counted.
 * **Numerics.**  The teacher-forced max abs logits difference (every row, every step) and the
-  encoder output difference must be within ``atol`` (1e-4 in fp32, the export's own tolerance).
+  encoder output difference must be within ``atol``, by default the export's own tolerance
+  (``export_tolerance``: 1e-4 in fp32; an fp16 export's D·u relative to max |logit|).
   A corrupted export can keep emitting HF's tokens on a random model; the logits give it away.
 """
 from __future__ import annotations
@@ -233,6 +234,16 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
     return np.stack(diffs, axis=1), encoder_diff
 
 
+def export_tolerance(manifest) -> float:
+    """The default ``atol``: the export's own tolerance.  fp32: ``TOLERANCE`` (1e-4).  fp16: the manifest's fp16
+    rule (``exporter/precision_check.py``: D·u relative to max |logit|) as the absolute bound the export's final
+    fp16 check applied, ``relative_tolerance × max_abs_reference`` of ``verification.fp16`` (runtime mode)."""
+    if manifest.data.get("precision", "fp32") == "fp32":
+        return TOLERANCE
+    check = manifest.data["verification"]["fp16"]["runtime"]
+    return float(check["relative_tolerance"] * check["max_abs_reference"])
+
+
 def _seconds(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -240,7 +251,7 @@ def _seconds(fn) -> float:
 
 
 def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, threads: int | None = None,
-            inputs: dict | None = None, atol: float = TOLERANCE, check_stability: bool = True,
+            inputs: dict | None = None, atol: float | None = None, check_stability: bool = True,
             backend: str = "ort", device: str = "cpu", timed: bool = False, **options) -> CompareReport:
     """Compare the export in ``folder`` (run by ``backend`` on ``device``) with HF ``generate`` on the CPU
     (see the module docstring for the verdict); ``timed``: see ``compare_loaded``."""
@@ -252,14 +263,16 @@ def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, 
 
 
 def compare_loaded(generator: Generator, model, batch_size: int = 4, input_length: int = 32, seed: int = 0,
-                   inputs: dict | None = None, atol: float = TOLERANCE, variants: HfVariants | None = None,
+                   inputs: dict | None = None, atol: float | None = None, variants: HfVariants | None = None,
                    timed: bool = False, **options) -> CompareReport:
     """``compare`` with the runner and the PyTorch model already loaded (callers that compare many times).
 
-    ``variants`` (built on ``model``) runs the stability rule on rows that differ; None skips it
-    (differing rows then count as failures).  ``timed``: after the compared runs (the warm-ups), one
-    more run of each is timed for the report's speed line; otherwise the report has no timings.
+    ``atol`` None: the export's own tolerance (``export_tolerance``).  ``variants`` (built on ``model``) runs
+    the stability rule on rows that differ; None skips it (differing rows then count as failures).
+    ``timed``: after the compared runs (the warm-ups), one more run of each is timed (``hf_seconds``,
+    ``elx_seconds``: one run each, no ratio is printed; ``elx bench`` measures speed with repeats).
     """
+    atol = export_tolerance(generator.manifest) if atol is None else atol
     settings = generator.settings(**options)
     rules = generator.rules
     hf_options = rules.hf_options(generator.manifest, {k: v for k, v in options.items() if v is not None})
@@ -333,11 +346,7 @@ def format_report(report: CompareReport, passes: list) -> str:
     same = sum(r.identical for r in report.rows)
     fragile, failures = len(report.fragile), len(report.failures)
     lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate; {failures} stable difference(s) "
-                 f"(failures), {fragile} fragile (HF's own eager fp32 / sdpa fp32 / fp64 disagree; not counted)"
-                 + ("" if report.hf_seconds is None else
-                    f"; speed, one warm run each (after a warm-up): HF {report.hf_seconds:.2f} s, elx "
-                    f"{report.elx_seconds:.2f} s ({report.hf_seconds / max(report.elx_seconds, 1e-9):.2f}x; elx bench "
-                    f"measures with repeats)"))
+                 f"(failures), {fragile} fragile (HF's own eager fp32 / sdpa fp32 / fp64 disagree; not counted)")
     numerics = "within" if report.logits_within_tolerance and report.encoder_within_tolerance else "OUTSIDE"
     lines.append(f"numerics {numerics} tolerance {report.atol:g}: teacher-forced max abs logits diff "
                  f"{report.max_logits_diff:.2e}" + ("" if report.encoder_diff is None

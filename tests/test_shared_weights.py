@@ -1,0 +1,158 @@
+"""Each weight is stored once per export folder (exporter/shared_weights.py, issue 27 item 6).
+
+* every large initializer of every graph the manifest lists lives in ``weights.data``, and no two
+  stored ranges hold the same bytes;
+* the file holds nothing else: bytes outside the referenced ranges are alignment zeros, shorter than
+  one alignment step (passes that drop or rewrite graphs leave no orphaned weights);
+* storing weights once changes no output: generation from the folder is bit-identical to the same
+  graphs saved standalone (every tensor inside its own file);
+* the folder holds exactly the files its manifest lists (``--force`` replaces it; nothing else is left).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx.external_data_helper import uses_external_data
+
+from exporter.atomic import check_output
+from exporter.shared_weights import LINE, MIN_BYTES, PAGE, WEIGHTS_FILE, graph_files
+from runners.errors import ElxError
+from runners.manifest import Manifest
+
+
+def stored_ranges(folder: Path) -> tuple[list[tuple[int, int]], int]:
+    """(offset, length) of every external tensor of every graph in the folder, and the tensors counted."""
+    manifest = Manifest.load(folder)
+    ranges, count = [], 0
+    for file in graph_files(manifest):
+        model = onnx.load(str(folder / file), load_external_data=False)
+        for tensor in model.graph.initializer:
+            if uses_external_data(tensor):
+                info = {e.key: e.value for e in tensor.external_data}
+                assert info["location"] == WEIGHTS_FILE, (file, tensor.name, info)
+                ranges.append((int(info["offset"]), int(info["length"])))
+                count += 1
+            else:  # what stays inside a graph is small
+                assert len(tensor.raw_data) < MIN_BYTES, (file, tensor.name)
+    return ranges, count
+
+
+def check_stored_once(folder: Path) -> dict:
+    """The layout rules of the module docstring; returns the manifest's ``weights`` record."""
+    manifest = Manifest.load(folder)
+    ranges, count = stored_ranges(folder)
+    data = (folder / WEIGHTS_FILE).read_bytes()
+    distinct = sorted(set(ranges))
+    blobs = [data[o:o + n] for o, n in distinct]
+    assert all(o + n <= len(data) for o, n in distinct)
+    assert len(set(blobs)) == len(blobs), "two stored ranges hold the same bytes"
+    end = 0
+    for offset, length in distinct:  # ranges never overlap; the gaps are alignment zeros
+        assert offset >= end and offset % (PAGE if length >= PAGE else LINE) == 0
+        gap = data[end:offset]
+        assert gap == b"\0" * len(gap) and len(gap) < PAGE, (end, offset)
+        end = offset + length
+    assert end == len(data), "bytes after the last stored tensor"
+    record = manifest.data["weights"]
+    assert record["bytes"] == len(data) and record["distinct_tensors"] == len(distinct) and record["tensors"] == count
+    for spec in manifest.graphs.values():
+        assert spec["external_data"] == [WEIGHTS_FILE]
+    expected = set(manifest.graph_files()) | {"manifest.json"} | ({"tokenizer"} if (folder / "tokenizer").exists()
+                                                                    else set())
+    assert {p.name for p in folder.iterdir()} == expected
+    return record
+
+
+def standalone_copy(folder: Path, target: Path) -> Path:
+    """The export with every graph saved with its tensors inside it (no shared file)."""
+    shutil.copytree(folder, target)
+    manifest = Manifest.load(target)
+    for file in graph_files(manifest):
+        onnx.save_model(onnx.load(str(folder / file)), str(target / file))
+    (target / WEIGHTS_FILE).unlink()
+    data = json.loads((target / "manifest.json").read_text())
+    for spec in data["graphs"].values():
+        spec["external_data"] = []
+    (target / "manifest.json").write_text(json.dumps(data))
+    return target
+
+
+@pytest.mark.parametrize("family,passes", [("t5", None), ("t5", "el"), ("bart", "ngram=2"), ("gpt2", None)])
+def test_each_weight_is_stored_once(exported, family, passes):
+    check_stored_once(exported(family, passes))
+
+
+def test_graphs_of_one_model_share_their_weights(exported):
+    """GPT-2's prefill and step graphs hold the same weights: the folder stores them once (was twice)."""
+    folder = exported("gpt2")
+    record = check_stored_once(folder)
+    ranges, _ = stored_ranges(folder)
+    per_graph = sum(n for _, n in ranges)  # what each graph would hold on its own
+    assert record["bytes"] < 0.6 * per_graph
+    # the T5 baseline's encoder and decoder read the one shared embedding
+    t5 = Manifest.load(exported("t5"))
+    assert t5.data["weights"]["tensors"] > t5.data["weights"]["distinct_tensors"]
+
+
+@pytest.mark.parametrize("family,passes", [("t5", "el"), ("gpt2", None)])
+def test_storing_weights_once_changes_no_output(exported, tmp_path, family, passes):
+    from runners.generate import Generator
+    from runners.inputs import random_inputs
+
+    folder = exported(family, passes)
+    alone = standalone_copy(folder, tmp_path / "standalone")
+    assert not (alone / WEIGHTS_FILE).exists()
+    results = []
+    for path in (folder, alone):
+        generator = Generator.from_folder(path)
+        inputs = random_inputs(generator.manifest, 3, 9, np.random.default_rng(4))
+        results.append(generator.generate(inputs, num_beams=3, max_new_tokens=6, num_return_sequences=2))
+    assert np.array_equal(results[0].sequences, results[1].sequences)
+    assert np.array_equal(results[0].sequences_scores, results[1].sequences_scores)  # bit for bit
+
+
+def test_passes_leave_no_orphaned_or_duplicated_weights(exported, tmp_path):
+    """A pass on an export whose weights are already shared (bench's cached baseline): the graphs it replaces
+    (cross_kv, the decoder) take their weights with them, the rewrite's new ones are stored once."""
+    from exporter.export import apply_passes
+
+    base = exported("t5")
+    folder = apply_passes(base, tmp_path / "el", "el")
+    check_stored_once(folder)
+    assert "cross_kv" not in Manifest.load(folder).graphs
+    cross_kv = onnx.load(str(Manifest.load(base).graph_path("cross_kv")))
+    dropped = {t.raw_data for t in cross_kv.graph.initializer if len(t.raw_data) >= MIN_BYTES}
+    data = (folder / WEIGHTS_FILE).read_bytes()
+    assert dropped and not any(d in data for d in dropped)  # the cross K/V projections left with their graph
+
+
+def test_graph_data_files_are_folded_in(exported, tmp_path):
+    """A folder whose graphs carry their own ``X.onnx.data`` (graphs above 2 GB, or an older elx) is repacked:
+    the per-graph files go, one shared file stays."""
+    from exporter.shared_weights import store_weights_once
+
+    folder = standalone_copy(exported("t5"), tmp_path / "own-data")
+    manifest = Manifest.load(folder)
+    for spec in manifest.graphs.values():
+        model = onnx.load(str(folder / spec["file"]))
+        onnx.save_model(model, str(folder / spec["file"]), save_as_external_data=True, location=spec["file"] + ".data",
+                        size_threshold=0)
+        spec["external_data"] = [spec["file"] + ".data"]
+    manifest.data["weights"] = store_weights_once(folder, manifest)
+    manifest.save(folder)
+    check_stored_once(folder)
+    assert not list(folder.glob("*.onnx.data"))
+
+
+def test_force_replaces_a_shared_weights_export_and_nothing_else(exported, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(exported("t5"), folder)
+    assert check_output(folder, force=True) == folder  # weights.data is listed by the manifest: elx's own
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(ElxError, match="notes.txt"):
+        check_output(folder, force=True)

@@ -173,9 +173,8 @@ def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH
               batch_size=batch_size, max_tokens_per_batch=max_tokens_per_batch, sort=sort, skip_bad=skip_bad,
               options=options)
     existing = _existing_output(target, run, resume, force)
-    hashed = set(existing.ids[: existing.hashed_ids]) if existing else set()
-    tail = set(existing.ids[existing.hashed_ids:]) if existing else set()  # lines written since the record's last save
-    hashed_digest = tail_digest = 0
+    kept = set(existing.ids) if existing else set()
+    kept_digest = 0
     lines, count = {}, 0
     for record in read_records(source, rules):
         count += 1
@@ -186,13 +185,11 @@ def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH
         if record.error and not skip_bad:
             raise ElxError(f"{where(source, record.line)}: {record.error}; "
                            "fix it or pass --skip-bad (an error line in the output instead)")
-        if record.id in hashed:
-            hashed_digest = add_fingerprint(hashed_digest, record_fingerprint(record))
-        elif record.id in tail:
-            tail_digest = add_fingerprint(tail_digest, record_fingerprint(record))
+        if record.id in kept:
+            kept_digest = add_fingerprint(kept_digest, record_fingerprint(record))
     if existing is not None:
-        _check_resumed(job, existing, hashed_digest)
-        job.start, job.inputs_digest = existing, add_fingerprint(hashed_digest, tail_digest)
+        _check_resumed(job, existing, kept_digest)
+        job.start, job.inputs_digest = existing, kept_digest
     job.remaining = count - len(job.done)
     # audio: features are big and all of one length (30 s), so no sorting window
     job.window = max(window or DEFAULT_WINDOW, batch_size) if sort and not rules.takes_audio else batch_size
@@ -230,7 +227,7 @@ def _existing_output(target: Path, run: dict, resume: bool, force: bool) -> Owne
     return existing
 
 
-def _check_resumed(job: Job, existing: OwnedOutput, hashed_digest: int) -> None:
+def _check_resumed(job: Job, existing: OwnedOutput, kept_digest: int) -> None:
     """The existing lines are of this input: known ids, each once, of the same records as when they were written."""
     for rid in existing.ids:
         if rid not in job.order:
@@ -239,7 +236,7 @@ def _check_resumed(job: Job, existing: OwnedOutput, hashed_digest: int) -> None:
         if rid in job.done:
             raise ElxError(f"{job.output} holds id {rid!r} twice; it was not written by one elx run")
         job.done.add(rid)
-    if hashed_digest != existing.state.inputs:
+    if kept_digest != existing.state.inputs:
         raise ElxError(f"the inputs of {job.input} whose results {job.output} holds are not those they were generated "
                        "from (changed, or another file with the same ids); --resume continues the same inputs: pass "
                        "the first run's --input-file, or --force to replace the output")
@@ -519,6 +516,7 @@ class Writer:
             for record in work.records:
                 self._line(record.index, error_line(record), record_fingerprint(record))
             self.errors += len(work.records)
+            self.file.checkpoint()
             self.progress.update(len(work.records), 0)
             return
         tokens = 0
@@ -527,14 +525,19 @@ class Writer:
                        record_fingerprint(result.record))
             tokens += result.new_tokens
         self.new_tokens += tokens
+        self.file.checkpoint()
         self.progress.update(len(work), tokens)
 
     def write_line(self, index: int, line: str, fingerprint: int, new_tokens: int, error: bool) -> None:
-        """One finished line made elsewhere (the Ray workers); ``fingerprint``: its record's (dataset_run)."""
+        """One finished line made elsewhere (the Ray workers); ``fingerprint``: its record's (dataset_run).  The
+        caller calls ``checkpoint`` after each group of them."""
         self._line(index, line, fingerprint)
         self.errors += int(error)
         self.new_tokens += new_tokens
         self.progress.update(1, new_tokens)
+
+    def checkpoint(self) -> None:
+        self.file.checkpoint()
 
     def close(self) -> None:
         self.file.close()
@@ -605,7 +608,7 @@ class _Stages:
                     try:
                         done = results.get(timeout=0.05)
                     except queue.Empty:
-                        if not threads[1].is_alive() and results.empty():
+                        if finished[1].is_set() and results.empty():
                             return
                         continue
                     if done is _END:
@@ -615,20 +618,38 @@ class _Stages:
                 self.writer_dead.set()
                 self.fail(err)
 
-        threads = [threading.Thread(target=fn, name=f"elx-{fn.__name__}", daemon=True) for fn in (read, compute, write)]
+        # each stage says it has finished through its own Event, not Thread.is_alive()/join(): on Python 3.11 a join
+        # interrupted by a signal's exception can mark a thread that still runs as stopped (the bpo-45274 fix
+        # releases the thread's own state lock), and the stages would then be left running
+        finished = [threading.Event() for _ in range(3)]
+
+        def stage(fn, done: threading.Event):
+            def run_stage():
+                try:
+                    fn()
+                finally:
+                    done.set()
+            return run_stage
+
+        threads = [threading.Thread(target=stage(fn, done), name=f"elx-{fn.__name__}", daemon=True)
+                   for fn, done in zip((read, compute, write), finished)]
         for thread in threads:
             thread.start()
         try:
-            while any(t.is_alive() for t in threads):
-                for thread in threads:
-                    thread.join(timeout=0.1)
+            for done in finished:
+                while not done.wait(0.1):
+                    pass
         except BaseException as err:  # noqa: BLE001 - Ctrl-C, or SIGTERM/SIGHUP as the CLI raises them (Terminated)
             # finish the batch in flight and write what is finished, then re-raise: a thread left inside ONNX
             # Runtime while the interpreter exits aborts the process ("terminate called without an active exception")
             self.fail(err)
             with _interrupts_held():
-                for thread in threads:
-                    thread.join()
+                for done in finished:
+                    while not done.wait(0.1):
+                        pass
+        with _interrupts_held():  # the stages are past their last statement: gone in a moment, and uninterrupted
+            for thread in threads:
+                thread.join()
 
 
 @contextmanager

@@ -17,7 +17,8 @@ Output lines
 line, flushed at once and fsync'd at most every ``FSYNC_SECONDS`` and at the end, so a killed run
 leaves complete lines and at most one torn last line, which ``--resume`` detects (no final newline)
 and drops.  After each fsync the run record beside OUT (``runners/dataset_run.py``) is saved with the
-length and hash of what OUT holds, so that ``--resume`` and ``--force`` touch only files elx wrote.  A
+length and hash of what OUT holds, so that ``--resume`` and ``--force`` touch only files elx wrote (and
+after each batch without the fsync, so that a resumed run redoes at most the batch a kill interrupted).  A
 write that fails (a full disk) cuts OUT back to its last complete line.  Lines are appended as they
 finish (length-sorted batches finish out of input order); after a complete run the file is put into
 input order by writing a sorted copy next to it, fsyncing it and renaming it over the original
@@ -297,11 +298,12 @@ def _write_failed(err: OSError, path: Path, doing: str, then: str) -> ElxError |
 class OutputFile:
     """Append-only JSONL results: one ``os.write`` per line, fsync at most every ``FSYNC_SECONDS`` and on close.
 
-    Each fsync is followed by saving the run record (``runners/dataset_run.py``) with what OUT now provably
-    holds: its length, the SHA-256 of its bytes and the digest of the records of its lines.  ``start``: the
-    existing complete lines to go on after (a torn last line is cut off first); None: a new file, or one that
-    ``--force`` replaces (cut to nothing).  A write that fails (a full disk) cuts the file back to its last
-    complete line and raises a one-line ElxError."""
+    The run record (``runners/dataset_run.py``) holds what OUT provably holds (its length, the SHA-256 of its
+    bytes, the digest of the records of its lines): saved after each batch (``checkpoint``; fsync'd, with OUT
+    fsync'd first, at most every ``FSYNC_SECONDS``, and on close), so a resumed run redoes at most the batch a
+    kill interrupted.  ``start``: the existing lines to go on after (what follows them is cut off first); None:
+    a new file, or one that ``--force`` replaces (cut to nothing).  A write that fails (a full disk) cuts the
+    file back to its last complete line and raises a one-line ElxError."""
 
     def __init__(self, path: Path, record: RunRecord, start: OwnedOutput | None = None):
         self.path, self.record = path, record
@@ -310,12 +312,13 @@ class OutputFile:
         self.inputs = 0  # the caller sets it: the digest of the records of the existing lines
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            if os.fstat(self.fd).st_size != self.size:  # a torn last line, or an elx output being replaced
+            if os.fstat(self.fd).st_size != self.size:  # lines the record does not vouch for, or a replaced output
                 os.ftruncate(self.fd, self.size)
         except BaseException:
             os.close(self.fd)
             raise
-        self.synced = 0.0  # the first sync saves the record at once
+        self.durable = None  # the state of the last fsync
+        self.synced = time.monotonic()
         self.lines = 0
 
     def state(self) -> State:
@@ -333,24 +336,35 @@ class OutputFile:
                 os.ftruncate(self.fd, self.size)  # no torn line left behind
             except OSError:
                 pass
-            raise _write_failed(err, self.path, "writing", "the finished lines are kept: free space, then rerun "
-                                "with --resume") from err
+            raise self._failed(err) from err
         self.size += len(data)
         self.sha256.update(data)
         self.inputs = add_fingerprint(self.inputs, fingerprint)
         self.lines += 1
-        if time.monotonic() - self.synced >= FSYNC_SECONDS:
+
+    def checkpoint(self) -> None:
+        """After a batch's lines: record what OUT holds (with an fsync of both every ``FSYNC_SECONDS``)."""
+        if time.monotonic() - self.synced >= FSYNC_SECONDS or self.durable is None:
             self.sync()
+            return
+        try:
+            self.record.save(self.durable, self.state(), durable=False)
+        except OSError as err:
+            raise self._failed(err) from err
 
     def sync(self) -> None:
         """fsync OUT, then record what it holds (never more than what is on the disk)."""
         try:
             os.fsync(self.fd)
-            self.record.save(self.state())
+            state = self.state()
+            self.record.save(state)
         except OSError as err:
-            raise _write_failed(err, self.path, "writing", "the finished lines are kept: free space, then rerun "
-                                "with --resume") from err
-        self.synced = time.monotonic()
+            raise self._failed(err) from err
+        self.durable, self.synced = state, time.monotonic()
+
+    def _failed(self, err: OSError):
+        return _write_failed(err, self.path, "writing", "the finished lines are kept: free space, then rerun with "
+                             "--resume")
 
     def close(self, sync: bool = True) -> None:
         """fsync and record what OUT holds (``sync``), then close it."""

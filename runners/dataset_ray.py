@@ -215,6 +215,7 @@ def run_on_ray(job: Job, text, *, address=None, actors: int | None = None, ship:
                         raise ElxError(f"{where(job.input, bad['line'])}: {bad['error']}; fix it (finished lines are "
                                        "kept: rerun with --resume) or pass --skip-bad")
                     writer.write_line(int(index), str(line), fingerprints[int(index)], int(new_tokens), bool(error))
+                writer.checkpoint()
     except KeyboardInterrupt as err:
         errors = [err]
     except ElxError as err:

@@ -2,18 +2,22 @@
 
 ``elx generate DIR --input-file IN --output-file OUT`` keeps a small JSON file beside OUT,
 ``.OUT.elx-run.json`` (hidden, like the ``.OUT.lock`` of the run in progress), written before the
-first line and saved again each time OUT is fsync'd (``dataset_io.OutputFile``)::
+first line and saved again after each batch's lines (``dataset_io.OutputFile``)::
 
     {"format": "elx-dataset-run", "version": 1,
      "run": {"export": "<sha256 of DIR/manifest.json and DIR/tokenizer/*>", "settings": {<resolved generation
              settings>}, "backend": "ort", "device": "cpu", "log_softmax": "torch" | "numpy" | null, "lines": 1},
      "input": "IN as given",
-     "states": [{"bytes": N, "sha256": "<sha256 of OUT's first N bytes>", "inputs": "<digest of their records>"}]}
+     "states": [{"bytes": N, "sha256": "<sha256 of OUT's first N bytes>", "inputs": "<digest of their records>"},
+                ...]}
 
 ``--resume`` continues OUT, and ``--force`` replaces it, only when OUT is provably elx's (``owned_output``):
-the record is there, OUT's first ``bytes`` bytes hash to one of its ``states`` (two while the finished
-file is put in order: the file before and after), and whatever follows is complete elx result lines
-(written since the last save) and at most one torn last line (dropped).  So a file elx did not write
+the record is there, OUT's first ``bytes`` bytes hash to one of its ``states``, and whatever follows is
+complete elx result lines and at most one torn last line.  The states: what OUT held at its last fsync
+and what it held after the last batch was written (saved without an fsync: after a kill the page cache
+keeps it, after a power loss the fsync'd state still matches), and, while the finished file is put in
+order, the sorted file.  ``--resume`` keeps the longest matching state's bytes and generates the
+inputs of the lines after it (at most the batch the kill interrupted) again.  So a file elx did not write
 (a user's notes, a copy of IN, an elx output overwritten by something else even with the record left
 beside it) is never truncated, replaced or taken for finished results.  ``--resume`` also needs the
 same run (``run`` equal: the same export and tokenizer, generation settings, backend and log-softmax
@@ -83,7 +87,7 @@ def add_fingerprint(digest: int, fingerprint: int) -> int:
     return (digest + fingerprint) % _MODULUS
 
 
-@dataclass
+@dataclass(frozen=True)
 class State:
     """OUT's first ``bytes`` bytes hash to ``sha256``; ``inputs``: the digest of the records of their lines."""
 
@@ -106,17 +110,19 @@ class RunRecord:
     def path(self) -> Path:
         return record_path(self.output)
 
-    def save(self, *states: State) -> None:
-        """Replace the record on disk (a temporary sibling, fsync'd, renamed over it; removed when that fails)."""
-        self.states = list(states)
+    def save(self, *states: State, durable: bool = True) -> None:
+        """Replace the record on disk (a temporary sibling, renamed over it; removed when that fails); ``durable``:
+        fsync'd first (a power loss keeps the old record or this one, never a torn one)."""
+        self.states = list(dict.fromkeys(states))
         data = {"format": FORMAT, "version": VERSION, "run": self.run, "input": self.input,
                 "states": [s.as_json() for s in self.states]}
         tmp = temp_sibling(self.output, "run")
         try:
             with open(tmp, "w") as f:
                 f.write(json.dumps(data, indent=1) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             with signals_deferred():
                 os.replace(tmp, self.path)
         finally:
@@ -143,20 +149,17 @@ def load_record(output: Path) -> RunRecord | None:
 
 @dataclass
 class OwnedOutput:
-    """An existing OUT that elx wrote, as ``--resume`` continues it."""
+    """An existing OUT that elx wrote, as ``--resume`` continues it: the prefix its run record vouches for."""
 
     record: RunRecord
-    state: State  # the state OUT's bytes matched
-    ids: list  # ids of the complete lines, in file order
-    hashed_ids: int  # how many of them lie within ``state.bytes`` (their records are in ``state.inputs``)
-    size: int  # bytes of complete lines (where a torn last line starts, or the file's size)
+    state: State  # the longest recorded state OUT's bytes match: its first ``state.bytes`` bytes are kept
+    ids: list  # ids of the lines within them, in file order
+    sha256: object  # a hashlib object over those bytes, to go on appending
     file_size: int
-    sha256: object  # a hashlib object over those ``size`` bytes, to go on appending
 
     @property
-    def torn_at(self) -> int | None:
-        """Where a torn last line starts (to cut before appending), else None."""
-        return self.size if self.size < self.file_size else None
+    def size(self) -> int:
+        return self.state.bytes
 
 
 def _not_elx(output: Path, why: str, force: bool) -> ElxError:
@@ -165,40 +168,40 @@ def _not_elx(output: Path, why: str, force: bool) -> ElxError:
 
 
 def owned_output(output: Path, *, force: bool) -> OwnedOutput:
-    """Prove that the existing, non-empty ``output`` is an elx dataset output, or refuse (ElxError, file untouched)."""
+    """Prove that the existing, non-empty ``output`` is an elx dataset output, or refuse (ElxError, file untouched).
+
+    Its first bytes must hash as one of the record's states (the longest that does is kept: its lines' records
+    are in its ``inputs`` digest); what follows must be elx result lines (written after that state was saved: at
+    most the batch in flight when the run was killed) and at most one torn last line.  That tail is not vouched
+    for by the record: ``--resume`` cuts it off and generates those inputs again."""
     record = load_record(output)
     if record is None:
         raise _not_elx(output, f"has no elx run record ({record_path(output).name} beside it): elx did not write it, "
                        "or wrote it elsewhere", force)
-    states = sorted(record.states, key=lambda s: s.bytes)
-    digest, size, matched, ids, hashed, offset = hashlib.sha256(), output.stat().st_size, None, [], 0, 0
+    digest, size, matched, offset = hashlib.sha256(), output.stat().st_size, None, 0
     with open(output, "rb") as f:
-        for state in states:  # hash up to each state's length in turn; the longest matching state wins
+        for state in sorted(record.states, key=lambda s: s.bytes):  # hash up to each state's length in turn
             if state.bytes > size:
                 break
-            chunk = f.read(state.bytes - offset)
-            digest.update(chunk)
+            digest.update(f.read(state.bytes - offset))
             offset = state.bytes
             if digest.hexdigest() == state.sha256:
-                matched = state
+                matched = (state, digest.copy())
         if matched is None:
             raise _not_elx(output, "is not the file its elx run record describes (changed since elx wrote it)", force)
+        state, kept = matched
         f.seek(0)
-        digest, offset = hashlib.sha256(), 0
+        ids, offset = [], 0
         for number, raw in enumerate(f, 1):
-            if not raw.endswith(b"\n"):
-                if offset < matched.bytes:  # cannot happen for a matched state: it ends on a line boundary
-                    raise _not_elx(output, f"line {number} is cut short inside what elx wrote", force)
+            if not raw.endswith(b"\n"):  # a torn last line: the write a kill interrupted
                 break
             rid = _result_id(raw)
             if rid is _NOT_A_RESULT:
                 raise _not_elx(output, f"line {number} is not an elx result line", force)
-            digest.update(raw)
             offset += len(raw)
-            ids.append(rid)
-            if offset <= matched.bytes:
-                hashed += 1
-    return OwnedOutput(record, matched, ids, hashed, offset, size, digest)
+            if offset <= state.bytes:
+                ids.append(rid)
+    return OwnedOutput(record, state, ids, kept, size)
 
 
 _NOT_A_RESULT = object()

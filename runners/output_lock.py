@@ -65,7 +65,11 @@ def _lock_holder(fd: int) -> str:
 def _acquire(path: Path, output: Path, option: str) -> int:
     """The descriptor of ``path`` locked exclusively (created if needed); ElxError when another process holds it."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ElxError(f"cannot write in {path.parent} ({write_failure(err) or err.strerror}); choose another "
+                           f"{option}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -294,9 +294,10 @@ def first_step_bytes(manifest, settings, batch: int, prompt_len: int) -> int:
 _ITEMSIZE = {"float32": 4, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
 
 
-def cache_bytes(manifest, rows: int, length: int) -> int:
-    """The self-attention cache of ``rows`` rows at ``length`` positions (every entry of the manifest's cache layout;
-    an upper bound where part of it is shared per input, as GPT-2's prompt)."""
+def self_cache_bound(manifest, batch: int, beams: int, prompt_len: int, length: int) -> int:
+    """The self-attention cache of a search at ``length`` positions, twice where a step's past and present coexist:
+    every entry of the manifest's cache layout, for ``batch`` x ``beams`` rows; a prompt the export keeps once per
+    input (``cache.prompt`` beam-shared: GPT-2's shared prompt) once per input."""
     per_position = 0
     for entry in manifest.cache_entries:
         shape, seq_axis = entry.get("shape") or [], entry.get("seq_axis")
@@ -304,7 +305,10 @@ def cache_bytes(manifest, rows: int, length: int) -> int:
         if not all(_is_int(d) for d in dims):
             return 0  # a layout this estimate does not know: no bound from it
         per_position += int(np.prod(dims, dtype=np.int64)) * _ITEMSIZE.get(entry.get("dtype"), 4)
-    return rows * length * per_position
+    prompt = manifest.data.get("cache", {}).get("prompt")
+    if isinstance(prompt, dict) and prompt.get("kind") == "beam-shared":
+        return per_position * (batch * prompt_len + 2 * batch * beams * (length - prompt_len))
+    return per_position * 2 * batch * beams * length
 
 
 def encoder_bytes(manifest, inputs: dict) -> int:
@@ -321,7 +325,7 @@ def encoder_bytes(manifest, inputs: dict) -> int:
 def check_memory(manifest, settings, inputs: dict, prompt_len: int) -> None:
     """Refuse a run that cannot fit in the memory left (instead of an ONNX Runtime allocation error deep in a graph,
     or the OOM killer): the encoder's attention over the inputs, or the search's buffers with the self-attention
-    cache at the longest length it may reach (twice: a step's past and present coexist).
+    cache at the longest length it may reach (``self_cache_bound``).
 
     ``inputs``: the inputs as the search gets them (after the family's repeats); ``prompt_len``: the
     decoder prompt's length (padded)."""
@@ -338,7 +342,7 @@ def check_memory(manifest, settings, inputs: dict, prompt_len: int) -> None:
     batch = int(next(iter(inputs.values())).shape[0])
     length = settings.total_max_length(prompt_len)
     needed = first_step_bytes(manifest, settings, batch, prompt_len) + \
-        2 * cache_bytes(manifest, batch * settings.num_beams, length)
+        self_cache_bound(manifest, batch, settings.num_beams, prompt_len, length)
     if needed > available:
         raise ElxError(f"{batch} inputs x {settings.num_beams} beams x {length} tokens need about {needed / gib:.1f} "
                        f"GiB (search buffers and the self-attention cache), more than the {available / gib:.1f} GiB "

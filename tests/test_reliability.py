@@ -637,6 +637,23 @@ def test_what_cannot_fit_in_memory_is_refused_before_onnx_runtime(capsys, export
                                         "1000000")
 
 
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_the_self_cache_bound_holds_the_live_cache(exported, family):
+    """The memory check's bound on the self-attention cache (runners.validation.self_cache_bound) is at least what
+    the search holds at its longest step, measured on the live tensors, and not wildly more (GPT-2's prompt is kept
+    once per input, not per beam)."""
+    from runners.generate import Generator
+    from runners.validation import self_cache_bound
+
+    generator = Generator.from_folder(exported(family))
+    rows = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+    out = generator.generate(input_ids=rows, num_beams=4, max_new_tokens=12, min_new_tokens=12, track_memory=True)
+    prompt = out.raw_sequences.shape[1] - 12
+    bound = self_cache_bound(generator.manifest, 2, 4, prompt, prompt + 12)
+    live = max(step["cache_bytes"] for step in out.memory)
+    assert live <= bound <= 4 * live
+
+
 def test_ray_cluster_that_does_not_answer(tmp_path, capsys, exported):
     """--ray ADDRESS with nobody there: one line at once (before: Ray retried for minutes)."""
     import socket

@@ -491,8 +491,11 @@ def test_audio_inputs_on_whisper(tmp_path, exported):
     for i, seconds in enumerate([1.0, 2.5, 0.5]):
         write_wav(tmp_path / "clips" / f"{i}.wav", rng.standard_normal(int(16000 * seconds)).astype(np.float32) * 0.1,
                   16000)
+    damaged = bytearray((tmp_path / "clips" / "0.wav").read_bytes())
+    damaged[32:34] = (3).to_bytes(2, "little")  # block_align 3 for 16-bit mono: a damaged header (before: ValueError)
+    (tmp_path / "clips" / "damaged.wav").write_bytes(bytes(damaged))
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "audio": f"clips/{i}.wav"} for i in range(3)]
-                         + [{"id": 9, "audio": "clips/missing.wav"}])
+                         + [{"id": 9, "audio": "clips/missing.wav"}, {"id": 10, "audio": "clips/damaged.wav"}])
     out = tmp_path / "out.jsonl"
     generate_file(folder, source, out, batch_size=2, skip_bad=True, progress="none", num_beams=2, max_new_tokens=5)
     lines = read_lines(out)
@@ -501,6 +504,12 @@ def test_audio_inputs_on_whisper(tmp_path, exported):
         alone = generator.generate(audio=str(tmp_path / "clips" / f"{i}.wav"), num_beams=2, max_new_tokens=5)
         assert lines[i]["id"] == i and lines[i]["tokens"] == alone.sequences[0].tolist()
     assert lines[3]["id"] == 9 and "not found" in lines[3]["error"]
+    assert lines[4] == {"id": 10, "line": 5, "error": lines[4]["error"]}
+    assert "block_align is 3 bytes" in lines[4]["error"]
+    source = write_jsonl(tmp_path / "two.jsonl", [{"id": 0, "audio": "clips/0.wav"},
+                                                  {"id": 1, "audio": "clips/damaged.wav"}])
+    with pytest.raises(ElxError, match="two.jsonl line 2: .*damaged.wav: malformed WAV header"):  # without --skip-bad
+        generate_file(folder, source, tmp_path / "stop.jsonl", batch_size=2, progress="none", max_new_tokens=5)
 
 
 def test_ray_local_instance_gives_the_same_output(tmp_path, folder, generator):

@@ -85,14 +85,18 @@ def run(folder: Path, source: Path, out: Path, *extra: str) -> subprocess.Comple
                           timeout=900, cwd=out.parent)
 
 
+def count_lines(out: Path) -> int:
+    return out.read_bytes().count(b"\n") if out.exists() else 0
+
+
 def signal_after(folder: Path, source: Path, out: Path, signum: int, lines: int, *extra: str):
-    """Run; send ``signum`` once OUT holds ``lines`` lines (or as soon as the run ends its writing)."""
+    """Run; send ``signum`` once OUT holds ``lines`` lines and one more than it held before (the run is writing,
+    its handlers installed), or once the run has ended."""
+    wanted = max(lines, count_lines(out) + 1)
     proc = subprocess.Popen(command(folder, source, out, *extra), stderr=subprocess.PIPE, text=True, env=env(),
                             cwd=out.parent)
     deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        if out.exists() and out.read_bytes().count(b"\n") >= lines:
-            break
+    while proc.poll() is None and time.monotonic() < deadline and count_lines(out) < wanted:
         time.sleep(0.002)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=600)

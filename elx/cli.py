@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -190,6 +191,7 @@ def cmd_generate(args) -> int:
         raise ElxError("nothing to generate from; pass --input-ids, --text or --audio, or a dataset with "
                        "--input-file IN --output-file OUT")
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
+    _check_input_kind(generator, source)
     if generator.manifest.data.get("source", {}).get("random_init"):
         print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",
               file=sys.stderr)
@@ -198,6 +200,20 @@ def cmd_generate(args) -> int:
         tokens = " ".join(str(int(t)) for t in row)
         print(f"[{i}] {tokens}" + (f"\n    {out.text[i]}" if out.text is not None else ""))
     return 0
+
+
+def _check_input_kind(generator, source: dict) -> None:
+    """The input flag fits the model, said in flags (the Python API's messages name its keywords)."""
+    takes_audio = "input_features" in generator.manifest.encoder_inputs()
+    flag = {"input_ids": "--input-ids", "text": "--text", "audio": "--audio"}[next(iter(source))]
+    if takes_audio and flag != "--audio":
+        raise ElxError(f"this model ({generator.manifest.family}) transcribes audio; pass --audio FILE.wav instead "
+                       f"of {flag}")
+    if not takes_audio and flag == "--audio":
+        raise ElxError(f"this model ({generator.manifest.family}) takes tokens, not audio (--audio is for Whisper "
+                       "exports); pass --input-ids or --text")
+    if flag == "--text" and generator.text is None:
+        raise ElxError(f"{generator.manifest.folder} has no tokenizer; pass --input-ids instead of --text")
 
 
 def add_dataset_options(p: argparse.ArgumentParser) -> None:
@@ -235,10 +251,11 @@ def cmd_generate_file(args) -> int:
             force=args.force, skip_bad=args.skip_bad, progress="none" if args.quiet else "auto", threads=args.threads,
             backend=args.backend, device=args.device,
             ray=args.ray, ray_actors=args.ray_actors, ray_ship=args.ray_ship, **generation_options(args))
-    except KeyboardInterrupt:
-        print(f"elx: interrupted; the finished lines are in {args.output_file}: rerun with --resume to continue",
-              file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as stop:
+        signum = stop.signum if isinstance(stop, Terminated) else signal.SIGINT
+        print(f"elx: error: interrupted by {signal.Signals(signum).name}; the finished lines are in "
+              f"{args.output_file}: rerun with --resume to continue", file=sys.stderr)
+        return 128 + signum
     if not args.quiet:
         s = summary
         print(f"elx: {s.written} lines written to {s.output} ({s.errors} errors, {s.skipped} already there) in "
@@ -318,8 +335,10 @@ def cmd_bench(args) -> int:
     from exporter.bench import BenchSettings, ensure_engines, ensure_exports, markdown_table, run_bench
     from exporter.bench_peers import parse_peers
     from exporter.bench_sweeps import plot_bench, require_matplotlib, sweep_beam, sweep_budget, sweep_input
+    from runners.validation import check_threads
 
     peers = parse_peers(args.peers + (",ct2" if args.ct2 else ""))
+    check_threads(args.threads)  # PyTorch's and ONNX Runtime's threads, before any export or model is loaded
     if args.sweep != "none":
         require_matplotlib()
     if args.quick:
@@ -518,6 +537,12 @@ def _os_error(err: OSError) -> str:
     return f"{err.strerror or type(err).__name__}{where}; check the path, its permissions and the free space"
 
 
+def _from_json(err: BaseException) -> bool:
+    """The error came out of ``json.loads`` (a document nested deeper than Python's recursion limit)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return any(Path(frame.filename).parent.name == "json" for frame in frames)
+
+
 def run(argv=None, parser=None) -> int:
     parser = parser or build_parser()
     with _termination_as_exception():
@@ -530,6 +555,12 @@ def run(argv=None, parser=None) -> int:
             return 2
         except OSError as err:  # a read or write the command did not anticipate (disk full, permissions)
             print(f"elx: error: {_os_error(err)}", file=sys.stderr)
+            return 2
+        except RecursionError as err:
+            if not _from_json(err):
+                raise
+            print("elx: error: a JSON file given to elx (an input, or the export's manifest.json) is nested too deeply "
+                  "to read; check it", file=sys.stderr)
             return 2
         except MemoryError:
             print("elx: error: out of memory; lower the batch size, the number of beams or the lengths",

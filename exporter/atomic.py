@@ -9,30 +9,25 @@ it also removes what killed runs (SIGKILL, power loss) left of the same output: 
 folders whose process (the PID in their name) is gone.
 
 What may be replaced (``check_output``): nothing that exists, without ``force``; with ``force``,
-an empty folder or a folder elx wrote (an elx ``manifest.json`` and only the files it lists).
+an empty folder or a folder elx wrote (an elx ``manifest.json`` and only the files it lists; inside
+``tokenizer/`` only the files HF's ``save_pretrained`` writes for a tokenizer or feature extractor,
+inside ``engines/`` only those the manifest's engines section names).  Anything else there, in a
+sub-folder too, makes ``--force`` refuse, naming it: it is the user's, and a replaced folder is deleted.
 Never the current folder, one of its parents, the home folder, a file or a symbolic link.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
-import re
-import secrets
 import shutil
-import signal
 from contextlib import contextmanager
 from pathlib import Path
 
 from runners.errors import ElxError
 from runners.manifest import FILENAME, FORMAT
+from runners.output_lock import dead_siblings, output_lock, signals_deferred, temp_sibling, write_failure
 
 TOKENIZER_DIR = "tokenizer"  # runners/text.py reads the tokenizer from there
-_WRITE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-                 errno.EFBIG: "file too large for the file system", errno.EROFS: "read-only file system",
-                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted", errno.EIO: "I/O error"}
-_DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 # -- what may be written ---------------------------------------------------------------------------
@@ -67,18 +62,45 @@ def _protected_reason(output: Path) -> str | None:
     return None
 
 
+# What HF's ``save_pretrained`` writes for the tokenizers, processors and feature extractors of the families elx
+# exports (``exporter/export.py``'s ``copy_tokenizer`` saves them into ``tokenizer/``): the common files
+# (``tokenization_utils_base``, ``utils``) and each tokenizer class's ``vocab_files_names``.
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+    "source.spm", "target.spm", "target_vocab.json", "normalizer.json", "preprocessor_config.json",
+    "processor_config.json"})
+
+
+def _engine_files(section: dict) -> set[str]:
+    """The files ``elx build-engine`` writes into its folder, as its manifest section names them."""
+    folder = section["folder"]
+    files = {f"{folder}/build.json"}  # runners/tensorrt_engines.py's BUILD_FILE
+    graphs = section.get("graphs")
+    for graph in graphs.values() if isinstance(graphs, dict) else ():
+        if isinstance(graph, dict) and isinstance(graph.get("file"), str):
+            files.add(graph["file"])
+    ngram = section.get("ngram")
+    if isinstance(ngram, dict) and isinstance(ngram.get("library"), str):
+        files.add(ngram["library"])
+    return {Path(f).as_posix() for f in files}
+
+
 def elx_files(folder: Path) -> set[str] | None:
-    """The names elx writes into ``folder`` according to its manifest; None when it holds no elx manifest."""
+    """The paths (relative to ``folder``, ``/``-separated) elx writes there according to its manifest: the top-level
+    files and folders, and the files inside ``tokenizer/`` and the engines folder; None when ``folder`` holds no
+    elx manifest."""
     try:
         data = json.loads((folder / FILENAME).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return None
-    names = {FILENAME, TOKENIZER_DIR}
+    names = {FILENAME, TOKENIZER_DIR, *(f"{TOKENIZER_DIR}/{name}" for name in TOKENIZER_FILES)}
     for section in data.values():  # folders a section of the manifest names (build-engine's "engines")
-        if isinstance(section, dict) and isinstance(section.get("folder"), str):
-            names.add(Path(section["folder"]).name)
+        if isinstance(section, dict) and isinstance(section.get("folder"), str) and "/" not in section["folder"]:
+            names.add(section["folder"])
+            names.update(_engine_files(section))
     graphs = data.get("graphs")
     for graph in graphs.values() if isinstance(graphs, dict) else ():
         if isinstance(graph, dict):
@@ -88,13 +110,27 @@ def elx_files(folder: Path) -> set[str] | None:
     return names
 
 
+def foreign_files(folder: Path, owned: set[str]) -> list[str]:
+    """What ``folder`` holds that elx did not write: top-level entries not in ``owned``, and inside the folders elx
+    writes (``tokenizer/``, ``engines/``), every entry not in ``owned`` (sub-folders of those included)."""
+    foreign = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name not in owned:
+            foreign.append(entry.name)
+        elif entry.is_dir() and not entry.is_symlink():
+            foreign.extend(f"{entry.name}/{child.name}" for child in sorted(entry.iterdir())
+                           if f"{entry.name}/{child.name}" not in owned or child.is_dir())
+    return foreign
+
+
 def _check_replaceable(output: Path) -> None:
-    """``--force`` replaces only what elx wrote: a folder with an elx manifest and nothing else of the user's."""
+    """``--force`` replaces only what elx wrote: a folder with an elx manifest and nothing else of the user's,
+    also inside the folders elx writes (``tokenizer/``, ``engines/``)."""
     owned = elx_files(output)
     if owned is None:
         raise ElxError(f"output folder {output} was not written by elx (no elx manifest.json); --force replaces only "
                        "elx export folders: choose another --output")
-    foreign = sorted(p.name for p in output.iterdir() if p.name not in owned)
+    foreign = foreign_files(output, owned)
     if foreign:
         raise ElxError(f"output folder {output} holds {foreign[0]!r}, which elx did not write; --force would delete "
                        "it: move it out or choose another --output")
@@ -158,71 +194,9 @@ def check_output(output, force: bool = False) -> Path:
     return output
 
 
-# -- one writer per output, and what killed writers left ---------------------------------------------
+# -- what killed writers left ----------------------------------------------------------------------
 
-def _lock_path(output: Path) -> Path:
-    return output.parent / f".{output.name}.lock"
-
-
-def _lock_holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-    return f" (pid {text})" if text.isdigit() else ""
-
-
-def _acquire(path: Path, output: Path) -> int:
-    """The descriptor of ``path`` locked exclusively (created if needed); ElxError when another process holds it."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lock_holder(fd)
-            os.close(fd)
-            raise ElxError(f"another elx process{holder} is writing {output} right now; wait for it to finish or "
-                           "choose another --output") from None
-        try:  # the holder before us may have removed the file between our open and our lock: lock the new one
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)
-
-
-@contextmanager
-def output_lock(output: Path):
-    """Hold an exclusive lock for writing ``output``; refuse at once when another process holds it."""
-    path, fd = _lock_path(output), None
-    try:
-        with _signals_deferred():  # a signal lands after ``fd`` is set, inside the try: the lock file goes
-            fd = _acquire(path, output)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
-    finally:
-        if fd is not None:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            os.close(fd)
-
-
-def _leftover_pattern(output: Path) -> re.Pattern:
-    return re.compile(rf"^\.{re.escape(output.name)}\.(\d+)-[0-9a-f]+\.(partial|old)$")
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
+_LEFTOVER_KINDS = ("partial", "old")
 
 
 def clean_stale_leftovers(output: Path) -> list[Path]:
@@ -231,12 +205,11 @@ def clean_stale_leftovers(output: Path) -> list[Path]:
     A dead writer's ``.old`` folder is the previous export it was replacing: put back when the
     output is missing (it died between the two renames), removed otherwise.
     """
-    pattern, removed = _leftover_pattern(output), []
-    for entry in sorted(output.parent.iterdir()) if output.parent.is_dir() else ():
-        match = pattern.match(entry.name)
-        if not match or not entry.is_dir() or entry.is_symlink() or _process_alive(int(match.group(1))):
+    removed = []
+    for entry, kind in dead_siblings(output, _LEFTOVER_KINDS):
+        if not entry.is_dir():
             continue
-        if match.group(2) == "old" and not output.exists():
+        if kind == "old" and not output.exists():
             entry.rename(output)
             continue
         shutil.rmtree(entry, ignore_errors=True)
@@ -246,24 +219,10 @@ def clean_stale_leftovers(output: Path) -> list[Path]:
 
 # -- writing -----------------------------------------------------------------------------------------
 
-@contextmanager
-def _signals_deferred():
-    """Hold Ctrl-C/SIGTERM/SIGHUP back while a short critical section runs (delivered right after)."""
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
-    except (AttributeError, ValueError, OSError):  # not the main thread, or no pthread_sigmask
-        old = None
-    try:
-        yield
-    finally:
-        if old is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def _make_partial(output: Path) -> Path:
     """A new empty sibling ``.NAME.PID-XXXXXXXX.partial`` (with the usual umask permissions, unlike mkdtemp)."""
     while True:
-        path = output.parent / f".{output.name}.{os.getpid()}-{secrets.token_hex(4)}.partial"
+        path = temp_sibling(output, "partial")
         try:
             path.mkdir()
             return path
@@ -289,7 +248,7 @@ def _move_into_place(partial: Path, output: Path) -> None:
 
 def write_error(err: OSError, output: Path) -> ElxError | None:
     """A one-line error for a failed write (disk full, read-only, ...); None for other OS errors."""
-    what = _WRITE_ERRORS.get(err.errno)
+    what = write_failure(err)
     if what is None:
         return None
     return ElxError(f"writing {output} failed: {what}; nothing was written (free space or choose another --output)")
@@ -302,14 +261,14 @@ def staged_folder(output, force: bool = False):
     output = check_output(output, force)
     created = []
     try:
-        with _signals_deferred():  # a signal lands after ``created`` is set, inside the try
+        with signals_deferred():  # a signal lands after ``created`` is set, inside the try
             created = _make_parents(output.parent)
         with output_lock(output):
             clean_stale_leftovers(output)
             output = check_output(output, force)  # again, under the lock
             with _partial_folder(output) as partial:
                 yield partial
-                with _signals_deferred():
+                with signals_deferred():
                     check_output(output, force)  # something may have appeared there meanwhile
                     _move_into_place(partial, output)
     except BaseException as err:
@@ -325,11 +284,11 @@ def _partial_folder(output: Path):
     """A new ``.NAME.PID-XXXXXXXX.partial`` beside ``output``, removed again if the block fails."""
     partial = None
     try:
-        with _signals_deferred():  # a signal lands after ``partial`` is set, inside the try
+        with signals_deferred():  # a signal lands after ``partial`` is set, inside the try
             partial = _make_partial(output)
         yield partial
     except BaseException:
         if partial is not None:
-            with _signals_deferred():
+            with signals_deferred():
                 shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -50,9 +50,7 @@ def _parse_wav(data: bytes, name: str) -> tuple[np.ndarray, int]:
     tag, channels, rate, _, block, bits = struct.unpack("<HHIIHH", fmt[:16])
     if tag == _EXTENSIBLE and len(fmt) >= 26:
         tag = struct.unpack("<H", fmt[24:26])[0]  # the sub-format GUID starts with the format tag
-    if channels < 1 or rate < 1 or block < 1:
-        raise ElxError(f"{name}: invalid WAV header ({channels} channels, {rate} Hz)")
-    width = block // channels
+    width = _check_format(name, tag, channels, rate, block, bits)
     usable = len(payload) - len(payload) % block
     raw = payload[:usable]
     if tag == _PCM and width == 1:
@@ -63,15 +61,39 @@ def _parse_wav(data: bytes, name: str) -> tuple[np.ndarray, int]:
         b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
         value = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
         samples = (np.where(value >= 1 << 23, value - (1 << 24), value)).astype(np.float32) / float(1 << 23)
-    elif tag == _PCM and width == 4:
+    elif tag == _PCM:
         samples = (np.frombuffer(raw, "<i4").astype(np.float64) / 2.0 ** 31).astype(np.float32)
-    elif tag == _FLOAT and width == 4:
+    elif width == 4:
         samples = np.frombuffer(raw, "<f4").astype(np.float32)
-    elif tag == _FLOAT and width == 8:
-        samples = np.frombuffer(raw, "<f8").astype(np.float32)
     else:
-        raise ElxError(f"{name}: unsupported WAV encoding (format tag {tag}, {bits} bits); use PCM or float WAV")
+        samples = np.frombuffer(raw, "<f8").astype(np.float32)
     return samples.reshape(-1, channels).mean(axis=1, dtype=np.float32), int(rate)
+
+
+_COMPRESSED = {2: "ADPCM", 6: "A-law", 7: "mu-law", 0x11: "IMA ADPCM", 0x55: "MP3"}
+MIN_RATE, MAX_RATE = 1000, 768_000  # Hz: what audio files hold (telephony to studio); outside it a header is corrupt
+
+
+def _check_format(name: str, tag: int, channels: int, rate: int, block: int, bits: int) -> int:
+    """The bytes per sample of a WAV ``fmt`` chunk elx decodes (PCM 8/16/24/32-bit, float 32/64-bit), or a one-line
+    ElxError saying exactly what is wrong with it."""
+    if tag not in (_PCM, _FLOAT):
+        kind = _COMPRESSED.get(tag, f"format tag {tag}")
+        raise ElxError(f"{name}: {kind} WAV encoding is not supported; convert it to PCM or float WAV")
+    kind = "PCM" if tag == _PCM else "float"
+    if channels < 1:
+        raise ElxError(f"{name}: malformed WAV header ({channels} channels)")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ElxError(f"{name}: malformed WAV header (sampling rate {rate} Hz, outside {MIN_RATE}-{MAX_RATE} Hz)")
+    widths = (1, 2, 3, 4) if tag == _PCM else (4, 8)
+    if bits < 1 or (bits + 7) // 8 not in widths:
+        allowed = "8, 16, 24 or 32" if tag == _PCM else "32 or 64"
+        raise ElxError(f"{name}: {bits}-bit {kind} samples are not supported ({kind} WAV of {allowed} bits is)")
+    width = (bits + 7) // 8
+    if block != channels * width:
+        raise ElxError(f"{name}: malformed WAV header: block_align is {block} bytes, but {channels} channel(s) of "
+                       f"{bits}-bit {kind} samples take {channels * width}; the file is damaged or mislabelled")
+    return width
 
 
 def read_audio(path) -> tuple[np.ndarray, int]:
@@ -379,14 +401,22 @@ def features_from_audio(extractor: LogMelExtractor, audio: list, names: list | N
     return {"input_features": np.ascontiguousarray(extractor(audio), dtype=np.float32)}
 
 
+def load_clip(path, extractor: LogMelExtractor) -> np.ndarray:
+    """A sound file as float32 mono samples at the extractor's rate; one that lasts longer than a segment (30 s) is
+    refused before it is resampled (a long file, or a header with a tiny sampling rate, would take without bound)."""
+    samples, rate = read_audio(path)
+    seconds = samples.size / rate
+    if seconds > extractor.chunk_length:
+        raise ElxError(f"{path} lasts {seconds:.1f} s; elx transcribes up to {extractor.chunk_length} s per file "
+                       "(Whisper short-form): split it")
+    return resample(samples, rate, extractor.sampling_rate)
+
+
 def features_from_files(folder, files) -> dict:
     """Sound files → Whisper ``input_features`` [B, mel bins, 3000] with the export's feature extractor."""
     files = [files] if isinstance(files, (str, Path)) else list(files)
     if not files:
         raise ElxError("no audio files given")
     extractor = load_feature_extractor(folder)
-    audio = []
-    for file in files:
-        samples, rate = read_audio(file)
-        audio.append(resample(samples, rate, extractor.sampling_rate))
+    audio = [load_clip(file, extractor) for file in files]
     return features_from_audio(extractor, audio, [str(f) for f in files])

@@ -34,26 +34,35 @@ order.  ``ray=ADDRESS`` runs the generate stage on Ray Data (``runners/dataset_r
 """
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import stat
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .dataset_io import (InputRules, OutputFile, Record, check_tokens, error_line, put_in_order, read_output,
+from .dataset_io import (InputRules, OutputFile, Record, check_output_path, check_tokens, error_line, put_in_order,
                          read_records, result_line, unit, where)
+from .dataset_run import (OwnedOutput, RunRecord, add_fingerprint, first_difference, owned_output, record_fingerprint,
+                          run_identity)
 from .errors import ElxError
 from .families import rules_for
 from .manifest import Manifest
+from .output_lock import dead_siblings, output_lock
 from .settings import GenerationSettings, resolve_settings
+from .validation import check_memory, check_threads
 
 QUEUE_DEPTH = 2  # batches waiting between two stages
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_WINDOW = 1024  # inputs read and sorted together (at least 8 batches)
 PLAIN_PROGRESS_SECONDS = 10.0
+LEFTOVER_KINDS = ("sorting", "run")  # temporary siblings of OUT (dataset_io.put_in_order, dataset_run.RunRecord.save)
 
 
 @dataclass
@@ -106,11 +115,13 @@ class Job:
     rules: InputRules
     settings: GenerationSettings
     order: dict  # id → position in the input
-    done: set  # ids already in the output (resume)
-    done_in_order: bool  # the existing lines are in input order
-    done_last: int  # the input position of the last existing line (-1: none)
-    truncate_at: int | None  # where the output file is cut before appending (torn line, or 0 for force)
-    remaining: int  # records still to write
+    record: RunRecord  # the run record beside the output (runners/dataset_run.py)
+    start: OwnedOutput | None = None  # the existing lines to go on after (resume); None: a new or replaced file
+    inputs_digest: int = 0  # the digest of the records of those lines
+    done: set = field(default_factory=set)  # ids already in the output (resume)
+    done_in_order: bool = True  # the existing lines are in input order
+    done_last: int = -1  # the input position of the last existing line (-1: none)
+    remaining: int = 0  # records still to write
     batch_size: int = DEFAULT_BATCH_SIZE
     max_tokens_per_batch: int | None = None
     sort: bool = True
@@ -127,67 +138,111 @@ class Job:
                         "with --resume) or pass --skip-bad")
 
 
-def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH_SIZE,
-             max_tokens_per_batch: int | None = None, sort: bool = True, window: int | None = None,
-             resume: bool = False, force: bool = False, skip_bad: bool = False, **options) -> Job:
-    """Everything checked before anything is loaded or written: options, input records, the existing output."""
-    folder, source, target = Path(folder), Path(input_file), Path(output_file)
-    if batch_size < 1:
-        raise ElxError(f"--batch-size must be >= 1, got {batch_size}")
-    if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
-        raise ElxError(f"--max-tokens-per-batch must be >= 1, got {max_tokens_per_batch}")
+def check_options(batch_size, max_tokens_per_batch, resume: bool, force: bool) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ElxError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
+    if max_tokens_per_batch is not None and (isinstance(max_tokens_per_batch, bool) or
+                                             not isinstance(max_tokens_per_batch, int) or max_tokens_per_batch < 1):
+        raise ElxError(f"--max-tokens-per-batch must be an integer >= 1, got {max_tokens_per_batch!r}")
     if resume and force:
         raise ElxError("--resume continues the output file and --force replaces it; pass one of them")
-    if not source.is_file():
-        raise ElxError(f"input file {source} not found")
-    if target.exists() and target.resolve() == source.resolve():
-        raise ElxError(f"--output-file is the input file {source}; write the results to another file")
-    if target.is_dir():
-        raise ElxError(f"--output-file {target} is a folder; name a file")
-    if not target.parent.is_dir():
-        raise ElxError(f"the folder of --output-file {target} does not exist")
+
+
+def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH_SIZE,
+             max_tokens_per_batch: int | None = None, sort: bool = True, window: int | None = None,
+             resume: bool = False, force: bool = False, skip_bad: bool = False, backend: str = "ort",
+             device: str = "cpu", **options) -> Job:
+    """Everything checked before anything is loaded or written: options, input records, the existing output.
+
+    Call it after ``check_paths``, holding the output's lock (``generate_file`` does both): it decides what may be
+    done with OUT."""
+    folder, source, target = Path(folder), Path(input_file), Path(output_file)
+    check_options(batch_size, max_tokens_per_batch, resume, force)
     manifest = Manifest.load(folder)
     settings = resolve_settings(manifest, **options)
     roles = manifest.encoder_inputs()
+    from .log_softmax import kernel
     from .text import TOKENIZER_DIR
 
     rules = InputRules(takes_audio="input_features" in roles,
                        has_tokenizer=(folder / TOKENIZER_DIR / "tokenizer.json").is_file(),
                        vocab_size=manifest.dims.get("vocab_size"),
                        max_positions=manifest.dims.get("max_position_embeddings"))
-    order, lines, count = {}, {}, 0
+    run = run_identity(folder, settings, backend, device, kernel() if settings.num_beams > 1 else None)
+    job = Job(folder, source, target, manifest, rules, settings, {}, RunRecord(target, run, str(source)),
+              batch_size=batch_size, max_tokens_per_batch=max_tokens_per_batch, sort=sort, skip_bad=skip_bad,
+              options=options)
+    existing = _existing_output(target, run, resume, force)
+    kept = set(existing.ids) if existing else set()
+    kept_digest = 0
+    lines, count = {}, 0
     for record in read_records(source, rules):
         count += 1
-        if record.id in order:
+        if record.id in job.order:
             raise ElxError(f"{where(source, record.line)}: id {record.id!r} already on {unit(source)} "
                            f"{lines[record.id]}; ids must be unique (the output is keyed by them)")
-        order[record.id], lines[record.id] = record.index, record.line
+        job.order[record.id], lines[record.id] = record.index, record.line
         if record.error and not skip_bad:
             raise ElxError(f"{where(source, record.line)}: {record.error}; "
                            "fix it or pass --skip-bad (an error line in the output instead)")
-    done, in_order, last, truncate_at = set(), True, -1, None
-    if target.exists() and target.stat().st_size > 0:
-        if not (resume or force):
-            raise ElxError(f"{target} exists and is not empty; pass --resume to continue it or --force to replace it")
-        if resume:
-            existing = read_output(target)
-            truncate_at = existing.torn_at
-            for rid in existing.ids:
-                if rid not in order:
-                    raise ElxError(f"{target} holds id {rid!r}, which {source} does not have: is it the output of "
-                                   "another input? Pass another --output-file, or --force to replace it")
-                if rid in done:
-                    raise ElxError(f"{target} holds id {rid!r} twice; it was not written by one elx run")
-                done.add(rid)
-            positions = [order[rid] for rid in existing.ids]
-            in_order = all(a < b for a, b in zip(positions, positions[1:]))
-            last = max(positions, default=-1)
-        else:
-            truncate_at = 0
+        if record.id in kept:
+            kept_digest = add_fingerprint(kept_digest, record_fingerprint(record))
+    if existing is not None:
+        _check_resumed(job, existing, kept_digest)
+        job.start, job.inputs_digest = existing, kept_digest
+    job.remaining = count - len(job.done)
     # audio: features are big and all of one length (30 s), so no sorting window
-    window = max(window or DEFAULT_WINDOW, batch_size) if sort and not rules.takes_audio else batch_size
-    return Job(folder, source, target, manifest, rules, settings, order, done, in_order, last, truncate_at,
-               count - len(done), batch_size, max_tokens_per_batch, sort, window, skip_bad, options)
+    job.window = max(window or DEFAULT_WINDOW, batch_size) if sort and not rules.takes_audio else batch_size
+    return job
+
+
+def check_paths(folder: Path, source: Path, target: Path) -> None:
+    """IN is a regular file; OUT is one that writing cannot destroy anything through (dataset_io.check_output_path)."""
+    try:
+        st = os.stat(source)
+    except FileNotFoundError:
+        raise ElxError(f"input file {source} not found") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ElxError(f"input file {source} is a folder; name a .txt, .jsonl or .parquet file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ElxError(f"input file {source} is not a regular file (a FIFO, device or socket); elx reads IN twice "
+                       "(checked first, then generated): save it to a file")
+    check_output_path(target, source, folder)
+
+
+def _existing_output(target: Path, run: dict, resume: bool, force: bool) -> OwnedOutput | None:
+    """The existing OUT that ``resume`` continues (proved elx's, of the same run); None for a new file or one that
+    ``force`` replaces (proved elx's too: never a file of the user's)."""
+    if not target.exists() or target.stat().st_size == 0:
+        return None
+    if not (resume or force):
+        raise ElxError(f"{target} exists and is not empty; pass --resume to continue it or --force to replace it")
+    existing = owned_output(target, force=force)
+    if force:
+        return None
+    difference = first_difference(existing.record.run, run)
+    if difference:
+        raise ElxError(f"{target} was written by another run ({difference}); --resume continues the same export with "
+                       "the same options: pass the first run's, or --force to replace the output")
+    return existing
+
+
+def _check_resumed(job: Job, existing: OwnedOutput, kept_digest: int) -> None:
+    """The existing lines are of this input: known ids, each once, of the same records as when they were written."""
+    for rid in existing.ids:
+        if rid not in job.order:
+            raise ElxError(f"{job.output} holds id {rid!r}, which {job.input} does not have: is it the output of "
+                           "another input? Pass another --output-file, or --force to replace it")
+        if rid in job.done:
+            raise ElxError(f"{job.output} holds id {rid!r} twice; it was not written by one elx run")
+        job.done.add(rid)
+    if kept_digest != existing.state.inputs:
+        raise ElxError(f"the inputs of {job.input} whose results {job.output} holds are not those they were generated "
+                       "from (changed, or another file with the same ids); --resume continues the same inputs: pass "
+                       "the first run's --input-file, or --force to replace the output")
+    positions = [job.order[rid] for rid in existing.ids]
+    job.done_in_order = all(a < b for a, b in zip(positions, positions[1:]))
+    job.done_last = max(positions, default=-1)
 
 
 # ----------------------------------------------------------------------------- stage 1: read + prepare
@@ -238,14 +293,15 @@ def _prepare(job: Job, window: list, text, extractor):
         for record in window:
             if record.kind == "input_ids":
                 record.tokens = record.value
-            record.error = check_tokens(record.tokens, job.rules)
+            record.error = check_tokens(record.tokens, job.rules) or _alone_error(job, record.tokens)
             (bad if record.error else good).append(record)
     for record in bad:
         if not job.skip_bad:
             raise job.bad(record)
     if bad:
         yield Failed(bad)
-    for batch in plan_batches(good, job.batch_size, job.max_tokens_per_batch, job.sort and not job.rules.takes_audio):
+    for batch in plan_batches(good, job.batch_size, job.max_tokens_per_batch, job.sort and not job.rules.takes_audio,
+                              key=padding_key(job)):
         if job.rules.takes_audio:
             if extractor is None:
                 yield Batch(batch, {})
@@ -259,18 +315,55 @@ def _prepare(job: Job, window: list, text, extractor):
 
 
 def _features(extractor, path) -> np.ndarray:
-    from .audio import features_from_audio, read_audio, resample
+    from .audio import features_from_audio, load_clip
 
-    samples, rate = read_audio(path)
-    return features_from_audio(extractor, [resample(samples, rate, extractor.sampling_rate)], [path])[
-        "input_features"][0]
+    return features_from_audio(extractor, [load_clip(path, extractor)], [path])["input_features"][0]
 
 
-def plan_batches(records: list, batch_size: int, max_tokens: int | None, sort: bool) -> list[list]:
+def _alone_error(job: Job, tokens: list) -> str | None:
+    """Why the input alone cannot be generated with the run's settings, as ``Generator.generate`` would refuse it
+    (a decoder-only prompt that leaves no room for the new tokens within the positions; an input whose attention
+    or search cannot fit in memory); None when it can."""
+    ids = np.asarray([tokens], dtype=np.int64)
+    inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    rules = rules_for(job.manifest)
+    prompt = rules.prompt_length(job.settings)
+    try:
+        rules.check_lengths(job.manifest, inputs, job.settings)
+        check_memory(job.manifest, job.settings, inputs, len(tokens) if prompt is None else prompt)
+    except ElxError as err:
+        return str(err)
+    return None
+
+
+def padding_key(job: Job):
+    """What inputs must share to be batched together, as a function of their length (None: nothing).
+
+    A decoder-only prompt is left-padded to the batch's longest, and HF counts that padding as prompt
+    (``runners/families.py``): ``max_length`` and ``min_length`` cap and floor the total length, so a padded
+    row would get fewer (or more) new tokens than the input alone, and n-gram blocking sees the pad tokens.
+    So such inputs share a batch only where it changes nothing: the same number of new tokens allowed and
+    required, and with n-gram blocking the same length (no padding at all).  With ``max_new_tokens`` and
+    ``min_new_tokens`` (or lengths that never bind) lengths mix freely.  Encoder-decoder models pad the
+    encoder's input only, behind an attention mask: None."""
+    settings = job.settings
+    if rules_for(job.manifest).prompt_length(settings) is not None:
+        return None
+
+    def key(length: int) -> tuple:
+        new = settings.total_max_length(length) - length
+        floor = max(0, settings.total_min_length(length) - length)
+        return new, floor, length if settings.no_repeat_ngram_size else None
+
+    return key
+
+
+def plan_batches(records: list, batch_size: int, max_tokens: int | None, sort: bool, key=None) -> list[list]:
     """Batches of at most ``batch_size`` records and ``max_tokens`` padded tokens (rows × longest row).
 
     ``sort``: longest first (ties in input order), so each batch holds inputs of similar length; a record
-    longer than ``max_tokens`` gets a batch of its own."""
+    longer than ``max_tokens`` gets a batch of its own.  ``key(length)``: records of different keys never share a
+    batch (``padding_key``)."""
     def length(record) -> int:
         return len(record.tokens) if record.tokens is not None else 1
 
@@ -279,7 +372,8 @@ def plan_batches(records: list, batch_size: int, max_tokens: int | None, sort: b
     for record in ordered:
         size = length(record)
         widest = max(longest, size)
-        if batch and (len(batch) >= batch_size or (max_tokens is not None and (len(batch) + 1) * widest > max_tokens)):
+        if batch and (len(batch) >= batch_size or (max_tokens is not None and (len(batch) + 1) * widest > max_tokens)
+                      or (key is not None and key(size) != key(length(batch[0])))):
             batches.append(batch)
             batch, widest = [], size
         batch.append(record)
@@ -399,13 +493,19 @@ class Writer:
 
     def __init__(self, job: Job, text, progress: Progress):
         self.job, self.text, self.progress = job, text, progress
-        self.file = OutputFile(job.output, truncate_at=job.truncate_at)
+        self.file = OutputFile(job.output, job.record, job.start)
+        self.file.inputs = job.inputs_digest
+        try:
+            self.file.sync()  # the run record, before any line: OUT is provably elx's from its first byte
+        except BaseException:
+            self.file.close(sync=False)
+            raise
         self.written = self.errors = self.new_tokens = 0
         self.last_index = job.done_last
         self.in_order = job.done_in_order
 
-    def _line(self, index: int, line: str) -> None:
-        self.file.write(line)
+    def _line(self, index: int, line: str, fingerprint: int) -> None:
+        self.file.write(line, fingerprint)
         if index < self.last_index:
             self.in_order = False
         self.last_index = index
@@ -414,23 +514,30 @@ class Writer:
     def write(self, work) -> None:
         if isinstance(work, Failed):
             for record in work.records:
-                self._line(record.index, error_line(record))
+                self._line(record.index, error_line(record), record_fingerprint(record))
             self.errors += len(work.records)
+            self.file.checkpoint()
             self.progress.update(len(work.records), 0)
             return
         tokens = 0
         for result in work:
-            self._line(result.record.index, result_text(result, self.text, self.job.several))
+            self._line(result.record.index, result_text(result, self.text, self.job.several),
+                       record_fingerprint(result.record))
             tokens += result.new_tokens
         self.new_tokens += tokens
+        self.file.checkpoint()
         self.progress.update(len(work), tokens)
 
-    def write_line(self, index: int, line: str, new_tokens: int, error: bool) -> None:
-        """One finished line made elsewhere (the Ray workers)."""
-        self._line(index, line)
+    def write_line(self, index: int, line: str, fingerprint: int, new_tokens: int, error: bool) -> None:
+        """One finished line made elsewhere (the Ray workers); ``fingerprint``: its record's (dataset_run).  The
+        caller calls ``checkpoint`` after each group of them."""
+        self._line(index, line, fingerprint)
         self.errors += int(error)
         self.new_tokens += new_tokens
         self.progress.update(1, new_tokens)
+
+    def checkpoint(self) -> None:
+        self.file.checkpoint()
 
     def close(self) -> None:
         self.file.close()
@@ -501,7 +608,7 @@ class _Stages:
                     try:
                         done = results.get(timeout=0.05)
                     except queue.Empty:
-                        if not threads[1].is_alive() and results.empty():
+                        if finished[1].is_set() and results.empty():
                             return
                         continue
                     if done is _END:
@@ -511,25 +618,67 @@ class _Stages:
                 self.writer_dead.set()
                 self.fail(err)
 
-        threads = [threading.Thread(target=fn, name=f"elx-{fn.__name__}", daemon=True) for fn in (read, compute, write)]
+        # each stage says it has finished through its own Event, not Thread.is_alive()/join(): on Python 3.11 a join
+        # interrupted by a signal's exception can mark a thread that still runs as stopped (the bpo-45274 fix
+        # releases the thread's own state lock), and the stages would then be left running
+        finished = [threading.Event() for _ in range(3)]
+
+        def stage(fn, done: threading.Event):
+            def run_stage():
+                try:
+                    fn()
+                finally:
+                    done.set()
+            return run_stage
+
+        threads = [threading.Thread(target=stage(fn, done), name=f"elx-{fn.__name__}", daemon=True)
+                   for fn, done in zip((read, compute, write), finished)]
         for thread in threads:
             thread.start()
         try:
-            while any(t.is_alive() for t in threads):
-                for thread in threads:
-                    thread.join(timeout=0.1)
-        except KeyboardInterrupt as err:  # finish the batch in flight and write what is finished, then re-raise
+            for done in finished:
+                while not done.wait(0.1):
+                    pass
+        except BaseException as err:  # noqa: BLE001 - Ctrl-C, or SIGTERM/SIGHUP as the CLI raises them (Terminated)
+            # finish the batch in flight and write what is finished, then re-raise: a thread left inside ONNX
+            # Runtime while the interpreter exits aborts the process ("terminate called without an active exception")
             self.fail(err)
+            with _interrupts_held():
+                for done in finished:
+                    while not done.wait(0.1):
+                        pass
+        with _interrupts_held():  # the stages are past their last statement: gone in a moment, and uninterrupted
             for thread in threads:
                 thread.join()
 
 
+@contextmanager
+def _interrupts_held():
+    """Further Ctrl-C/SIGTERM/SIGHUP are ignored while the stages drain after the first one, which is re-raised
+    then: a second exception there would leave the threads running into the interpreter's exit."""
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            handler = signal.getsignal(signum)
+            if callable(handler):  # a handler that raises; ignored and default dispositions stay as they are
+                previous[signum] = signal.signal(signum, lambda *_: None)
+        except (ValueError, OSError):  # not the main thread: signals are not delivered here anyway
+            pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def _raise_first(errors: list) -> None:
-    """The error to report: an input error (ElxError) or interrupt before a consequential one."""
-    for kind in (KeyboardInterrupt, ElxError):
-        for err in errors:
-            if isinstance(err, kind):
-                raise err
+    """The error to report: an interrupt (KeyboardInterrupt, or any other BaseException such as the CLI's SIGTERM)
+    or an input error (ElxError) before a consequential one."""
+    for interrupt in (err for err in errors if not isinstance(err, Exception)):
+        raise interrupt
+    for err in errors:
+        if isinstance(err, ElxError):
+            raise err
     raise errors[0]
 
 
@@ -545,20 +694,35 @@ def generate_file(folder, input_file, output_file, *, batch_size: int = DEFAULT_
     ``Generator`` for ``folder`` (else one is loaded with ``backend``/``device``/``threads``).  ``ray``: run the
     generate stage on Ray Data (True or "auto": a local instance or ``RAY_ADDRESS``; else a cluster address)."""
     start = time.monotonic()
-    job = plan_job(folder, input_file, output_file, batch_size=batch_size, max_tokens_per_batch=max_tokens_per_batch,
-                   sort=sort, window=window, resume=resume, force=force, skip_bad=skip_bad, **options)
+    check_options(batch_size, max_tokens_per_batch, resume, force)
+    if generator is not None:
+        backend, device = generator.model.backend.name, generator.model.backend.device
+    elif not ray:
+        check_threads(threads)  # before the input is scanned (Ray's workers check it on their own nodes)
     if ray:
-        from .dataset_ray import run_on_ray
+        from .dataset_ray import check_reachable
 
-        text = _text(job)
-        summary = run_on_ray(job, text, address=None if ray is True else ray, actors=ray_actors, ship=ray_ship,
-                             threads=threads, progress=progress)
-    else:
-        if generator is None:
-            from .generate import Generator
+        check_reachable(os.environ.get("RAY_ADDRESS") if ray is True else ray)
+    output = Path(os.path.abspath(Path(output_file).expanduser()))
+    check_paths(Path(folder), Path(input_file), output)
+    with output_lock(output, "--output-file"):
+        for leftover, _ in dead_siblings(output, LEFTOVER_KINDS):  # what a killed run left: a sorted copy, a record
+            leftover.unlink(missing_ok=True)
+        job = plan_job(folder, input_file, output, batch_size=batch_size, max_tokens_per_batch=max_tokens_per_batch,
+                       sort=sort, window=window, resume=resume, force=force, skip_bad=skip_bad,
+                       backend="ort" if ray else backend, device="cpu" if ray else device, **options)
+        if ray:
+            from .dataset_ray import run_on_ray
 
-            generator = Generator.from_folder(job.folder, backend=backend, device=device, threads=threads)
-        summary = _run_local(job, generator, pipeline, progress)
+            text = _text(job)
+            summary = run_on_ray(job, text, address=None if ray is True else ray, actors=ray_actors, ship=ray_ship,
+                                 threads=threads, progress=progress)
+        else:
+            if generator is None:
+                from .generate import Generator
+
+                generator = Generator.from_folder(job.folder, backend=backend, device=device, threads=threads)
+            summary = _run_local(job, generator, pipeline, progress)
     summary.seconds = time.monotonic() - start
     return summary
 
@@ -572,7 +736,11 @@ def _text(job: Job):
 def _run_local(job: Job, generator, pipeline: bool, progress_mode: str) -> DatasetSummary:
     text = generator.text
     progress = Progress(job.remaining, progress_mode)
-    writer = Writer(job, text, progress)
+    try:
+        writer = Writer(job, text, progress)
+    except BaseException:
+        progress.close()
+        raise
     errors = []
     try:
         work = iter_work(job, text)
@@ -595,6 +763,6 @@ def _run_local(job: Job, generator, pipeline: bool, progress_mode: str) -> Datas
 def _finish(job: Job, writer: Writer, errors: list) -> DatasetSummary:
     if errors:
         _raise_first(errors)
-    reordered = False if writer.in_order else put_in_order(job.output, job.order)
+    reordered = False if writer.in_order else put_in_order(job.output, job.order, job.record, writer.file.state())
     return DatasetSummary(job.output, len(job.order), writer.written, writer.errors, len(job.done),
                           writer.new_tokens, 0.0, reordered)

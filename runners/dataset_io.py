@@ -16,19 +16,28 @@ Output lines
 ``OutputFile`` appends one complete JSON line per finished input with a single ``write`` of the whole
 line, flushed at once and fsync'd at most every ``FSYNC_SECONDS`` and at the end, so a killed run
 leaves complete lines and at most one torn last line, which ``--resume`` detects (no final newline)
-and drops.  Lines are appended as they finish (length-sorted batches finish out of input order);
-after a complete run the file is put into input order by writing a sorted copy next to it, fsyncing
-it and renaming it over the original (atomic: a crash leaves the old file or the new one, whole).
+and drops.  After each fsync the run record beside OUT (``runners/dataset_run.py``) is saved with the
+length and hash of what OUT holds, so that ``--resume`` and ``--force`` touch only files elx wrote (and
+after each batch without the fsync, so that a resumed run redoes at most the batch a kill interrupted).  A
+write that fails (a full disk) cuts OUT back to its last complete line.  Lines are appended as they
+finish (length-sorted batches finish out of input order); after a complete run the file is put into
+input order by writing a sorted copy next to it, fsyncing it and renaming it over the original
+(atomic: a crash or a full disk leaves the old file or the new one, whole, and no copy).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .dataset_run import OwnedOutput, RunRecord, State, add_fingerprint
 from .errors import ElxError
+from .manifest import FORMAT as MANIFEST_FORMAT
+from .output_lock import signals_deferred, temp_sibling, write_failure
 
 FSYNC_SECONDS = 2.0
 KINDS = ("text", "input_ids", "audio")
@@ -130,6 +139,9 @@ def _jsonl_records(path: Path, rules: InputRules):
                 obj = json.loads(raw.decode("utf-8").removeprefix("\ufeff") if number == 1 else raw)
             except (UnicodeDecodeError, ValueError) as err:
                 yield Record(index, number, number, error=f"not a JSON object ({str(err).splitlines()[0][:80]})")
+            except RecursionError:
+                yield Record(index, number, number, error="JSON nested too deeply to read (more levels than Python's "
+                                                          "recursion limit)")
             else:
                 yield check_fields(obj, index, number, rules, path.parent)
             index += 1
@@ -229,71 +241,149 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@dataclass
-class ExistingOutput:
-    ids: list  # the ids of the complete lines, in file order
-    torn_at: int | None  # byte offset where a torn last line starts (to drop), else None
+def export_folder_holding(path: Path) -> Path | None:
+    """The elx export folder ``path`` lies in (at any depth; symbolic links followed), else None."""
+    for folder in Path(os.path.realpath(path)).parents:
+        try:
+            data = json.loads((folder / "manifest.json").read_bytes())
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT:
+            return folder
+    return None
 
 
-def read_output(path: Path) -> ExistingOutput:
-    """The ids of an existing output's complete lines; a torn last line (no newline) is reported, not an error.
+def check_output_path(target: Path, source: Path, folder: Path) -> None:
+    """Refuse an OUT that writing (or ``--force``) could destroy something through, or that is not a file.
 
-    A complete line that is not an elx result (not JSON, no id) is an ElxError: the file is not touched."""
-    ids, offset, torn = [], 0, None
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.endswith(b"\n"):
-                torn = offset
-                break
-            offset += len(raw)
-            try:
-                obj = json.loads(raw)
-            except ValueError:
-                obj = None
-            if not isinstance(obj, dict) or "id" not in obj:
-                raise ElxError(f"{path} line {number} is not an elx result line (JSON with an 'id'); is it the output "
-                               "of 'elx generate --input-file'? Pass another --output-file, or --force to replace it")
-            ids.append(obj["id"])
-    return ExistingOutput(ids, torn)
+    Refused: the input file under any name (a hard or symbolic link, another spelling), a file inside an export
+    folder (its manifest, its graphs, a new file there: ``elx export --force`` and the runners own that folder),
+    a symbolic link (the finished file is renamed into place, which would replace the link by a file and leave
+    its target a stale copy: pass the file it points to), a file with other hard links (the same), a folder, and
+    what is not a regular file (a FIFO would block the run, a device swallow it)."""
+    if target.is_symlink():
+        raise ElxError(f"--output-file {target} is a symbolic link (to {os.path.realpath(target)}); elx renames the "
+                       "finished file into place, which would replace the link: pass the file it points to")
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise ElxError(f"--output-file {target} is a folder; name a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise ElxError(f"--output-file {target} is not a regular file (a FIFO, device or socket); name a file")
+        if os.path.samefile(target, source):
+            raise ElxError(f"--output-file {target} is the input file {source}; write the results to another file")
+        if st.st_nlink > 1:
+            raise ElxError(f"--output-file {target} has {st.st_nlink - 1} other hard link(s); elx renames the "
+                           "finished file into place, which would leave them a stale copy: name a file of its own")
+    if not target.parent.is_dir():
+        raise ElxError(f"the folder of --output-file {target} does not exist")
+    real = Path(os.path.realpath(target))
+    export = export_folder_holding(target)
+    if export is None and Path(os.path.realpath(folder)) in real.parents:
+        export = folder
+    if export is not None:
+        raise ElxError(f"--output-file {target} lies inside the export folder {export}; write the results outside "
+                       "it (elx owns that folder's files, and elx export --force deletes what it did not write)")
+
+
+def _write_failed(err: OSError, path: Path, doing: str, then: str) -> ElxError | OSError:
+    """A failed write as one line (disk full, quota, read-only, ...); other OS errors stay as they are."""
+    what = write_failure(err)
+    return err if what is None else ElxError(f"{doing} {path} failed: {what}; {then}")
 
 
 class OutputFile:
-    """Append-only JSONL results: one ``os.write`` per line, fsync at most every ``FSYNC_SECONDS`` and on close."""
+    """Append-only JSONL results: one ``os.write`` per line, fsync at most every ``FSYNC_SECONDS`` and on close.
 
-    def __init__(self, path: Path, *, truncate_at: int | None = None):
-        self.path = path
-        if truncate_at is not None:
-            with open(path, "r+b") as f:
-                f.truncate(truncate_at)
-                os.fsync(f.fileno())
+    The run record (``runners/dataset_run.py``) holds what OUT provably holds (its length, the SHA-256 of its
+    bytes, the digest of the records of its lines): saved after each batch (``checkpoint``; fsync'd, with OUT
+    fsync'd first, at most every ``FSYNC_SECONDS``, and on close), so a resumed run redoes at most the batch a
+    kill interrupted.  ``start``: the existing lines to go on after (what follows them is cut off first); None:
+    a new file, or one that ``--force`` replaces (cut to nothing).  A write that fails (a full disk) cuts the
+    file back to its last complete line and raises a one-line ElxError."""
+
+    def __init__(self, path: Path, record: RunRecord, start: OwnedOutput | None = None):
+        self.path, self.record = path, record
+        self.size = start.size if start is not None else 0
+        self.sha256 = start.sha256 if start is not None else hashlib.sha256()
+        self.inputs = 0  # the caller sets it: the digest of the records of the existing lines
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            if os.fstat(self.fd).st_size != self.size:  # lines the record does not vouch for, or a replaced output
+                os.ftruncate(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.durable = None  # the state of the last fsync
         self.synced = time.monotonic()
         self.lines = 0
 
-    def write(self, line: str) -> None:
+    def state(self) -> State:
+        return State(self.size, self.sha256.hexdigest(), self.inputs)
+
+    def write(self, line: str, fingerprint: int) -> None:
         data = (line + "\n").encode("utf-8")
         view = memoryview(data)
-        while view:
-            written = os.write(self.fd, view)
-            view = view[written:]
+        try:
+            while view:
+                written = os.write(self.fd, view)
+                view = view[written:]
+        except OSError as err:
+            try:
+                os.ftruncate(self.fd, self.size)  # no torn line left behind
+            except OSError:
+                pass
+            raise self._failed(err) from err
+        self.size += len(data)
+        self.sha256.update(data)
+        self.inputs = add_fingerprint(self.inputs, fingerprint)
         self.lines += 1
-        now = time.monotonic()
-        if now - self.synced >= FSYNC_SECONDS:
-            os.fsync(self.fd)
-            self.synced = now
 
-    def close(self) -> None:
+    def checkpoint(self) -> None:
+        """After a batch's lines: record what OUT holds (with an fsync of both every ``FSYNC_SECONDS``)."""
+        if time.monotonic() - self.synced >= FSYNC_SECONDS or self.durable is None:
+            self.sync()
+            return
+        try:
+            self.record.save(self.durable, self.state(), durable=False)
+        except OSError as err:
+            raise self._failed(err) from err
+
+    def sync(self) -> None:
+        """fsync OUT, then record what it holds (never more than what is on the disk)."""
+        try:
+            os.fsync(self.fd)
+            state = self.state()
+            self.record.save(state)
+        except OSError as err:
+            raise self._failed(err) from err
+        self.durable, self.synced = state, time.monotonic()
+
+    def _failed(self, err: OSError):
+        return _write_failed(err, self.path, "writing", "the finished lines are kept: free space, then rerun with "
+                             "--resume")
+
+    def close(self, sync: bool = True) -> None:
+        """fsync and record what OUT holds (``sync``), then close it."""
         if self.fd is not None:
             try:
-                os.fsync(self.fd)
+                if sync:
+                    self.sync()
             finally:
                 os.close(self.fd)
                 self.fd = None
 
 
-def put_in_order(path: Path, order: dict) -> bool:
-    """Rewrite ``path`` with its lines sorted by ``order[id]`` (atomic: sorted copy, fsync, rename); False when
-    it already was in order.  Reads lines by offset, so memory grows with the line count, not the file size."""
+def put_in_order(path: Path, order: dict, record: RunRecord, state: State) -> bool:
+    """Rewrite ``path`` with its lines sorted by ``order[id]``; False when it already was in order.
+
+    Atomic: a sorted copy (a temporary sibling), fsync'd, the run record told both states (the file before and
+    after), the copy renamed over ``path``, then the record left with the sorted state only.  Any failure (a full
+    disk) removes the copy and leaves ``path`` as it was, whole; a failed write is a one-line ElxError.  Reads
+    lines by offset, so memory grows with the line count, not the file size."""
     spans, offset = [], 0
     with open(path, "rb") as f:
         for raw in f:
@@ -302,15 +392,34 @@ def put_in_order(path: Path, order: dict) -> bool:
         if all(a[0] <= b[0] for a, b in zip(spans, spans[1:])):
             return False
         spans.sort(key=lambda s: s[0])
-        tmp = path.with_name(path.name + ".elx-sorting")
-        with open(tmp, "wb") as out:
-            for _, start, size in spans:
-                f.seek(start)
-                out.write(f.read(size))
-            out.flush()
-            os.fsync(out.fileno())
-    os.replace(tmp, path)
+        tmp = temp_sibling(path, "sorting")
+        try:
+            digest = hashlib.sha256()
+            with open(tmp, "wb") as out:
+                for _, start, size in spans:
+                    f.seek(start)
+                    data = f.read(size)
+                    digest.update(data)
+                    out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            done = State(offset, digest.hexdigest(), state.inputs)
+            record.save(state, done)
+            with signals_deferred():
+                os.replace(tmp, path)
+        except OSError as err:
+            raise _write_failed(err, path, "putting in input order", "its lines are complete (in the order they "
+                                "finished): free space, then rerun with --resume to sort them") from err
+        finally:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
     _fsync_dir(path.parent)
+    try:
+        record.save(done)
+    except OSError:  # the record still holds both states: both describe a whole file
+        pass
     return True
 
 

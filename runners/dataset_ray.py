@@ -31,9 +31,11 @@ import numpy as np
 
 from .dataset import Batch, DatasetSummary, Failed, Job, Progress, Writer, _finish, iter_work, result_text
 from .dataset_io import Record, error_line, where
+from .dataset_run import record_fingerprint
 from .errors import ElxError
 
 MAX_BLOCKS = 10_000
+CONNECT_SECONDS = 10.0  # how long a cluster address may take to answer
 
 
 def _import_ray():
@@ -145,6 +147,23 @@ def _elx_error(err: BaseException) -> ElxError | None:
     return None
 
 
+def check_reachable(address, timeout: float = CONNECT_SECONDS) -> None:
+    """A cluster ``ADDRESS`` (``host:port``, ``ray://host:port``) answers on its port within ``timeout`` seconds;
+    else one line, instead of Ray retrying for minutes.  None, ``auto`` and ``local`` start or find a local one."""
+    if address in (None, True, "auto", "local"):
+        return
+    text = str(address).removeprefix("ray://")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ElxError(f"--ray {address}: a cluster address is HOST:PORT (or ray://HOST:PORT for Ray Client)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        reason = "timed out" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__)
+        raise ElxError(f"cannot reach the Ray cluster at {address} ({reason} within {timeout:.0f} s); check the "
+                       "address and that the cluster is up, or drop the address to start a local Ray") from None
+
+
 def run_on_ray(job: Job, text, *, address=None, actors: int | None = None, ship: bool = False,
                threads: int | None = None, progress: str = "auto") -> DatasetSummary:
     ray = _import_ray()
@@ -155,7 +174,7 @@ def run_on_ray(job: Job, text, *, address=None, actors: int | None = None, ship:
     started = False
     errors = []
     try:
-        rows, failed = [], []
+        rows, failed, fingerprints = [], [], {}  # fingerprints: of the records sent out, by index (dataset_run)
         for work in iter_work(job, text, load_audio=False):
             if isinstance(work, Failed):
                 failed.append(work)
@@ -163,6 +182,7 @@ def run_on_ray(job: Job, text, *, address=None, actors: int | None = None, ship:
                 rows.append({"records": json.dumps([[r.index, r.line, r.id, "tokens" if r.tokens is not None
                                                      else r.kind, r.tokens if r.tokens is not None else r.value]
                                                     for r in work.records])})
+                fingerprints.update((r.index, record_fingerprint(r)) for r in work.records)
         for work in failed:
             writer.write(work)
         if rows:
@@ -194,7 +214,8 @@ def run_on_ray(job: Job, text, *, address=None, actors: int | None = None, ship:
                         bad = json.loads(line)
                         raise ElxError(f"{where(job.input, bad['line'])}: {bad['error']}; fix it (finished lines are "
                                        "kept: rerun with --resume) or pass --skip-bad")
-                    writer.write_line(int(index), str(line), int(new_tokens), bool(error))
+                    writer.write_line(int(index), str(line), fingerprints[int(index)], int(new_tokens), bool(error))
+                writer.checkpoint()
     except KeyboardInterrupt as err:
         errors = [err]
     except ElxError as err:

@@ -8,6 +8,7 @@ import numpy as np
 from .backend import Backend
 from .errors import ElxError
 from .manifest import Manifest
+from .validation import check_threads
 
 
 def session_options(threads: int | None = None):
@@ -29,6 +30,7 @@ def load_sessions(manifest: Manifest, providers: list, threads: int | None = Non
     """An InferenceSession per graph the manifest runs (stages and step); one-line error when unloadable."""
     import onnxruntime as ort
 
+    check_threads(threads)  # before ONNX Runtime starts any: it starts as many as asked, per session
     sessions = {}
     for name in [*manifest.stages, manifest.step]:
         path = manifest.graph_path(name)

@@ -8,7 +8,8 @@ length up front).
 
 ``check_manifest`` is called by ``runners.manifest.Manifest.validate``, ``check_settings`` by
 ``runners.settings._validate``, ``check_encoder_inputs`` by ``runners.generate._check_inputs``,
-``check_memory`` by ``runners.generate.Generator.generate``.
+``check_memory`` by ``runners.generate.Generator.generate``, ``check_threads`` by the ONNX Runtime backends
+(``runners.ort_backend.load_sessions``) and ``runners.dataset.generate_file``.
 """
 from __future__ import annotations
 
@@ -216,6 +217,46 @@ def check_encoder_inputs(manifest, inputs: dict) -> None:
     check_features(inputs)
 
 
+# -- threads -------------------------------------------------------------------------------------------
+
+# ONNX Runtime starts one intra-op thread per requested thread in every session (three or four per export): asked
+# for thousands, it starts thousands, which froze the 2-core machine of FACTS.md (load 640, SIGTERM unanswered).
+# Threads beyond the cores only compete for them; 4 per core leaves room for oversubscription experiments.
+THREADS_PER_CORE = 4
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the machine's count where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def max_threads() -> int:
+    return THREADS_PER_CORE * usable_cores()
+
+
+def check_threads(threads) -> None:
+    """``threads`` (``--threads``): None (ONNX Runtime's default, one per core) or an integer from 1 to
+    ``max_threads()``; ``$OMP_NUM_THREADS`` (read by the search's top-k and PyTorch's log-softmax) within the same
+    cap.  Refused before any thread starts."""
+    cap, cores = max_threads(), usable_cores()
+    why = f"at most {cap} ({THREADS_PER_CORE} per core of the {cores} this process may use; beyond the cores threads " \
+          "only compete for them)"
+    if threads is not None:
+        if not _is_int(threads):
+            raise ElxError(f"threads (--threads) must be an integer, got {threads!r}")
+        if threads < 1:
+            raise ElxError(f"threads (--threads) must be >= 1, got {threads}; leave it unset for ONNX Runtime's "
+                           "default (one per core)")
+        if threads > cap:
+            raise ElxError(f"threads (--threads) is {threads}, {why}: pass --threads {cores} or fewer")
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > cap:
+        raise ElxError(f"OMP_NUM_THREADS is {value}, {why}: set it to {cores} or fewer")
+
+
 # -- memory --------------------------------------------------------------------------------------------
 
 def available_memory() -> int | None:
@@ -250,18 +291,59 @@ def first_step_bytes(manifest, settings, batch: int, prompt_len: int) -> int:
     return rows * length * 8 * copies + rows * vocab_size(manifest) * 4 * 4
 
 
+_ITEMSIZE = {"float32": 4, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
+
+
+def self_cache_bound(manifest, batch: int, beams: int, prompt_len: int, length: int) -> int:
+    """The self-attention cache of a search at ``length`` positions, twice where a step's past and present coexist:
+    every entry of the manifest's cache layout, for ``batch`` x ``beams`` rows; a prompt the export keeps once per
+    input (``cache.prompt`` beam-shared: GPT-2's shared prompt) once per input."""
+    per_position = 0
+    for entry in manifest.cache_entries:
+        shape, seq_axis = entry.get("shape") or [], entry.get("seq_axis")
+        dims = [d for axis, d in enumerate(shape) if axis not in (0, seq_axis)]
+        if not all(_is_int(d) for d in dims):
+            return 0  # a layout this estimate does not know: no bound from it
+        per_position += int(np.prod(dims, dtype=np.int64)) * _ITEMSIZE.get(entry.get("dtype"), 4)
+    prompt = manifest.data.get("cache", {}).get("prompt")
+    if isinstance(prompt, dict) and prompt.get("kind") == "beam-shared":
+        return per_position * (batch * prompt_len + 2 * batch * beams * (length - prompt_len))
+    return per_position * 2 * batch * beams * length
+
+
+def encoder_bytes(manifest, inputs: dict) -> int:
+    """The attention scores and probabilities of one encoder (or prompt) layer over token inputs: [B, heads, N, N]
+    float32, twice; 0 for feature inputs (Whisper's length is fixed by the model)."""
+    ids = inputs.get("input_ids")
+    heads = manifest.dims.get("num_heads")
+    if ids is None or not _is_int(heads):
+        return 0
+    batch, length = (int(d) for d in np.shape(ids)[:2])
+    return 2 * batch * heads * length * length * 4
+
+
 def check_memory(manifest, settings, inputs: dict, prompt_len: int) -> None:
-    """Refuse a run whose first step alone cannot fit in the memory left (instead of being OOM-killed).
+    """Refuse a run that cannot fit in the memory left (instead of an ONNX Runtime allocation error deep in a graph,
+    or the OOM killer): the encoder's attention over the inputs, or the search's buffers with the self-attention
+    cache at the longest length it may reach (``self_cache_bound``).
 
     ``inputs``: the inputs as the search gets them (after the family's repeats); ``prompt_len``: the
     decoder prompt's length (padded)."""
     available = available_memory()
     if available is None or not inputs:
         return
+    gib = 1 << 30
+    encoder = encoder_bytes(manifest, inputs)
+    if encoder > available:
+        batch, length = (int(d) for d in np.shape(inputs["input_ids"])[:2])
+        raise ElxError(f"{batch} input(s) of {length} tokens need about {encoder / gib:.1f} GiB for the attention "
+                       f"scores of one layer ({manifest.dims['num_heads']} heads x {length}^2), more than the "
+                       f"{available / gib:.1f} GiB of memory available; shorten the input or lower the batch")
     batch = int(next(iter(inputs.values())).shape[0])
-    needed = first_step_bytes(manifest, settings, batch, prompt_len)
+    length = settings.total_max_length(prompt_len)
+    needed = first_step_bytes(manifest, settings, batch, prompt_len) + \
+        self_cache_bound(manifest, batch, settings.num_beams, prompt_len, length)
     if needed > available:
-        gib = 1 << 30
-        raise ElxError(f"{batch} inputs x {settings.num_beams} beams x {settings.total_max_length(prompt_len)}"
-                       f" tokens need about {needed / gib:.1f} GiB before the first step ends, more than the "
-                       f"{available / gib:.1f} GiB of memory available; lower num_beams, the batch or the length")
+        raise ElxError(f"{batch} inputs x {settings.num_beams} beams x {length} tokens need about {needed / gib:.1f} "
+                       f"GiB (search buffers and the self-attention cache), more than the {available / gib:.1f} GiB "
+                       "of memory available; lower num_beams, the batch or the length")

@@ -158,18 +158,45 @@ def test_force_refuses_a_file_and_a_symlink(tmp_path, capsys, model_folders):
     assert link.is_symlink() and snapshot(target) == before and leftovers(tmp_path) == []
 
 
+def _with_engines_and_tokenizer(out: Path) -> None:
+    """What build-engine and a source's tokenizer add to an export folder, recorded as they record it."""
+    (out / "engines").mkdir()
+    for name in ("decoder.plan", "encoder.plan", "build.json", "libelx_ngram_kernel.so"):
+        (out / "engines" / name).write_bytes(b"engine")
+    edit_manifest(out, lambda m: m.update(engines={"folder": "engines", "graphs": {
+        "decoder": {"file": "engines/decoder.plan"}, "encoder": {"file": "engines/encoder.plan"}},
+        "ngram": {"library": "engines/libelx_ngram_kernel.so"}}))
+    (out / "tokenizer").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "preprocessor_config.json"):
+        (out / "tokenizer" / name).write_text("{}")
+
+
 def test_force_replaces_an_earlier_elx_export(tmp_path, exported):
-    """What --force is for: an elx export folder (graphs, manifest, engines it lists) is replaced, nothing else is
-    left."""
+    """What --force is for: an elx export folder (graphs, manifest, engines it lists, its tokenizer) is replaced,
+    nothing else is left."""
     out = tmp_path / "out"
     shutil.copytree(exported("t5"), out)
-    (out / "engines").mkdir()  # as elx build-engine records them
-    (out / "engines" / "decoder.engine").write_bytes(b"engine")
-    edit_manifest(out, lambda m: m.update(engines={"folder": "engines"}))
+    _with_engines_and_tokenizer(out)
     with staged_folder(out, force=True) as folder:
         (folder / "manifest.json").write_text(json.dumps({**ELX_MANIFEST, "new": True}))
     assert json.loads((out / "manifest.json").read_text())["new"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("user_file", ["tokenizer/my-vocab-notes.txt", "engines/my-engine.plan",
+                                       "engines/profiles/trt.cache", "tokenizer/extra/added.json"])
+def test_force_refuses_user_files_inside_tokenizer_and_engines(tmp_path, capsys, model_folders, exported, user_file):
+    """--force replaces only what elx wrote, in the folders elx writes too (before: tokenizer/ and engines/ were
+    deleted whole, with whatever the user had put there)."""
+    out = tmp_path / "out"
+    shutil.copytree(exported("t5"), out)
+    _with_engines_and_tokenizer(out)
+    (out / user_file).parent.mkdir(exist_ok=True)
+    (out / user_file).write_text("mine")
+    before = snapshot(out)
+    line = refused(capsys, *export_args(model_folders, out, "--force"))
+    assert repr("/".join(user_file.split("/")[:2])) in line  # the file, or the user's sub-folder holding it
+    assert snapshot(out) == before and leftovers(tmp_path) == []
 
 
 def test_nonempty_output_is_kept(tmp_path, capsys, model_folders):
@@ -493,6 +520,156 @@ def test_interrupted_generate(capsys, exported, monkeypatch):
     monkeypatch.setattr(generate, "greedy_search", interrupted)
     code, out, err = elx(capsys, "generate", exported("t5"), "--input-ids", "5 6 7")
     assert code == 130 and "SIGINT" in one_line_error(err) and out == ""
+
+
+# -- runtime: what would hang, crash or mislead (issue 23, classes 2, 3 and 6) -------------------------------
+
+def _too_many_threads() -> int:
+    """One more than elx allows: 4 per core this process may use (never started: refused before ONNX Runtime)."""
+    return 4 * len(os.sched_getaffinity(0)) + 1
+
+
+def test_threads_far_above_the_cores_are_refused(tmp_path, capsys, exported, monkeypatch):
+    """ONNX Runtime starts as many intra-op threads as asked, per session: --threads 10000 froze the machine
+    (FACTS.md).  Refused before any session starts, on the CLI and in Python, without blaming the export."""
+    from runners.dataset import generate_file
+    from runners.generate import Generator
+
+    many = str(_too_many_threads())
+    line = refused(capsys, "generate", exported("t5"), "--input-ids", "5 6", "--threads", many)
+    assert f"threads (--threads) is {many}, at most" in line and "export" not in line
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"input_ids": [5, 6]}\n')
+    assert "at most" in refused(capsys, "generate", exported("t5"), "--input-file", source, "--output-file",
+                                tmp_path / "out.jsonl", "--threads", many)
+    assert list(tmp_path.iterdir()) == [source]  # refused before the output was touched
+    for call in (lambda: Generator.from_folder(exported("t5"), threads=int(many)),
+                 lambda: generate_file(exported("t5"), source, tmp_path / "o.jsonl", threads=int(many)),
+                 lambda: Generator.from_folder(exported("t5"), threads=0)):
+        with pytest.raises(ElxError, match="threads"):
+            call()
+    monkeypatch.setenv("OMP_NUM_THREADS", many)  # read by the search's top-k (and PyTorch's log-softmax)
+    assert "OMP_NUM_THREADS" in refused(capsys, "generate", exported("t5"), "--input-ids", "5 6")
+
+
+def _wav(samples: bytes, *, tag=1, channels=1, rate=16000, block=2, bits=16, fmt_size=16) -> bytes:
+    import struct
+
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, (rate * block) & 0xFFFFFFFF, block, bits)[:fmt_size]
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(samples)) + samples
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+_PCM = bytes(range(256)) * 25  # 6400 bytes of sample data
+
+
+@pytest.mark.parametrize("header,expected", [
+    (dict(block=3), "block_align is 3 bytes, but 1 channel(s) of 16-bit PCM samples take 2"),
+    (dict(channels=2, block=3), "block_align is 3 bytes, but 2 channel(s) of 16-bit PCM samples take 4"),
+    (dict(channels=65535, block=2), "block_align is 2 bytes, but 65535 channel(s)"),
+    (dict(channels=0), "0 channels"),
+    (dict(bits=0), "0-bit PCM samples are not supported"),
+    (dict(bits=40, block=5), "40-bit PCM samples are not supported"),
+    (dict(tag=3, block=3, bits=24), "24-bit float samples are not supported"),
+    (dict(tag=2), "ADPCM WAV encoding is not supported; convert it to PCM"),
+    (dict(rate=1), "sampling rate 1 Hz"),
+    (dict(rate=4_000_000_000, block=2), "sampling rate 4000000000 Hz"),
+    (dict(fmt_size=10), "truncated or malformed"),
+], ids=["block_align", "block_align-stereo", "channels-65535", "channels-0", "bits-0", "bits-40", "float-24",
+        "adpcm", "rate-1", "rate-4e9", "short-fmt"])
+def test_malformed_wav_files(tmp_path, header, expected):
+    """A damaged WAV header is one line saying what is wrong (before: ValueError tracebacks, or "use PCM" for a PCM
+    file), never a reshape error, an FFT of 0 points or a resampling to billions of samples."""
+    from runners.audio import read_audio
+
+    path = tmp_path / "clip.wav"
+    path.write_bytes(_wav(_PCM, **header))
+    with pytest.raises(ElxError) as err:
+        read_audio(path)
+    assert str(path) in str(err.value) and expected in str(err.value)
+    if header.get("tag", 1) == 1 and "bits" not in header and "rate" not in header:
+        assert "use PCM" not in str(err.value) and "convert it to PCM" not in str(err.value)
+
+
+def test_audio_longer_than_a_segment_is_refused_before_resampling(tmp_path, exported, monkeypatch):
+    """A WAV of 6400 samples labelled 1000 Hz lasts 6.4 s; one labelled so that it lasts an hour is refused before
+    the resampler would make 57.6 million samples of it."""
+    from runners import audio
+
+    def no_resampling(*args):
+        raise AssertionError("resampled a clip that was too long")
+
+    monkeypatch.setattr(audio, "resample", no_resampling)
+    path = tmp_path / "long.wav"
+    path.write_bytes(_wav(b"\0\0" * 3_600_000, rate=1000))
+    extractor = audio.LogMelExtractor()
+    with pytest.raises(ElxError, match="lasts 3600.0 s; elx transcribes up to 30 s"):
+        audio.load_clip(path, extractor)
+
+
+def test_whisper_on_the_cli_names_flags_not_python_keywords(capsys, exported):
+    folder = exported("whisper")
+    for flag, value in (("--input-ids", "5 6"), ("--text", "hello")):
+        line = refused(capsys, "generate", folder, flag, value)
+        assert "pass --audio FILE.wav instead of " + flag in line and "audio=" not in line
+
+
+def test_deeply_nested_manifest(capsys, t5_copy):
+    (t5_copy / "manifest.json").write_text('{"format": "elx-manifest", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert "nested too deeply" in refused(capsys, "generate", t5_copy, "--input-ids", "5 6 7")
+
+
+def test_what_cannot_fit_in_memory_is_refused_before_onnx_runtime(capsys, exported, monkeypatch):
+    """With 8 GiB left: 40,000 T5 tokens need 2 x 25.6 GB of attention scores and probabilities in one encoder layer
+    (before: ONNX Runtime's "Failed to allocate memory" from a MatMul), and num_beams 10**6 a self-attention cache
+    of 2 x 10.7 GB (before: a search that ran for minutes, or failed inside ONNX Runtime); both refused before any
+    graph runs."""
+    import runners.validation as validation
+    from runners.generate import Generator
+
+    monkeypatch.setattr(validation, "available_memory", lambda: 8 << 30)
+    line = refused(capsys, "generate", exported("t5"), "--input-ids", " ".join(["5"] * 40_000), "--max-new-tokens", "2")
+    assert "40000 tokens need about 47.7 GiB for the attention scores" in line and "shorten the input" in line
+    generator = Generator.from_folder(exported("t5"))
+    with pytest.raises(ElxError, match="1000000 beams x 21 tokens need about .* GiB .*lower num_beams"):
+        generator.generate(input_ids=[[5, 6, 7]], num_beams=10**6)
+    assert "lower num_beams" in refused(capsys, "generate", exported("t5"), "--input-ids", "5 6 7", "--num-beams",
+                                        "1000000")
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_the_self_cache_bound_holds_the_live_cache(exported, family):
+    """The memory check's bound on the self-attention cache (runners.validation.self_cache_bound) is at least what
+    the search holds at its longest step, measured on the live tensors, and not wildly more (GPT-2's prompt is kept
+    once per input, not per beam)."""
+    from runners.generate import Generator
+    from runners.validation import self_cache_bound
+
+    generator = Generator.from_folder(exported(family))
+    rows = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+    out = generator.generate(input_ids=rows, num_beams=4, max_new_tokens=12, min_new_tokens=12, track_memory=True)
+    prompt = out.raw_sequences.shape[1] - 12
+    bound = self_cache_bound(generator.manifest, 2, 4, prompt, prompt + 12)
+    live = max(step["cache_bytes"] for step in out.memory)
+    assert live <= bound <= 4 * live
+
+
+def test_ray_cluster_that_does_not_answer(tmp_path, capsys, exported):
+    """--ray ADDRESS with nobody there: one line at once (before: Ray retried for minutes)."""
+    import socket
+
+    pytest.importorskip("ray.data", reason="Ray Data is not installed: pip install 'elx[ray]'")
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"input_ids": [5, 6]}\n')
+    with socket.socket() as bound:  # a port that is taken and does not listen: connections are refused
+        bound.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{bound.getsockname()[1]}"
+        line = refused(capsys, "generate", exported("t5"), "--input-file", source, "--output-file",
+                       tmp_path / "out.jsonl", "--ray", address)
+    assert f"cannot reach the Ray cluster at {address} (Connection refused" in line
+    assert list(tmp_path.iterdir()) == [source]  # checked before the output was touched
+    assert "--ray" in refused(capsys, "generate", exported("t5"), "--input-file", source, "--output-file",
+                              tmp_path / "out.jsonl", "--ray", "nowhere")
 
 
 # -- manifests edited by hand ------------------------------------------------------------------------

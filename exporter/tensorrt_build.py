@@ -36,6 +36,7 @@ import time
 import uuid
 from pathlib import Path
 
+from runners.arguments import check_arguments
 from runners.errors import ElxError
 from runners.manifest import FILENAME, Manifest
 from runners.tensorrt_engines import BUILD_FILE, FORMAT, SECTION
@@ -266,6 +267,7 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
     8.9, 12.0).  ``ngram`` (``--pass ngram`` exports): ``auto`` puts the blocking into the engine when it can and
     otherwise keeps it on the host (said on stderr unless ``quiet``, and in the manifest), ``engine`` fails
     instead, ``host`` does not try.  Returns the engines folder."""
+    check_arguments("build_engine", locals())  # runners/arguments.py: one line naming a wrong argument
     folder = Path(folder).expanduser().absolute()
     manifest = Manifest.load(folder)
     refuse_fp16(manifest, "build engines")

@@ -94,7 +94,8 @@ _GENERATION = {  # generation_config values (exporter/export.py GENERATION_FIELD
         **{name: {"type": ["boolean", "null"], "description": "true or false"} for name in (
             "do_sample", "is_multilingual", "return_timestamps")},
         "forced_bos_token_id": _TOKEN, "no_timestamps_token_id": _TOKEN,
-        "forced_eos_token_id": {**_TOKENS, "type": ["integer", "array", "null"], "minimum": 0},
+        "forced_eos_token_id": {**_TOKENS, "type": ["integer", "array", "null"], "minimum": 0,
+                                "description": "a token id or a list of token ids"},
         "suppress_tokens": _TOKENS, "begin_suppress_tokens": _TOKENS,
         "bad_words_ids": {"type": ["array", "null"], "items": _TOKENS, "description": "a list of token id lists"},
         "forced_decoder_ids": {"type": ["array", "null"], "description": "a list of [position, token id] pairs",

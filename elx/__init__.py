@@ -14,6 +14,7 @@ Errors a user can fix are ``elx.ElxError`` (one line saying what is wrong and wh
 """
 from __future__ import annotations
 
+from runners.arguments import check_arguments
 from runners.errors import ElxError
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
     ``quiet=True``) prints nothing (``exporter/progress.py``).  ``elx.build_engine`` takes the same.
 
     Needs the export extra (PyTorch, transformers): ``pip install 'elx[export]'``."""
+    check_arguments("export", locals())  # runners/arguments.py: one line naming a wrong argument
     from exporter.export import export_model
 
     return export_model(model, output, random_init=random_init, passes=passes, seed=seed, force=force, quiet=quiet,

@@ -296,6 +296,28 @@ def _ffn_of(config) -> tuple[int, bool]:
     return int(ffn), gated
 
 
+def check_work_folder(folder: Path) -> None:
+    """``folder`` (under ``--work``) can take a bench export: refused in bench's own terms (``--work``), where the
+    export would refuse it as an ``--output`` (``exporter/atomic.py``)."""
+    from exporter.atomic import elx_files
+
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ElxError(f"cannot keep bench exports in {folder}: {existing} is a file; choose another --work")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ElxError(f"cannot write bench exports in {existing} (permission denied); choose a writable --work")
+    if folder.is_symlink():
+        raise ElxError(f"bench export folder {folder} is a symbolic link; choose another --work")
+    if folder.is_dir() and any(folder.iterdir()):
+        owned = elx_files(folder)
+        foreign = sorted(p.name for p in folder.iterdir() if owned is None or p.name not in owned)
+        if foreign:
+            raise ElxError(f"bench export folder {folder} holds {foreign[0]!r}, which elx did not write; bench replaces "
+                           "its exports there: move it out or choose another --work")
+
+
 def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Path, seed: int = 0,
                    quiet: bool = True, prompt_caches: list | None = None, progress=None) -> list[Path]:
     """Export ``model`` once per pass set (and, for decoder-only models, prompt cache form: None is the
@@ -322,6 +344,7 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
                         say(f"elx bench: reusing the export {folder}", progress)
                     folders.append(folder)
                     continue
+            check_work_folder(folder)
             folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
                                         force=True, quiet=quiet, prompt_cache=form, progress=progress))
     return folders

@@ -8,11 +8,10 @@ reports the encoder output difference.
 Two rules decide the verdict (``CompareReport.passed``, exit status 0 only when it holds):
 
 * **Tokens.**  A row where elx differs from HF counts as a failure only when HF's own answer for
-  that row is *stable*: HF ``generate`` gives the same row in eager attention fp32, sdpa
-  attention fp32 and fp64 (and with the model's default attention, the run compared against).
-  On peaked random models a near-tie can make HF's own tokens change between these; a difference
-  from elx there proves nothing either way, so such rows are reported as *fragile*, separately,
-  and not counted.
+  that row is *stable* (``exporter/stability.py``, the rule the differential test shares): HF's
+  configurations agree (eager fp32, sdpa fp32, fp64), the input alone gives the same answer, and
+  HF's answer survives perturbations of its logits as large as the export's measured teacher-forced
+  error.  Other differing rows are *fragile*: reported with their margin, not counted.
 * **Numerics.**  The teacher-forced max abs logits difference (every row, every step) and the
   encoder output difference must be within ``atol``, by default the export's own tolerance
   (``export_tolerance``: 1e-4 in fp32; an fp16 export's D·u relative to max |logit|).
@@ -20,7 +19,6 @@ Two rules decide the verdict (``CompareReport.passed``, exit status 0 only when 
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,10 +33,9 @@ from runners.generate import Generator
 from runners.inputs import random_inputs
 from runners.validation import check_encoder_inputs
 
+from .hf_reference import hf_generate as _hf_generate
+from .stability import HF_VARIANTS, HfVariants, RowStability, check_rows, epsilon_of, hf_variant, same_row  # noqa: F401
 from .verify import TOLERANCE
-
-# HF configurations whose agreement makes a row "stable"; the model's default attention is checked as well
-HF_VARIANTS = ("eager-fp32", "sdpa-fp32", "fp64")
 
 
 @dataclass
@@ -49,9 +46,16 @@ class RowReport:
     step_logits_diff: list = field(default_factory=list)
     hf_tokens: list = field(default_factory=list)
     elx_tokens: list = field(default_factory=list)
-    # rows that differ: whether HF's own answer is the same in every HF_VARIANTS configuration (None: not checked)
-    hf_stable: bool | None = None
-    hf_variant_tokens: dict = field(default_factory=dict)  # variant -> that variant's tokens for this row
+    stability: RowStability | None = None  # rows that differ: the stability rule's findings (None: not checked)
+
+    @property
+    def hf_stable(self) -> bool | None:
+        """Whether HF's own answer for this row is stable (``exporter/stability.py``); None: not checked."""
+        return None if self.stability is None else self.stability.stable
+
+    @property
+    def hf_variant_tokens(self) -> dict:
+        return {} if self.stability is None else self.stability.variant_tokens
 
     @property
     def failure(self) -> bool:
@@ -60,7 +64,7 @@ class RowReport:
 
     @property
     def fragile(self) -> bool:
-        """elx differs, but so do HF's own configurations: not counted either way."""
+        """elx differs, but HF's own answer is not stable there: not counted either way."""
         return not self.identical and self.hf_stable is False
 
 
@@ -116,7 +120,7 @@ class CompareReport:
             out.append(f"{len(failures)} row(s) differ from HF generate where HF's own answer is stable "
                        f"(rows {', '.join(str(self.rows.index(r)) for r in failures)})")
         if self.width_mismatch:
-            out.append(f"elx returned another array shape than HF generate with the same rows "
+            out.append("elx returned another array shape than HF generate with the same rows "
                        f"(extra or missing padding columns)")
         if not self.logits_within_tolerance:
             out.append(f"teacher-forced max abs logits diff {self.max_logits_diff:.3g} exceeds the tolerance "
@@ -130,62 +134,6 @@ class CompareReport:
     def passed(self) -> bool:
         """No stable row differs and the numerics are within tolerance (``elx compare`` exits 0 exactly then)."""
         return not self.problems
-
-
-def _torch_inputs(inputs: dict, dtype=torch.float32) -> dict:
-    """numpy inputs → tensors; floating inputs (Whisper's features) in the model's dtype."""
-    out = {}
-    for key, value in inputs.items():
-        tensor = torch.from_numpy(np.ascontiguousarray(value))
-        out[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    return out
-
-
-def _hf_generate(model, inputs: dict, options: dict) -> np.ndarray:
-    dtype = next(model.parameters()).dtype
-    with torch.no_grad():
-        out = model.generate(**_torch_inputs(inputs, dtype), **options)
-    return out.numpy()
-
-
-def hf_variant(model, name: str):
-    """A copy of ``model`` in one of ``HF_VARIANTS``: attention implementation eager/sdpa in fp32, or fp64 (eager)."""
-    attention, _, precision = name.rpartition("-")
-    variant = copy.deepcopy(model)
-    if precision == "fp64":
-        attention = attention or "eager"
-        variant = variant.double()
-    else:
-        variant = variant.float()
-    variant.set_attn_implementation(attention)
-    if variant.config._attn_implementation != attention:  # pragma: no cover - a model that cannot switch
-        raise RuntimeError(f"{type(model).__name__} did not switch to {attention} attention")
-    return variant.eval()
-
-
-class HfVariants:
-    """HF ``generate`` in each of ``HF_VARIANTS`` (copies of one model, built on first use and kept)."""
-
-    def __init__(self, model):
-        self.model = model
-        self._models = {}
-
-    def get(self, name: str):
-        if name not in self._models:
-            self._models[name] = hf_variant(self.model, name)
-        return self._models[name]
-
-    def generate(self, inputs: dict, options: dict) -> dict:
-        return {name: _hf_generate(self.get(name), inputs, options) for name in HF_VARIANTS}
-
-
-def same_row(a, b, fill: int) -> bool:
-    """Equal tokens, where one row may be longer only by ``fill`` padding (the batch's width depends on other rows)."""
-    a, b = np.asarray(a), np.asarray(b)
-    n = min(len(a), len(b))
-    if not np.array_equal(a[:n], b[:n]):
-        return False
-    return bool(np.all(a[n:] == fill) and np.all(b[n:] == fill))
 
 
 def _first_divergence(a: np.ndarray, b: np.ndarray, prompt_len: int) -> int | None:
@@ -307,13 +255,12 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     differing = [r for r, row in enumerate(rows) if not row.identical]
     checked = ()
     if differing and variants is not None:
-        outputs = variants.generate(inputs, hf_options)
-        checked = tuple(outputs)
-        for r in differing:
-            row = rows[r]
-            row.hf_variant_tokens = {name: tokens[r].tolist() if r < tokens.shape[0] else []
-                                     for name, tokens in outputs.items()}
-            row.hf_stable = all(same_row(hf[r], tokens, fill) for tokens in row.hf_variant_tokens.values())
+        measured = [d for row in rows for d in row.step_logits_diff]  # as CompareReport.max_logits_diff
+        epsilon = epsilon_of(math.nan if any(map(math.isnan, measured)) else max(measured, default=0.0), atol)
+        found = check_rows(generator, variants, inputs, hf, hf_options, settings, differing, epsilon)
+        checked = HF_VARIANTS
+        for r, stability in found.items():
+            rows[r].stability = stability
     return CompareReport(rows, encoder_diff, hf_seconds, elx_seconds,
                          {k: getattr(settings, k) for k in ("num_beams", "num_return_sequences", "no_repeat_ngram_size",
                                                             "length_penalty", "early_stopping", "max_new_tokens",
@@ -325,13 +272,18 @@ def _row_status(row: RowReport) -> str:
     if row.identical:
         return "identical"
     where = f"first divergence at generated step {row.first_divergence}"
-    if row.hf_stable is None:
+    found = row.stability
+    if found is None:
         return f"DIFFERENT ({where}; HF stability not checked): FAILURE"
-    if row.hf_stable:
-        return f"DIFFERENT ({where}; HF stable: {' = '.join(HF_VARIANTS)}): FAILURE"
-    disagree = [name for name, tokens in row.hf_variant_tokens.items() if tokens != row.hf_tokens]
-    return (f"different ({where}) but FRAGILE: HF's own answer changes ({', '.join(disagree)} differ from HF's "
-            f"default); not counted")
+    if found.search_agrees is False:
+        return (f"DIFFERENT ({where}; elx's search on HF's float64 logits differs from HF's float64 generate: a "
+                f"search bug): FAILURE")
+    if found.stable:
+        survives = ("" if found.survives is None else
+                    f", survives logits perturbations of ±ε = {found.epsilon:.1e}, {found.margin_text()}")
+        return (f"DIFFERENT ({where}; HF stable: {' = '.join(HF_VARIANTS)} = the input alone{survives}): FAILURE")
+    margin = "" if found.survives is None else f"; {found.margin_text()}"
+    return f"different ({where}) but FRAGILE: {'; '.join(found.reasons)}{margin}; not counted"
 
 
 def format_report(report: CompareReport, passes: list) -> str:
@@ -346,7 +298,7 @@ def format_report(report: CompareReport, passes: list) -> str:
     same = sum(r.identical for r in report.rows)
     fragile, failures = len(report.fragile), len(report.failures)
     lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate; {failures} stable difference(s) "
-                 f"(failures), {fragile} fragile (HF's own eager fp32 / sdpa fp32 / fp64 disagree; not counted)")
+                 f"(failures), {fragile} fragile (HF's own answer not stable there; not counted)")
     numerics = "within" if report.logits_within_tolerance and report.encoder_within_tolerance else "OUTSIDE"
     lines.append(f"numerics {numerics} tolerance {report.atol:g}: teacher-forced max abs logits diff "
                  f"{report.max_logits_diff:.2e}" + ("" if report.encoder_diff is None

@@ -36,6 +36,7 @@ import time
 import uuid
 from pathlib import Path
 
+from runners.arguments import check_arguments
 from runners.errors import ElxError
 from runners.manifest import FILENAME, Manifest
 from runners.tensorrt_engines import BUILD_FILE, FORMAT, SECTION
@@ -265,6 +266,7 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
     instead, ``host`` does not try.  ``progress``: one stage per engine as a bar, plain lines or nothing
     (``exporter/progress.py``; None: a bar when stderr is a terminal); ``quiet`` says nothing.  Returns the
     engines folder."""
+    check_arguments("build_engine", locals())  # runners/arguments.py: one line naming a wrong argument
     folder = Path(folder).expanduser().absolute()
     manifest = Manifest.load(folder)
     refuse_fp16(manifest, "build engines")

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .arguments import check_generate_file_call
 from .dataset_io import (InputRules, OutputFile, Record, check_output_path, check_tokens, error_line, put_in_order,
                          read_records, result_line, unit, where)
 from .dataset_run import (OwnedOutput, RunRecord, add_fingerprint, first_difference, owned_output, record_fingerprint,
@@ -693,6 +694,7 @@ def generate_file(folder, input_file, output_file, *, batch_size: int = DEFAULT_
     ``options`` are HF ``generate``'s (num_beams, max_new_tokens, ...).  ``generator``: an already loaded
     ``Generator`` for ``folder`` (else one is loaded with ``backend``/``device``/``threads``).  ``ray``: run the
     generate stage on Ray Data (True or "auto": a local instance or ``RAY_ADDRESS``; else a cluster address)."""
+    check_generate_file_call(locals())  # runners/arguments.py: one line naming a wrong argument
     start = time.monotonic()
     check_options(batch_size, max_tokens_per_batch, resume, force)
     if generator is not None:

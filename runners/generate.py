@@ -13,6 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
+from .arguments import check_arguments, check_generate_call
 from .backend import Backend
 from .errors import ElxError
 from .families import rules_for
@@ -69,6 +70,7 @@ class Generator:
     @classmethod
     def from_folder(cls, folder, *, backend: str = "ort", device: str = "cpu", threads: int | None = None,
                     device_id: int = 0) -> "Generator":
+        check_arguments("from_folder", locals())  # runners/arguments.py: one line naming a wrong argument
         manifest = Manifest.load(folder)
         return cls(Model(manifest, make_backend(manifest, backend, device, device_id, threads)))
 
@@ -121,6 +123,7 @@ class Generator:
 
         ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
         writer thread)."""
+        check_generate_call(self.manifest, locals())  # runners/arguments.py: types and shapes of every argument
         settings = settings or self.settings(**options)
         inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
                                      audio=audio, input_features=input_features)

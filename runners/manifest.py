@@ -22,14 +22,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from runners import manifest_schema
 from runners.errors import ElxError
-from runners.validation import check_manifest
+from runners.manifest_schema import FORMAT, VERSION  # noqa: F401 - the exporter writes these
 
-FORMAT = "elx-manifest"
-VERSION = 1
 FILENAME = "manifest.json"
-_REQUIRED = ("format", "version", "family", "is_encoder_decoder", "dims", "tokens", "graphs", "stages", "step",
-             "cache", "passes")
 
 
 @dataclass
@@ -45,29 +42,27 @@ class Manifest:
         if not path.is_file():
             raise ElxError(f"{folder} has no {FILENAME}; pass a folder written by 'elx export'")
         try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
             raise ElxError(f"{path} is corrupted ({type(err).__name__}); re-run 'elx export' for this folder")
-        manifest = cls(data, folder)
+        manifest = cls(manifest_schema.loads(text, path), folder)
         manifest.validate()
         return manifest
 
     def validate(self) -> None:
+        """Every field the runners read, against ``runners/manifest_schema.py`` (one line naming the first bad
+        field), then the graph files it names exist."""
         where = self.folder / FILENAME if self.folder else "manifest"
-        if not isinstance(self.data, dict) or self.data.get("format") != FORMAT:
-            raise ElxError(f"{where} is not an elx manifest; re-run 'elx export'")
-        missing = [key for key in _REQUIRED if key not in self.data]
-        if missing:
-            raise ElxError(f"{where} is corrupted (missing {', '.join(missing)}); re-run 'elx export'")
-        if self.data["version"] != VERSION:
-            raise ElxError(f"{where} has version {self.data['version']}, this elx reads {VERSION}; re-export")
-        check_manifest(self.data, where)  # runners/validation.py: types of the entries, cache layout, sources
+        manifest_schema.check(self.data, where)
         for name in [*self.stages, self.step]:
-            graph = self.data["graphs"].get(name)
-            if not isinstance(graph, dict) or "file" not in graph or "inputs" not in graph:
-                raise ElxError(f"{where} is corrupted (graph {name!r} undescribed); re-run 'elx export'")
-            if self.folder is not None and not (self.folder / graph["file"]).is_file():
-                raise ElxError(f"{self.folder / graph['file']} is missing; re-run 'elx export' for this folder")
+            file = self.data["graphs"][name]["file"]
+            if self.folder is not None and not (self.folder / file).is_file():
+                raise ElxError(f"{self.folder / file} is missing; re-run 'elx export' for this folder")
+
+    def check_graph_io(self, name: str, inputs: dict, outputs: dict) -> None:
+        """The loaded file of graph ``name`` has the inputs and outputs (name → ONNX type) described here."""
+        where = self.folder / FILENAME if self.folder else "manifest"
+        manifest_schema.check_graph_io(where, name, self.graphs[name], inputs, outputs)
 
     def save(self, folder) -> Path:
         path = Path(folder) / FILENAME

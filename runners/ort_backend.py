@@ -39,6 +39,8 @@ def load_sessions(manifest: Manifest, providers: list, threads: int | None = Non
         except Exception as err:  # ORT raises several types for unreadable graphs
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
             raise ElxError(f"ONNX Runtime cannot load {path} ({first}); re-run 'elx export' for this folder")
+        manifest.check_graph_io(name, {i.name: i.type for i in sessions[name].get_inputs()},
+                                {o.name: o.type for o in sessions[name].get_outputs()})
     return sessions
 
 

@@ -121,7 +121,7 @@ class CompareReport:
                        f"(rows {', '.join(str(self.rows.index(r)) for r in failures)})")
         if self.width_mismatch:
             out.append("elx returned another array shape than HF generate with the same rows "
-                       f"(extra or missing padding columns)")
+                       "(extra or missing padding columns)")
         if not self.logits_within_tolerance:
             out.append(f"teacher-forced max abs logits diff {self.max_logits_diff:.3g} exceeds the tolerance "
                        f"{self.atol:g}: the export does not compute the model's logits")

@@ -28,7 +28,8 @@ class Temperature:
         self.temperature = np.float32(temperature)
 
     def __call__(self, tokens, scores, items=None):
-        scores /= self.temperature
+        with np.errstate(over="ignore"):  # HF's float32 division overflows to inf the same way, silently
+            scores /= self.temperature
         return scores
 
 

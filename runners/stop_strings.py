@@ -79,6 +79,9 @@ def clean_vocabulary(tokenizer, mode: str | None) -> dict:
         text = _token_bytes(token, mode, alphabet)
         if text is None:
             text = decoder.decode(base + [token]) if decoder is not None else " ".join(base + [token])
+            if PREFIX not in text:
+                raise ElxError(f"this tokenizer does not decode {PREFIX!r} back, which HF's stop-string matching needs "
+                               "to find each token's text (HF fails too); stop_strings cannot be used with it")
             text = text[text.index(PREFIX) + len(PREFIX):]
             if mode is not None:
                 text = text.encode("utf-8")

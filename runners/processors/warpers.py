@@ -37,7 +37,7 @@ class TopK:
     hf = "TopKLogitsWarper"
 
     def __init__(self, top_k: int, min_keep: int):
-        self.k = max(top_k, min_keep)
+        self.k, self.min_keep = max(top_k, min_keep), min_keep
 
     def __call__(self, tokens, scores, items=None):
         k = min(self.k, scores.shape[1])

@@ -115,8 +115,13 @@ def test_stop_strings_in_generate(gpt2, tokenizers_pair):
     """HF generate(stop_strings, tokenizer) and elx with the same HF tokenizer or the bare tokenizers one."""
     model, generator, inputs = gpt2
     tokenizer, hf_tokenizer = tokenizers_pair
+    from runners.stop_strings import clean_vocabulary, matching_mode
+
     plain, _ = hf_search(model, inputs, dict(max_new_tokens=12), 330)
-    stop = hf_tokenizer.decode(plain[0, 8:10])[-2:] or "o"
+    mode = matching_mode(tokenizer)
+    texts = [clean_vocabulary(tokenizer, mode).get(int(t)) for t in plain[0, 9:]]  # generated tokens' texts
+    last = next(t for t in texts if t and t.strip())[-1:]
+    stop = last.decode("utf-8", "replace") if isinstance(last, bytes) else last
     for beams in (1, 3):
         options = dict(max_new_tokens=12, num_beams=beams, stop_strings=[stop])
         hf, _ = hf_search(model, inputs, dict(options, tokenizer=hf_tokenizer), 330)

@@ -124,3 +124,45 @@ def test_export_refuses_what_it_cannot_apply(tmp_path):
     with pytest.raises(ElxError, match="some_future_option"):
         generation_defaults(config)
     assert json.dumps(generation_defaults(GenerationConfig(sequence_bias={(1, 2): 0.5}, exponential_decay_length_penalty=(3, 1.1))))
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_generation_flags(capsys, exported):
+    folder = exported("t5")
+    sample = ["generate", folder, "--input-ids", "5 6 7; 8 9", "--max-new-tokens", "6", "--do-sample", "--seed", "4",
+              "--top-k", "5", "--temperature", "0.7", "--repetition-penalty", "1.3", "--num-return-sequences", "2"]
+    code, first, _ = _cli(capsys, *sample)
+    assert code == 0 and len(first.splitlines()) == 4 and _cli(capsys, *sample)[1] == first
+    generator = Generator.from_folder(folder, threads=1)
+    expected = generator.generate(input_ids=[[5, 6, 7], [8, 9]], max_new_tokens=6, do_sample=True, seed=4, top_k=5,
+                                  temperature=0.7, repetition_penalty=1.3, num_return_sequences=2).sequences
+    assert [[int(t) for t in line.split("] ")[1].split()] for line in first.splitlines()] == expected.tolist()
+    code, out, _ = _cli(capsys, "generate", folder, "--input-ids", "5 6 7", "--max-new-tokens", "6",
+                        "--generation-config", '{"bad_words_ids": [[3], [4, 5]], "repetition_penalty": 1.5}')
+    assert code == 0 and out.startswith("[0]")
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--do-sample", "--temperature", "0"], "temperature"),
+    (["--do-sample", "--top-k", "-3"], "top_k"),
+    (["--generation-config", "{bad"], "--generation-config"),
+    (["--generation-config", '{"output_attentions": true}'], "output_attentions"),
+    (["--generation-config", '{"num_beams": 4, "num_beam_groups": 2}'], "num_beam_groups"),
+    (["--stream"], "tokenizer"),
+    (["--stop-string", "x"], "tokenizer"),
+    (["--num-beams", "2", "--num-return-sequences", "3", "--do-sample"], "num_return_sequences"),
+])
+def test_cli_refusals(capsys, exported, flags, expected):
+    code, _, err = _cli(capsys, "generate", exported("t5"), "--input-ids", "5 6 7", "--max-new-tokens", "3", *flags)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("elx: error:") and expected in err
+
+
+def test_cli_stream_is_one_generation(capsys, exported, tmp_path):
+    code, _, err = _cli(capsys, "generate", exported("t5"), "--input-file", tmp_path / "in.txt", "--output-file",
+                        tmp_path / "out.jsonl", "--stream")
+    assert code == 2 and "--stream" in err and "--input-file" in err

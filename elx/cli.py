@@ -126,15 +126,16 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--encoder-no-repeat-ngram-size", type=int, metavar="N", help="no N-gram of the input is generated")
     g.add_argument("--renormalize-logits", action="store_true", default=None,
                    help="log-softmax the scores after every processor")
-    g.add_argument("--max-time", type=float, metavar="SECONDS", help="stop after SECONDS (the running step finishes)")
-    g.add_argument("--stop-string", dest="stop_strings", action="append", metavar="TEXT",
-                   help="stop a sequence when its text ends with TEXT (needs the export's tokenizer); repeatable")
     g.add_argument("--generation-config", type=_generation_config, metavar="JSON",
                    help="any other HF generate option as a JSON object or a JSON file, e.g. "
                         "'{\"bad_words_ids\": [[5]], \"forced_bos_token_id\": 3}' (the flags above win)")
-    if p.prog.split()[-1] == "generate":  # compare's --seed seeds its random inputs; HF's streamer prints text
+    if p.prog.split()[-1] == "generate":  # compare's --seed seeds its random inputs; compare has no tokenizer at hand
         g.add_argument("--seed", type=seed_int, help="sampling: the generator's seed; with PyTorch installed elx "
                                                      "draws what HF draws after torch.manual_seed(N)")
+        g.add_argument("--max-time", type=float, metavar="SECONDS",
+                       help="stop after SECONDS (the running step finishes)")
+        g.add_argument("--stop-string", dest="stop_strings", action="append", metavar="TEXT",
+                       help="stop a sequence when its text ends with TEXT (needs the export's tokenizer); repeatable")
         g.add_argument("--stream", action="store_true",
                        help="print the text while it is generated (one input, greedy or sampling)")
     r = p.add_argument_group("runtime")

@@ -119,7 +119,8 @@ def greedy_search(model, state: EncoderState, settings: GenerationSettings, proc
         logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None)
         _record(memory, model, state, cache, track_memory)
         logits = recorded.logits(as_float32(logits))
-        scores = recorded.scores(apply_processors(processors, history, logits, active // hooks.repeats))
+        items = active if hooks.repeats == 1 else active // hooks.repeats  # each row's input
+        scores = recorded.scores(apply_processors(processors, history, logits, items))
         next_tokens = hooks.sampler.tokens(scores, active) if hooks.sampler is not None else scores.argmax(axis=1)
         if hooks.keep_rows and eos.size:  # HF: finished rows get the pad token (when EOS can finish them)
             next_tokens = np.where(unfinished, next_tokens, pad)

@@ -3,8 +3,9 @@
 The manifest carries the model's ``generation_config`` values; the user overrides them per call.
 Lengths follow HF: ``max_length`` and ``min_length`` count the decoder prompt (encoder-decoder
 models: the start token; decoder-only models: the left-padded prompt), ``max_new_tokens``/
-``min_new_tokens`` do not, and ``max_new_tokens`` wins over ``max_length``.  Every option HF ``generate`` takes is implemented, accepted as a
-no-op, or refused in one line (``runners/options.py``): nothing is silently ignored.
+``min_new_tokens`` do not, and ``max_new_tokens`` wins over ``max_length``.  Every option HF ``generate``
+takes is implemented, accepted as a no-op, or refused in one line (``runners/options.py``): nothing is
+silently ignored.
 """
 from __future__ import annotations
 

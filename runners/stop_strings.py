@@ -109,7 +109,7 @@ def _tables(stop: str | bytes, vocabulary: dict) -> tuple[dict, dict]:
 
 
 class StopStrings:
-    """``(sequences [rows, length]) -> stopped [rows]`` for ``strings`` on ``tokenizer`` (a ``tokenizers.Tokenizer``)."""
+    """``(sequences [rows, length]) -> stopped [rows]`` for ``strings`` on a ``tokenizers.Tokenizer``."""
 
     def __init__(self, strings: list[str], tokenizer):
         mode = matching_mode(tokenizer)

@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.differential import (DECODER_ONLY, EOS_MODES, SPECS, ModelInfo, Stats, batches, decoder_only_lengths,
-                                generation_options, issue25_options, pass_sets, random_configs, run_export_example, run_search_example,
-                                uniform, with_ngram)
+                                generation_options, issue25_options, pass_sets, random_configs, run_export_example,
+                                run_search_example, uniform, with_ngram)
 
 EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
 CI = EXAMPLES == 0

@@ -123,7 +123,10 @@ def test_export_refuses_what_it_cannot_apply(tmp_path):
     config.update(allow_custom_entries=True, some_future_option=3)
     with pytest.raises(ElxError, match="some_future_option"):
         generation_defaults(config)
-    assert json.dumps(generation_defaults(GenerationConfig(sequence_bias={(1, 2): 0.5}, exponential_decay_length_penalty=(3, 1.1))))
+    recorded = generation_defaults(GenerationConfig(sequence_bias={(1, 2): 0.5},
+                                                    exponential_decay_length_penalty=(3, 1.1)))
+    assert json.loads(json.dumps(recorded)) == {"sequence_bias": [[[1, 2], 0.5]],
+                                                "exponential_decay_length_penalty": [3, 1.1]}
 
 
 def _cli(capsys, *args) -> tuple[int, str, str]:

@@ -35,7 +35,7 @@ def t5():
 
 
 def test_every_field_is_placed():
-    """Each field is a setting or a no-op/refused entry, in exactly one place, with a reason where it is not a setting."""
+    """Each field is a setting or a no-op/refused entry, in exactly one place, with a reason where it is no setting."""
     for name in FIELDS:
         places = [name in catalog.SETTINGS, name in catalog.NO_OPS]
         assert sum(places) == 1, f"GenerationConfig field {name!r} is not placed in runners/options.py"

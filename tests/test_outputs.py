@@ -26,7 +26,8 @@ from tests.differential import (LastTokenBump, LastTokenStop, PrefixRule, bare_m
                                 hf_search, same_extras, search_backend)
 
 TEXTS = ["the stop sign stopped the stopper at the stopping place", "hello world, hello there: 42 apples\n",
-         "naïve café — déjà vu, 東京 and façade", "stop. Stop! STOP? st op sto p", "abcdefghijklmnopqrstuvwxyz"] * 3
+         "naïve café — déjà vu, 東京 and façade", "stop. Stop! STOP? st op sto p",
+         "abcdefghijklmnopqrstuvwxyz"] * 3
 
 
 def _tokenizer(kind: str):

@@ -106,3 +106,26 @@ def test_the_full_matrix_matters(model_and_inputs, monkeypatch):
 def _running_rows_only(self, scores, active):
     probs = torch.softmax(torch.from_numpy(scores), dim=-1)
     return torch.multinomial(probs, 1, generator=self.generator).squeeze(1).numpy()
+
+
+@pytest.mark.parametrize("family,passes", [("t5", None), ("bart", "ngram=2"), ("gpt2", None)])
+def test_exports_sample_hf_tokens(exported, family, passes):
+    """On ONNX Runtime too (fp32 graphs, logits within 1e-4 of PyTorch's): seeded greedy and beam sampling, a
+    repeated input for num_return_sequences, the ngram pass's blocked log-probs under beam sampling."""
+    from exporter.compare import _torch_inputs
+    from exporter.sources import reload_model
+
+    generator = Generator.from_folder(exported(family, passes), threads=1)
+    model = reload_model(generator.manifest.data["source"]).eval()
+    vocab = generator.manifest.dims["vocab_size"]
+    ids = np.random.default_rng(1).integers(3, vocab - 2, size=(2, 6))
+    mask = np.ones_like(ids)
+    if family in DECODER_ONLY:
+        ids[1, :2], mask[1, :2] = generator.rules.pad_token(generator.manifest), 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    for options in (dict(do_sample=True, num_return_sequences=3, max_new_tokens=8, top_k=10),
+                    dict(do_sample=True, num_beams=3, max_new_tokens=8, no_repeat_ngram_size=2, top_p=0.9)):
+        torch.manual_seed(9)
+        with torch.no_grad():
+            hf = model.generate(**_torch_inputs(inputs), **options).numpy()
+        np.testing.assert_array_equal(generator.generate(inputs, seed=9, **options).sequences, hf)

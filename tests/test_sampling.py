@@ -129,3 +129,23 @@ def test_exports_sample_hf_tokens(exported, family, passes):
         with torch.no_grad():
             hf = model.generate(**_torch_inputs(inputs), **options).numpy()
         np.testing.assert_array_equal(generator.generate(inputs, seed=9, **options).sequences, hf)
+
+
+def test_sampling_and_processors_without_torch(tmp_path, exported):
+    """The runtime without PyTorch (an interpreter where importing it fails): numpy's generator and warpers,
+    the same tokens for the same seed, other tokens for another seed."""
+    from tests.test_runtime_imports import _run
+
+    proc = _run(tmp_path, """
+        import sys, elx
+        g = elx.Generator.from_folder(sys.argv[1])
+        run = lambda seed, beams: g.generate(input_ids=[[5, 6, 7, 8], [9, 10]], do_sample=True, seed=seed,
+                                             num_beams=beams, max_new_tokens=8, top_p=0.9, typical_p=0.95,
+                                             min_p=0.01, eta_cutoff=0.001, repetition_penalty=1.3,
+                                             num_return_sequences=2).sequences.tolist()
+        assert run(3, 1) == run(3, 1) and run(3, 2) == run(3, 2) and run(3, 1) != run(4, 1)
+        assert "torch" not in sys.modules and "transformers" not in sys.modules
+        print("ok")
+        """, str(exported("t5")))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok")

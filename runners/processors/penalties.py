@@ -89,10 +89,7 @@ class RemoveInvalidValues:
 
     def __call__(self, tokens, scores, items=None):
         info = np.finfo(scores.dtype)
-        scores[np.isnan(scores)] = 0.0
-        scores[np.isposinf(scores)] = info.max
-        scores[np.isneginf(scores)] = info.min
-        return scores
+        return np.nan_to_num(scores, copy=False, nan=0.0, posinf=info.max, neginf=info.min)
 
 
 class Renormalize:

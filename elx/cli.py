@@ -91,7 +91,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                              "generation_config defaults, as HF does)")
     g.add_argument("--num-beams", type=int, metavar="N", help="beam search width (1: greedy search)")
     g.add_argument("--num-return-sequences", type=int, metavar="N",
-                   help="sequences returned per input, best first (at most --num-beams)")
+                   help="sequences returned per input, best first (at most --num-beams; any number when sampling "
+                        "with one beam)")
     g.add_argument("--max-new-tokens", type=int, metavar="N", help="at most N generated tokens (overrides --max-length)")
     g.add_argument("--min-new-tokens", type=int, metavar="N", help="EOS is suppressed until N tokens were generated")
     g.add_argument("--max-length", type=int, metavar="N", help="at most N decoder tokens, start token(s) included")
@@ -107,6 +108,37 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--language", help="Whisper: spoken language, e.g. en or english (multilingual models; "
                                       "default en where HF would detect it)")
     g.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe (default) or translate")
+    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample instead of greedy/beam search (--no-do-sample: greedy even where the model's "
+                        "generation config samples)")
+    g.add_argument("--temperature", type=float, metavar="X", help="sampling: logits divided by X (HF's default 1.0)")
+    g.add_argument("--top-k", type=int, metavar="N", help="sampling: keep the N most likely tokens (HF's default 50; "
+                                                          "0: off)")
+    g.add_argument("--top-p", type=float, metavar="X", help="sampling: keep the most likely tokens up to probability X")
+    g.add_argument("--min-p", type=float, metavar="X", help="sampling: drop tokens below X times the best one's "
+                                                            "probability")
+    g.add_argument("--typical-p", type=float, metavar="X", help="sampling: locally typical sampling with mass X")
+    g.add_argument("--epsilon-cutoff", type=float, metavar="X", help="sampling: drop tokens below probability X")
+    g.add_argument("--eta-cutoff", type=float, metavar="X", help="sampling: eta sampling with cutoff X")
+    g.add_argument("--repetition-penalty", type=float, metavar="X",
+                   help="tokens already generated (and a decoder-only prompt's) are penalized by X (1.0: off)")
+    g.add_argument("--encoder-repetition-penalty", type=float, metavar="X",
+                   help="tokens of the input are favoured by X (1.0: off)")
+    g.add_argument("--encoder-no-repeat-ngram-size", type=int, metavar="N", help="no N-gram of the input is generated")
+    g.add_argument("--renormalize-logits", action="store_true", default=None,
+                   help="log-softmax the scores after every processor")
+    g.add_argument("--generation-config", type=_generation_config, metavar="JSON",
+                   help="any other HF generate option as a JSON object or a JSON file, e.g. "
+                        "'{\"bad_words_ids\": [[5]], \"forced_bos_token_id\": 3}' (the flags above win)")
+    if p.prog.split()[-1] == "generate":  # compare's --seed seeds its random inputs; compare has no tokenizer at hand
+        g.add_argument("--seed", type=seed_int, help="sampling: the generator's seed; with PyTorch installed elx "
+                                                     "draws what HF draws after torch.manual_seed(N)")
+        g.add_argument("--max-time", type=float, metavar="SECONDS",
+                       help="stop after SECONDS (the running step finishes)")
+        g.add_argument("--stop-string", dest="stop_strings", action="append", metavar="TEXT",
+                       help="stop a sequence when its text ends with TEXT (needs the export's tokenizer); repeatable")
+        g.add_argument("--stream", action="store_true",
+                       help="print the text while it is generated (one input, greedy or sampling)")
     r = p.add_argument_group("runtime")
     r.add_argument("--backend", choices=("ort", "ort-io", "tensorrt"), default="ort",
                    help="ort: ONNX Runtime (default); ort-io: ONNX Runtime with IOBinding (tensors stay on the "
@@ -117,11 +149,35 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 
 
 GENERATION_KEYS = ("num_beams", "num_return_sequences", "max_new_tokens", "min_new_tokens", "max_length", "min_length",
-                   "length_penalty", "early_stopping", "no_repeat_ngram_size", "language", "task")
+                   "length_penalty", "early_stopping", "no_repeat_ngram_size", "language", "task", "do_sample",
+                   "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                   "repetition_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
+                   "renormalize_logits", "max_time", "stop_strings", "seed")
+
+
+def _generation_config(text: str) -> dict:
+    """``--generation-config``: a JSON object, or the path of a JSON file holding one."""
+    source = text
+    if not text.lstrip().startswith("{"):
+        try:
+            source = Path(text).read_text()
+        except OSError as err:
+            raise argparse.ArgumentTypeError(f"neither a JSON object nor a readable file: {text!r} ({err.strerror})")
+    try:
+        value = json.loads(source)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err.msg} at position {err.pos})")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of generate options")
+    return value
 
 
 def generation_options(args) -> dict:
-    return {k: getattr(args, k) for k in GENERATION_KEYS if getattr(args, k, None) is not None}
+    """The generate options of the command line: ``--generation-config``'s entries, then the flags."""
+    options = dict(getattr(args, "generation_config", None) or {})
+    options.update({k: getattr(args, k) for k in GENERATION_KEYS if getattr(args, k, None) is not None
+                    and (k != "seed" or "stream" in vars(args))})  # compare's own --seed seeds its inputs
+    return options
 
 
 PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each verified (fp32 logits within 1e-4): "
@@ -176,6 +232,8 @@ def cmd_generate(args) -> int:
     from runners.generate import Generator
     from runners.text import token_rows
 
+    if args.input_file and args.stream:
+        raise ElxError("--stream prints one generation as it runs; it does not go with --input-file")
     if args.input_file:
         return cmd_generate_file(args)
     given = [f"--{name.replace('_', '-')}" for name in DATASET_KEYS if getattr(args, name) not in (None, False)]
@@ -195,10 +253,12 @@ def cmd_generate(args) -> int:
     if generator.manifest.data.get("source", {}).get("random_init"):
         print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",
               file=sys.stderr)
-    out = generator.generate(**source, **generation_options(args))
+    streamer = _stream_printer(generator) if args.stream else None
+    out = generator.generate(**source, **generation_options(args), streamer=streamer)
     for i, row in enumerate(out.sequences):  # the rows HF generate returns for this family
         tokens = " ".join(str(int(t)) for t in row)
-        print(f"[{i}] {tokens}" + (f"\n    {out.text[i]}" if out.text is not None else ""))
+        text = f"\n    {out.text[i]}" if out.text is not None and streamer is None else ""
+        print(f"[{i}] {tokens}" + text)
     return 0
 
 
@@ -214,6 +274,15 @@ def _check_input_kind(generator, source: dict) -> None:
                        "exports); pass --input-ids or --text")
     if flag == "--text" and generator.text is None:
         raise ElxError(f"{generator.manifest.folder} has no tokenizer; pass --input-ids instead of --text")
+
+
+def _stream_printer(generator):
+    """``--stream``: the text goes to stdout while it is generated, then the token line (runners/streaming.py)."""
+    from runners.streaming import TextPrinter
+
+    if generator.text is None:
+        raise ElxError(f"--stream prints text: {generator.manifest.folder} has no tokenizer")
+    return TextPrinter(generator.text)
 
 
 def add_dataset_options(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+from runners import options
 from runners.manifest import FORMAT, VERSION, Manifest
 
 from elx import __version__
@@ -23,13 +24,6 @@ from .progress import WEIGHTS, Progress
 from .shared_weights import folder_bytes, store_weights_once
 from .sources import resolve_model
 from .verify import require_within_tolerance, verify_export
-
-# generation_config fields the runners implement (anything else set to a non-default value is refused there)
-GENERATION_FIELDS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_beams", "length_penalty",
-                     "early_stopping", "num_return_sequences", "no_repeat_ngram_size", "forced_bos_token_id",
-                     "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids",
-                     "do_sample", "repetition_penalty", "bad_words_ids", "encoder_no_repeat_ngram_size",
-                     "is_multilingual", "lang_to_id", "task_to_id", "no_timestamps_token_id", "return_timestamps")
 
 
 def _as_list(value):
@@ -46,13 +40,52 @@ def _dims(model, family) -> dict:
     return dims
 
 
+_TOKEN_FIELDS = ("decoder_start_token_id", "eos_token_id", "pad_token_id", "bos_token_id")  # the manifest's "tokens"
+
+
+def _jsonable(value):
+    """A generation config value as JSON: tuples as lists, sequence_bias's tuple keys as HF's [[ids], bias] pairs,
+    config objects (watermarking, compilation) as their dicts."""
+    if isinstance(value, dict):
+        if value and all(isinstance(k, tuple) for k in value):
+            return [[list(k), v] for k, v in value.items()]
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "to_dict"):
+        return _jsonable(value.to_dict())
+    return value
+
+
+def generation_defaults(gen) -> dict:
+    """Every field of the model's ``generation_config`` that differs from a fresh ``GenerationConfig``'s (special
+    tokens aside: the manifest's ``tokens``), JSON-ready; the runners apply each (``runners/settings.py``).
+
+    A field elx does not know, or one that selects a decoding mode elx refuses (``runners/options.py``), stops
+    the export with one line naming it: nothing of the model's configuration is dropped."""
+    from transformers import GenerationConfig
+
+    fresh = GenerationConfig().to_dict()
+    out = {}
+    for name, value in gen.to_dict().items():
+        if name.startswith("_") or name == "transformers_version" or name in _TOKEN_FIELDS or value is None:
+            continue
+        if name in fresh and value == fresh[name]:
+            continue
+        if not options.known(name):
+            raise ElxError(f"the model's generation_config sets {name}={value!r}, which this elx does not know; "
+                           "remove it from generation_config.json (HF's generate of this transformers version "
+                           "would not use it either) or upgrade elx")
+        out[name] = _jsonable(value)
+    refused = options.refusal(out)
+    if refused:
+        raise ElxError(f"the model's generation_config sets {refused[0]}: {refused[1]} (in generation_config.json)")
+    return out
+
+
 def base_manifest(model, family, source: dict) -> dict:
     gen = model.generation_config
-    defaults = {}
-    for name in GENERATION_FIELDS:
-        value = getattr(gen, name, None)
-        if value is not None:
-            defaults[name] = value
+    defaults = generation_defaults(gen)
     if defaults.get("lang_to_id"):  # Whisper: language names for --language english (the runtime has no transformers)
         from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 

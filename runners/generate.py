@@ -20,6 +20,7 @@ from .families import rules_for
 from .log_softmax import kernel as log_softmax_kernel
 from .manifest import Manifest
 from .model import Model
+from .hooks import CallArguments, check_family_options, decoder_prefix, graph_may_block, processor_inputs, search_hooks
 from .processors import build_processors
 from .search import beam_search, greedy_search
 from .settings import GenerationSettings, resolve_settings
@@ -38,6 +39,11 @@ class GenerationOutput:
     settings: GenerationSettings
     steps: int = 0
     memory: list = field(default_factory=list)  # per step {"state_bytes", "cache_bytes", "rows"} (track_memory)
+    # return_dict_in_generate with output_scores / output_logits: HF's per-step ``scores`` (processed; beam search:
+    # log-probs) and ``logits`` (raw), each a tuple of [rows, vocab] float32, rows = batch · max(beams, sequences)
+    scores: tuple | None = None
+    logits: tuple | None = None
+    beam_indices: np.ndarray | None = None  # beam search with return_dict_in_generate: HF's [rows, generated] int32
 
 
 def make_backend(manifest: Manifest, backend: str = "ort", device: str = "cpu", device_id: int = 0,
@@ -66,6 +72,7 @@ class Generator:
     def __init__(self, model: Model):
         self.model = model
         self.rules = rules_for(model.manifest)
+        self._stop_strings = {}  # stop-string tables per tokenizer and strings (runners/hooks.py)
 
     @classmethod
     def from_folder(cls, folder, *, backend: str = "ort", device: str = "cpu", threads: int | None = None,
@@ -119,7 +126,9 @@ class Generator:
     def generate(self, inputs: dict | None = None, *, text=None, audio=None, input_ids=None, attention_mask=None,
                  input_features=None, settings: GenerationSettings | None = None, track_memory: bool = False,
                  decode: bool = True, **options) -> GenerationOutput:
-        """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, ...).
+        """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, do_sample, ...) and
+        its call arguments (streamer, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, tokenizer,
+        decoder_input_ids, generation_config; ``runners/options.py`` lists every option and what elx does with it).
 
         ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
         writer thread)."""
@@ -130,18 +139,24 @@ class Generator:
         inputs = self.rules.prepare_inputs(_check_inputs(self.manifest, inputs), settings)
         self.rules.check_lengths(self.manifest, inputs, settings)
         prompt = self.rules.prompt(inputs, settings)
+        args = CallArguments.of(options)
+        check_family_options(self.manifest, options, settings)
+        if args.decoder_input_ids is not None:
+            prompt = decoder_prefix(self.manifest, settings, prompt, args.decoder_input_ids)
         check_memory(self.manifest, settings, inputs, prompt.shape[1])  # runners/validation.py: refuse what cannot fit
-        model = self.model.for_run(settings.no_repeat_ngram_size)
-        processors = build_processors(settings, prompt.shape[1], graph_blocks_ngrams=model.returns_log_probs)
-        if settings.num_beams > 1:
-            log_softmax_kernel()  # a bad ELX_LOG_SOFTMAX is refused before any graph runs
+        model = self.model.for_run(settings.no_repeat_ngram_size if graph_may_block(settings, args) else None)
+        log_softmax_kernel()  # a bad ELX_LOG_SOFTMAX is refused before any graph runs
+        processors = build_processors(settings, prompt.shape[1], graph_blocks_ngrams=model.returns_log_probs,
+                                      inputs=processor_inputs(self.manifest, inputs, args))
+        text = self.text if settings.stop_strings and args.tokenizer is None else None
+        hooks = search_hooks(settings, args, text, int(prompt.shape[0]), self._stop_strings)
         state = model.encode(inputs)
         search = greedy_search if settings.num_beams == 1 else beam_search
-        result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt)
+        result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt, hooks=hooks)
         sequences = self.rules.output_sequences(result.sequences, settings)
         text_out = self.text.decode(sequences) if decode and self.text is not None else None
         return GenerationOutput(sequences, result.scores, text_out, result.sequences, settings, result.steps,
-                                result.memory)
+                                result.memory, result.step_scores, result.step_logits, result.beam_indices)
 
 
 def _check_inputs(manifest: Manifest, inputs: dict) -> dict:

@@ -13,7 +13,10 @@ runs): bit for bit HF's log-probs on the same CPU, row by row (each row is compu
 batch size does not matter), and faster than numpy on a 128 × 32128 step here (in place 1.9 ms,
 numpy 9.6 ms).  Without PyTorch the runtime still needs none: numpy, with the limit above.  (The first
 search step imports torch, about a second, once per process.)
-``ELX_LOG_SOFTMAX=numpy`` or ``=torch`` picks one explicitly (torch when it is missing: an error).
+``ELX_LOG_SOFTMAX=numpy`` or ``=torch`` picks one explicitly (torch when it is missing: an error).  The same
+choice decides the other host kernels whose rounding or random draws matter (``torch_module``): the sampling
+warpers' softmax, sort and cumulative sums (``runners/processors/warpers.py``) and the sampling generator
+(``runners/sampling.py``).
 
 HF's own answer at such a near-tie depends on the CPU too (PyTorch's scalar, AVX2 and AVX-512
 kernels round differently): elx matches HF on the machine it runs on.  The ``ngram`` pass applies
@@ -80,6 +83,28 @@ def kernel() -> str:
 def log_softmax_function():
     """The row-wise float32 log-softmax in use (may overwrite and return its argument); resolve once per search."""
     return torch_log_softmax_ if kernel() == "torch" else numpy_log_softmax_
+
+
+def numpy_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise float32 softmax (a new array): ``exp(x − m) / Σ exp(x − m)``."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def torch_softmax(x: np.ndarray) -> np.ndarray:
+    """PyTorch's CPU softmax, the one HF's sampling and warpers call (a new array)."""
+    return _torch().softmax(_torch().from_numpy(np.ascontiguousarray(x)), dim=-1).numpy()
+
+
+def softmax_function():
+    """The row-wise float32 softmax of the kernel in use (``kernel()``); resolve once per run."""
+    return torch_softmax if kernel() == "torch" else numpy_softmax
+
+
+def torch_module():
+    """The torch module when the kernel in use is PyTorch's (``kernel()``), else None: the processors and the
+    sampler compute with PyTorch's own kernels where HF does, bit for bit, and with numpy otherwise."""
+    return _torch() if kernel() == "torch" else None
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

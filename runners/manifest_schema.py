@@ -81,7 +81,7 @@ _CACHE_ENTRY = {
                    "dtype": _TENSOR["properties"]["dtype"], "shape": _SHAPE, "seq_axis": _int(),
                    "init": {"type": "string", "description": "a stage output '<graph>:<output>'"}},
 }
-_GENERATION = {  # generation_config values (exporter/export.py GENERATION_FIELDS), as HF types them
+_GENERATION = {  # generation_config values the runners read (runners/options.py places every field), as HF types them
     "type": "object", "description": "an object of generation options",
     "properties": {
         **{name: _int(1, "a positive integer", null=True) for name in ("max_length", "max_new_tokens", "num_beams",

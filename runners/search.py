@@ -36,6 +36,7 @@ from .backend import EncoderState
 from .log_softmax import log_softmax_function
 from .topk import topk
 from .processors import apply_processors
+from .search_hooks import NO_HOOKS, SearchHooks
 from .settings import GenerationSettings
 
 NEG_1E9 = np.float32(-1.0e9)
@@ -47,6 +48,9 @@ class SearchResult:
     steps: int
     memory: list = field(default_factory=list)  # per step: {"state_bytes", "cache_bytes", "rows"}
     scores: np.ndarray | None = None  # beam search: HF's sequences_scores (length-penalized), per returned row
+    step_scores: tuple | None = None  # hooks.record_scores: HF's ``scores``, per step [rows, vocab] (processed)
+    step_logits: tuple | None = None  # hooks.record_logits: HF's ``logits``, per step [rows, vocab] (raw)
+    beam_indices: np.ndarray | None = None  # hooks.beam_indices: HF's ``beam_indices`` [returned rows, generated]
 
 
 def _has_ties(scores: np.ndarray) -> np.ndarray:
@@ -87,40 +91,85 @@ def _record(memory: list, model, state: EncoderState, cache, track: bool) -> Non
 
 
 def greedy_search(model, state: EncoderState, settings: GenerationSettings, processors: list,
-                  track_memory: bool = False, prompt: np.ndarray | None = None) -> SearchResult:
+                  track_memory: bool = False, prompt: np.ndarray | None = None,
+                  hooks: SearchHooks = NO_HOOKS) -> SearchResult:
+    """HF's ``_sample``: argmax, or a draw with ``hooks.sampler``; one row per input (``hooks.repeats`` with
+    sampling), until every row hit EOS or a stopping criterion, or the maximum length."""
+    prompt = _prompt_rows(settings, state.batch, prompt)
+    if hooks.repeats > 1:  # num_return_sequences sampled rows per input, consecutive (HF's expansion)
+        expand = np.repeat(np.arange(state.batch), hooks.repeats)
+        state, prompt = model.select(state, expand), prompt[expand]
     batch = state.batch
-    prompt = _prompt_rows(settings, batch, prompt)
     p_len = prompt.shape[1]
     max_len = settings.total_max_length(p_len)
     eos = np.asarray(settings.eos_token_id, dtype=np.int64)
     pad = settings.pad_token_id
     out = np.full((batch, max_len), pad if pad is not None else -1, dtype=np.int64)
     out[:, :p_len] = prompt
-    active = np.arange(batch)  # items still generating
+    active = np.arange(batch)  # rows still generating (all of them with hooks.keep_rows)
+    unfinished = np.ones(batch, dtype=bool)
     cache = model.empty_cache(batch)
     step_tokens = out[:, :p_len].copy()
     cur_len, memory = p_len, []
+    recorded = _Recorder(hooks)
+    if hooks.streamer is not None:
+        hooks.streamer.put(prompt.copy())
     while cur_len < max_len and active.size:
         history = out[active, :cur_len]
         logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None)
         _record(memory, model, state, cache, track_memory)
-        scores = apply_processors(processors, history, as_float32(logits))
-        next_tokens = scores.argmax(axis=1)
+        logits = recorded.logits(as_float32(logits))
+        items = active if hooks.repeats == 1 else active // hooks.repeats  # each row's input
+        scores = recorded.scores(apply_processors(processors, history, logits, items))
+        next_tokens = hooks.sampler.tokens(scores, active) if hooks.sampler is not None else scores.argmax(axis=1)
+        if hooks.keep_rows and eos.size:  # HF: finished rows get the pad token (when EOS can finish them)
+            next_tokens = np.where(unfinished, next_tokens, pad)
         out[active, cur_len] = next_tokens
         cur_len += 1
         done = np.isin(next_tokens, eos) if eos.size else np.zeros(active.size, dtype=bool)
-        if done.any():
+        if hooks.stopping is not None:
+            done |= hooks.stopping(out[active, :cur_len], recorded.step_scores)
+        if hooks.streamer is not None:
+            hooks.streamer.put(out[:, cur_len - 1].copy())
+        if hooks.keep_rows:
+            unfinished &= ~done
+            if not unfinished.any():
+                break
+        elif done.any():
             keep = np.flatnonzero(~done)
             active = active[keep]
             if keep.size:
                 state, cache = model.select(state, keep), model.reorder(cache, keep)
             next_tokens = next_tokens[keep]
         step_tokens = next_tokens[:, None]
-    return SearchResult(out[:, :cur_len], cur_len - p_len, memory)
+    if hooks.streamer is not None:
+        hooks.streamer.end()
+    return SearchResult(out[:, :cur_len], cur_len - p_len, memory, step_scores=recorded.step_scores,
+                        step_logits=recorded.step_logits)
+
+
+class _Recorder:
+    """HF's per-step ``scores`` (processed) and ``logits`` (raw) when asked for: copies, since the search then
+    works on the arrays in place."""
+
+    def __init__(self, hooks: SearchHooks):
+        self.step_scores = () if hooks.record_scores else None
+        self.step_logits = () if hooks.record_logits else None
+
+    def logits(self, logits: np.ndarray) -> np.ndarray:
+        if self.step_logits is not None:
+            self.step_logits += (logits.copy(),)
+        return logits
+
+    def scores(self, scores: np.ndarray) -> np.ndarray:
+        if self.step_scores is not None:
+            self.step_scores += (scores.copy(),)
+        return scores
 
 
 def beam_search(model, state: EncoderState, settings: GenerationSettings, processors: list,
-                track_memory: bool = False, prompt: np.ndarray | None = None) -> SearchResult:
+                track_memory: bool = False, prompt: np.ndarray | None = None,
+                hooks: SearchHooks = NO_HOOKS) -> SearchResult:
     s = settings
     k = s.num_beams
     batch = state.batch
@@ -144,6 +193,8 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
     unsatisfied = np.ones((batch, 1), dtype=bool)
     top_mask = np.arange(keep_k) < k
 
+    recorded = _Recorder(hooks)
+    origins = _BeamOrigins(batch, k, max_len - p_len) if hooks.beam_indices else None
     active = np.arange(batch)  # rows of the per-item arrays still in the model's batch
     log_softmax = log_softmax_function()  # resolved once, not per step
     cache = model.empty_cache(batch * k)
@@ -155,16 +206,23 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
         logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None)
         _record(memory, model, state, cache, track_memory)
         vocab = logits.shape[1]
-        logits = as_float32(logits)
+        logits = recorded.logits(as_float32(logits))
         log_probs = logits if model.returns_log_probs else log_softmax(logits)
-        log_probs = apply_processors(processors, history, log_probs)
-        scores = add_beam_scores(log_probs, running_scores[active])
+        if processors:
+            log_probs = apply_processors(processors, history, log_probs, np.repeat(active, k))
+        scores = add_beam_scores(recorded.scores(log_probs), running_scores[active])
 
-        top_lp, top_idx = topk(scores, keep_k)
+        if hooks.sampler is not None:
+            top_lp, top_idx = hooks.sampler.candidates(scores, active, keep_k)
+        else:
+            top_lp, top_idx = topk(scores, keep_k)
         top_beam, top_tok = top_idx // vocab, top_idx % vocab
         top_seq = np.take_along_axis(running[active], top_beam[:, :, None], axis=1)
         top_seq[:, :, cur_len] = top_tok
         hits = np.isin(top_tok, eos) | (cur_len + 1 >= max_len)
+        if hooks.stopping is not None:
+            candidates = top_seq[:, :, : cur_len + 1].reshape(n * keep_k, cur_len + 1)
+            hits |= hooks.stopping(candidates, recorded.step_scores).reshape(n, keep_k)
 
         # running beams for the next step: best candidates that did not just stop
         run_lp = top_lp + hits.astype(np.float32) * NEG_1E9
@@ -172,6 +230,8 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
         running[active] = np.take_along_axis(top_seq, nxt[:, :, None], axis=1)
         running_scores[active] = np.take_along_axis(run_lp, nxt, axis=1)
         parents = np.take_along_axis(top_beam, nxt, axis=1)
+        if origins is not None:
+            origins.step(active, top_beam, cur_len - p_len, nxt)
 
         # finished hypotheses: merge by length-penalized score
         just_done = hits & top_mask[None, :]
@@ -189,6 +249,8 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
         beam_scores[active] = np.take_along_axis(merged_scores, best, axis=1)
         finished_len[active] = np.take_along_axis(merged_len, best, axis=1)
         is_finished[active] = np.take_along_axis(merged_fin, best, axis=1)
+        if origins is not None:
+            origins.merge(active, best)
 
         cur_len += 1
         # HF's early-stop heuristic (``_check_early_stop_heuristic``)
@@ -210,7 +272,7 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
         # torch.topk may reorder exactly equal scores in each merge: an item whose finished scores tie stays
         # in the batch, so that it gets the same merges; the others leave it (their order cannot change)
         leave = item_done & ~_has_ties(beam_scores[active])
-        if leave.any():
+        if leave.any() and not hooks.keep_rows:
             keep = np.flatnonzero(~leave)
             state = model.select(state, keep)
             rows = rows.reshape(n, k)[keep].reshape(-1)
@@ -221,4 +283,32 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
     r = s.num_return_sequences
     seqs = finished_seq[:, :r].reshape(batch * r, max_len)
     gen_len = int(finished_len[:, :r].max())
-    return SearchResult(seqs[:, : p_len + gen_len], cur_len - p_len, memory, beam_scores[:, :r].reshape(-1).copy())
+    return SearchResult(seqs[:, : p_len + gen_len], cur_len - p_len, memory, beam_scores[:, :r].reshape(-1).copy(),
+                        recorded.step_scores, recorded.step_logits,
+                        origins.returned(r, gen_len) if origins is not None else None)
+
+
+class _BeamOrigins:
+    """HF's ``beam_indices``: for each hypothesis, the flat row (item · beams + beam) each of its tokens came from.
+
+    Kept like HF's ``running_beam_indices`` and ``beam_indices`` [batch, beams, max new tokens] (int32, -1
+    where nothing was generated): gathered with the candidates, the running beams and the merged finished
+    hypotheses, as the sequences are."""
+
+    def __init__(self, batch: int, beams: int, length: int):
+        self.beams = beams
+        self.running = np.full((batch, beams, length), -1, dtype=np.int32)
+        self.finished = self.running.copy()
+        self.candidates = None
+
+    def step(self, active: np.ndarray, top_beam: np.ndarray, position: int, nxt: np.ndarray) -> None:
+        self.candidates = np.take_along_axis(self.running[active], top_beam[:, :, None], axis=1)
+        self.candidates[:, :, position] = top_beam + active[:, None] * self.beams
+        self.running[active] = np.take_along_axis(self.candidates, nxt[:, :, None], axis=1)
+
+    def merge(self, active: np.ndarray, best: np.ndarray) -> None:
+        merged = np.concatenate([self.finished[active], self.candidates], axis=1)
+        self.finished[active] = np.take_along_axis(merged, best[:, :, None], axis=1)
+
+    def returned(self, r: int, generated: int) -> np.ndarray:
+        return self.finished[:, :r].reshape(-1, self.finished.shape[2])[:, :generated].copy()

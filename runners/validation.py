@@ -145,7 +145,7 @@ def check_settings(s, prompt_len: int | None) -> None:
     check_int("min_length", s.min_length, 0)
     check_int("no_repeat_ngram_size", s.no_repeat_ngram_size, 0)
     check_length_penalty(s.length_penalty)
-    if s.num_return_sequences > s.num_beams:
+    if s.num_return_sequences > s.num_beams and (s.num_beams > 1 or s.do_sample is not True):  # sampling: any
         raise ElxError(f"num_return_sequences ({s.num_return_sequences}) must be <= num_beams ({s.num_beams})")
     if prompt_len is not None:
         check_total_length(s, prompt_len)

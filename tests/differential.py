@@ -335,6 +335,170 @@ def generation_options(draw, ngram: int | None = None) -> dict:
     return options
 
 
+@st.composite
+def issue25_options(draw, info: ModelInfo, beams: int) -> dict:
+    """The options of issue 25, drawn for the search variant on top of ``generation_options``: seeded sampling
+    with HF's warpers, penalties and constraints, the caller's processors and criteria (as picklable specs,
+    ``call_arguments`` builds them), per-step outputs, a decoder prefix, max_time=0.
+
+    Whisper runs draw neither sampling (HF's Whisper decides it from ``temperature``, elx refuses it) nor
+    per-step outputs or decoder prefixes (HF's Whisper has its own)."""
+    rnd = draw(uniform(), label="issue25")
+    out = {}
+    audio = info.features is not None
+    if not audio and rnd.random() < 0.35:
+        out["do_sample"] = True
+        out["seed"] = rnd.randrange(2**31)
+        if rnd.random() < 0.5:
+            out["temperature"] = rnd.choice([0.5, 0.7, 1.3, 2.0, round(rnd.uniform(0.2, 3.0), 3)])
+        if rnd.random() < 0.5:
+            out["top_k"] = rnd.choice([0, 1, 2, 5, 20, 50, rnd.randint(1, info.vocab)])
+        if rnd.random() < 0.4:
+            out["top_p"] = rnd.choice([0.0, 0.5, 0.9, 0.95, round(rnd.uniform(0.0, 1.0), 3)])
+        if rnd.random() < 0.25:
+            out["min_p"] = rnd.choice([0.0, 0.05, 0.1, 0.3])
+        if rnd.random() < 0.2:
+            out["typical_p"] = rnd.choice([0.2, 0.5, 0.9, 0.99])
+        if rnd.random() < 0.2:
+            out["epsilon_cutoff"] = rnd.choice([3e-4, 0.01, 0.05])
+        if rnd.random() < 0.2:
+            out["eta_cutoff"] = rnd.choice([3e-4, 0.01, 0.05])
+        if rnd.random() < 0.15:
+            out["top_h"] = rnd.choice([0.3, 0.6, 1.0])
+        if beams == 1 and rnd.random() < 0.4:
+            out["num_return_sequences"] = rnd.randint(1, 4)
+    token = lambda: rnd.randrange(info.vocab)  # noqa: E731
+    if rnd.random() < 0.2:
+        out["repetition_penalty"] = rnd.choice([0.5, 1.2, 1.5, 2.0, round(rnd.uniform(0.3, 3.0), 3)])
+    if not audio and rnd.random() < 0.15:
+        out["encoder_repetition_penalty"] = rnd.choice([0.7, 1.3, 2.0])
+    if not audio and rnd.random() < 0.15:
+        out["encoder_no_repeat_ngram_size"] = rnd.randint(1, 3)
+    if rnd.random() < 0.15:
+        out["bad_words_ids"] = [[token() for _ in range(rnd.randint(1, 2))] for _ in range(rnd.randint(1, 3))]
+    if rnd.random() < 0.15:
+        out["sequence_bias"] = [[[token() for _ in range(rnd.randint(1, 2))], round(rnd.uniform(-3.0, 3.0), 2)]
+                                for _ in range(rnd.randint(1, 3))]
+    if rnd.random() < 0.15:
+        out["exponential_decay_length_penalty"] = (rnd.randint(0, 6), rnd.choice([0.8, 1.05, 1.5, 2.0]))
+    if rnd.random() < 0.1:
+        out["renormalize_logits"] = True
+    if rnd.random() < 0.1:
+        out["remove_invalid_values"] = True
+    if rnd.random() < 0.1:
+        out["_prefix_allowed_tokens"] = rnd.randint(2, 5)
+    if rnd.random() < 0.1:
+        out["_logits_processor"] = rnd.randint(2, 7)
+    if rnd.random() < 0.1:
+        out["_stopping_criterion"] = rnd.randint(3, 11)
+    if not audio and rnd.random() < 0.15:
+        out.update(return_dict_in_generate=True, output_scores=rnd.random() < 0.8, output_logits=rnd.random() < 0.5)
+    if not audio and info.family not in DECODER_ONLY and rnd.random() < 0.1:
+        out["_decoder_prefix"] = [rnd.randint(1, 3), rnd.randrange(2**31)]
+    if rnd.random() < 0.02:
+        out["max_time"] = 0.0
+    return out
+
+
+class PrefixRule:
+    """A ``prefix_allowed_tokens_fn``: tokens t with ``(t + last token + item) % m != 0`` (torch or numpy rows)."""
+
+    def __init__(self, m: int, vocab: int):
+        self.m, self.vocab = m, vocab
+
+    def __call__(self, batch_id, sent):
+        last = int(sent[-1])
+        return [t for t in range(self.vocab) if (t + last + batch_id) % self.m != 0]
+
+
+class LastTokenBump:
+    """A caller's logits processor: + 0.25 · (last token % m), numpy in numpy out, or torch as HF calls it."""
+
+    def __init__(self, m: int):
+        self.m = m
+
+    def __call__(self, ids, scores):
+        if isinstance(scores, np.ndarray):
+            return scores + (ids[:, -1:] % self.m).astype(np.float32) * np.float32(0.25)
+        return scores + (ids[:, -1:] % self.m).to(scores.dtype) * 0.25
+
+
+class LastTokenStop:
+    """A caller's stopping criterion: a row stops when its last token is a multiple of m."""
+
+    def __init__(self, m: int):
+        self.m = m
+
+    def __call__(self, ids, scores, **kwargs):
+        return ids[:, -1] % self.m == 0
+
+
+def call_arguments(options: dict, vocab: int, batch: int, torch_tensors: bool) -> dict:
+    """``options`` with ``issue25_options``' specs turned into HF generate's call arguments (and no ``seed``
+    for HF, whose draws ``torch.manual_seed`` seeds instead)."""
+    out = {k: v for k, v in options.items() if not k.startswith("_") and (k != "seed" or not torch_tensors)}
+    if "_prefix_allowed_tokens" in options:
+        out["prefix_allowed_tokens_fn"] = PrefixRule(options["_prefix_allowed_tokens"], vocab)
+    if "_logits_processor" in options:
+        out["logits_processor"] = [LastTokenBump(options["_logits_processor"])]
+    if "_stopping_criterion" in options:
+        out["stopping_criteria"] = [LastTokenStop(options["_stopping_criterion"])]
+    if "_decoder_prefix" in options:
+        length, seed = options["_decoder_prefix"]
+        ids = np.random.default_rng(seed).integers(0, vocab, size=(batch, length), dtype=np.int64)
+        out["decoder_input_ids"] = torch.from_numpy(ids) if torch_tensors else ids
+    return out
+
+
+def hf_search(model, inputs: dict, options: dict, vocab: int) -> tuple:
+    """HF ``generate(use_cache=False)`` with ``options`` (specs built, seeded with ``torch.manual_seed``):
+    (sequences, {scores, logits, beam_indices, sequences_scores} as numpy where HF returned them)."""
+    from exporter.compare import _torch_inputs
+
+    batch = int(next(iter(inputs.values())).shape[0])
+    kwargs = call_arguments(dict(options, use_cache=False), vocab, batch, torch_tensors=True)
+    if "seed" in options:
+        torch.manual_seed(options["seed"])
+    with torch.no_grad():
+        out = model.generate(**_torch_inputs(inputs, next(model.parameters()).dtype), **kwargs)
+    if isinstance(out, torch.Tensor):
+        return out.numpy(), {}
+    extras = {}
+    for name in ("scores", "logits"):
+        if getattr(out, name, None) is not None:
+            extras[name] = [t.numpy() for t in getattr(out, name)]
+    for name in ("beam_indices", "sequences_scores"):
+        if getattr(out, name, None) is not None:
+            extras[name] = getattr(out, name).numpy()
+    return out.sequences.numpy(), extras
+
+
+def elx_extras(out) -> dict:
+    """The per-step outputs of an elx ``GenerationOutput`` in ``hf_search``'s form."""
+    extras = {name: list(getattr(out, name)) for name in ("scores", "logits") if getattr(out, name) is not None}
+    if out.beam_indices is not None:
+        extras["beam_indices"] = out.beam_indices
+    if out.sequences_scores is not None and out.settings.returns_scores:
+        extras["sequences_scores"] = out.sequences_scores
+    return extras
+
+
+def same_extras(hf: dict, elx: dict) -> list[str]:
+    """The per-step outputs that differ (names), bit for bit and in shape."""
+    differ = []
+    for name in sorted(set(hf) | set(elx)):
+        a, b = hf.get(name), elx.get(name)
+        if a is None or b is None:
+            differ.append(name)
+        elif isinstance(a, list):
+            if len(a) != len(b) or any(x.shape != y.shape or not np.array_equal(x, y, equal_nan=True)
+                                       for x, y in zip(a, b)):
+                differ.append(name)
+        elif a.shape != b.shape or not np.array_equal(a, b):
+            differ.append(name)
+    return differ
+
+
 EOS_MODES = ("default", "frequent", "frequent+default")
 
 
@@ -396,6 +560,7 @@ class Stats:
     kinds: Counter = field(default_factory=Counter)  # spec/pass set (export) or family (search) -> examples
     beams: Counter = field(default_factory=Counter)
     max_logits_diff: float = 0.0
+    options: Counter = field(default_factory=Counter)  # search variant: examples per drawn option (issue 25's)
 
     def record_failure(self, kind: str, **details) -> None:
         self.failures.append({"kind": kind, **_jsonable(details)})
@@ -429,6 +594,8 @@ class Stats:
         if self.variant == "export":
             lines.append(f"  worst teacher-forced logits diff {self.max_logits_diff:.2e}")
         lines.append("  beams: " + " ".join(f"{k}:{v}" for k, v in sorted(self.beams.items())))
+        if self.options:
+            lines.append("  options: " + ", ".join(f"{k} {v}" for k, v in sorted(self.options.items())))
         lines.append("  by " + ("spec/passes" if self.variant == "export" else "family") + ": "
                      + ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items())))
         for failure in self.failures[:20]:
@@ -651,6 +818,7 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
     stats.progress()
     stats.kinds[family] += 1
     stats.beams[options.get("num_beams", 1)] += 1
+    stats.options.update(k.lstrip("_") for k in options)
     try:
         model = build_fp64(family, seed, config)
         manifest = bare_manifest(model)
@@ -664,19 +832,21 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
         stats.record_failure("crash", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6),
                              **where)
         return
+    vocab = model.config.vocab_size
+    elx_arguments = call_arguments(options, vocab, int(next(iter(inputs.values())).shape[0]), torch_tensors=False)
     try:
-        hf = _hf_generate(model, inputs, dict(options, use_cache=False))
+        hf, hf_extras = hf_search(model, inputs, options, vocab)
     except ValueError as err:
         try:
-            generator.generate(inputs, **options)
+            generator.generate(inputs, **elx_arguments)
         except ElxError:
             stats.hf_refused += 1
             return
         stats.record_failure("hf-refused-elx-accepted", error=str(err).splitlines()[0], **where)
         return
     try:
-        settings = generator.settings(**options)
-        elx = generator.generate(inputs, settings=settings).sequences
+        out = generator.generate(inputs, **elx_arguments)
+        elx = out.sequences
     except Exception as err:  # noqa: BLE001
         stats.record_failure("crash", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6),
                              **where)
@@ -685,6 +855,9 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
     same = _same_rows(hf, elx)
     stats.identical_rows += sum(same)
     if elx.shape == hf.shape and all(same):
+        differ = same_extras(hf_extras, elx_extras(out))
+        if differ:
+            stats.record_failure("outputs-differ", outputs=differ, **where)
         return
     answers = {torch.backends.cpu.get_cpu_capability(): hf,
                **hf_on_cpu_kernels(family, seed, config, inputs, options,

@@ -42,12 +42,12 @@ def hf_on_cpu_kernels(family: str, seed: int, config: dict, inputs: dict, option
 def main() -> None:
     import torch
 
-    from exporter.compare import _hf_generate
-    from tests.differential import build_fp64
+    from tests.differential import build_fp64, hf_search
 
     torch.set_num_threads(1)  # as the differential test runs HF
     family, seed, config, inputs, options = pickle.loads(sys.stdin.buffer.read())
-    sequences = _hf_generate(build_fp64(family, seed, config), inputs, dict(options, use_cache=False))
+    model = build_fp64(family, seed, config)
+    sequences, _ = hf_search(model, inputs, options, model.config.vocab_size)  # issue 25's specs built, seeded
     sys.stdout.buffer.write(pickle.dumps((torch.backends.cpu.get_cpu_capability(), sequences)))
 
 

@@ -30,9 +30,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.differential import (DECODER_ONLY, EOS_MODES, ROPE_DECODER_ONLY, SPECS, ModelInfo, Stats, batches,
-                                decoder_only_lengths, rope_info,
-                                generation_options, pass_sets, random_configs, run_export_example, run_search_example,
-                                uniform, with_ngram)
+                                decoder_only_lengths, generation_options, issue25_options, pass_sets, random_configs,
+                                rope_info, run_export_example, run_search_example, uniform, with_ngram)
 
 EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
 CI = EXAMPLES == 0
@@ -105,6 +104,7 @@ def test_differential_search(capsys):
         info = _info(family, config)
         inputs = data.draw(batches(info), label="inputs")
         options, eos_mode, eos_rank = _draw_run(data, family, inputs)
+        options.update(data.draw(issue25_options(info, options["num_beams"]), label="issue25"))
         run_search_example(stats, family, model_seed, config, inputs, options, eos_mode, eos_rank)
 
     _run(example, SEARCH_EXAMPLES)

@@ -34,6 +34,7 @@ from runners.generate import Generator
 from runners.inputs import random_inputs
 from runners.validation import check_encoder_inputs
 
+from .families import hf_attention_applies, hf_full_sequence_kwargs
 from .verify import TOLERANCE
 
 # HF configurations whose agreement makes a row "stable"; the model's default attention is checked as well
@@ -175,7 +176,9 @@ class HfVariants:
         return self._models[name]
 
     def generate(self, inputs: dict, options: dict) -> dict:
-        return {name: _hf_generate(self.get(name), inputs, options) for name in HF_VARIANTS}
+        """Each variant HF can run the model in (FSMT's own attention has no sdpa form)."""
+        return {name: _hf_generate(self.get(name), inputs, options) for name in HF_VARIANTS
+                if name == "fp64" or hf_attention_applies(self.model, name.rpartition("-")[0])}
 
 
 def same_row(a, b, fill: int) -> bool:
@@ -218,8 +221,9 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
         encoder_diff = float(np.abs(state.kept["encoder:last_hidden_state"] - encoder[::per_item].numpy()).max())
         if length < 2:  # nothing to teacher-force
             return np.zeros((rows, 0)), encoder_diff
-        ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
-                    decoder_input_ids=torch.from_numpy(sequences[:, :-1])).logits
+        forced = torch.from_numpy(sequences[:, :-1])
+        ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"), decoder_input_ids=forced,
+                    **hf_full_sequence_kwargs(model, rep, forced)).logits  # FSMT: its causal mask
     if runner.returns_log_probs:
         ref = torch.log_softmax(ref, dim=-1)
     ref = ref.numpy()

@@ -8,7 +8,8 @@ token-id encoder inputs (Whisper takes log-mel features) or that an encoder exis
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from torch import nn
@@ -37,6 +38,16 @@ class Family:
     dims: Callable[[object], dict]
     uses_encoder_mask: bool = True
     is_encoder_decoder: bool = True  # False: the prompt is the decoder's own input (exporter/decoder_only.py)
+    # a context manager routing the family's attention through elx's attention function while a graph is
+    # traced (``exporter/attention.py``), for families whose attention does not call transformers'
+    # ``AttentionInterface`` (FSMT); the model is as it was on exit
+    attention_patch: Callable[[nn.Module], object] = lambda model: nullcontext()
+    # the encoder mask [B, N] (0/1) → what the HF decoder takes as ``attention_mask`` (exporter/wrappers.py)
+    step_mask: Callable = None  # None: HF's eager additive [B, 1, 1, N] mask
+    # extra keywords that make HF's forward over a whole decoder sequence (no cache) causal, as generation
+    # is; None: HF's plain call already is (and so is HF ``generate(use_cache=False)``)
+    full_sequence_kwargs: Callable | None = None
+    attention_implementations: tuple = ("eager", "sdpa")  # what HF can switch this family's attention to
 
 
 def _token_encoder_inputs(config) -> tuple[TensorSpec, ...]:
@@ -133,7 +144,49 @@ OPT = Family(  # learned absolute positions (offset 2, inside HF's embedding), f
     is_encoder_decoder=False,
 )
 
-FAMILIES = (T5, BART, WHISPER, GPT2, OPT)
+# -- the translation families (issue 25) ------------------------------------------------------------------
+# mBART / mBART-50 export as BART (``BART.architectures``): the same modules, pre-LN with final layer norms
+# inside HF's forward; the language codes are tokens (``forced_bos_token_id``, ``decoder_start_token_id``).
+
+M2M100 = replace(  # M2M100 / NLLB: BART's modules; sinusoidal positions counted past the pad id, scaled embeddings
+    BART, name="m2m100", architectures=("M2M100ForConditionalGeneration",))
+
+PEGASUS = replace(BART, name="pegasus", architectures=("PegasusForConditionalGeneration",))  # sinusoidal positions
+
+
+def _fsmt_dims(c) -> dict:
+    # the decoder's (target) vocabulary is the logits' width; the encoder reads ids of the source vocabulary
+    return {**_bart_dims(c), "vocab_size": c.tgt_vocab_size, "source_vocab_size": c.src_vocab_size}
+
+
+def _fsmt_attention_patch(model):
+    from .fsmt_attention import batch_first_attention
+
+    return batch_first_attention(model)
+
+
+def _fsmt_full_sequence(encoder_inputs: dict, decoder_input_ids) -> dict:
+    """HF FSMT builds its causal mask only when handed ``input_ids`` with ``use_cache=False`` (HF quirk: its
+    ``generate(use_cache=False)`` passes neither and attends to later tokens); it then also hides pad tokens of
+    the decoder input from later ones unless a decoder mask says otherwise (incremental decoding never does)."""
+    import torch
+
+    return {"input_ids": encoder_inputs["input_ids"], "use_cache": False,
+            "decoder_attention_mask": torch.ones_like(decoder_input_ids)}
+
+
+FSMT = replace(  # fairseq's WMT transformer: BART's module names, its own (time-major) attention, separate
+    BART,          # source and target vocabularies
+    name="fsmt",
+    architectures=("FSMTForConditionalGeneration",),
+    dims=_fsmt_dims,
+    attention_patch=_fsmt_attention_patch,
+    step_mask=lambda mask, dtype: mask,  # FSMT's decoder inverts a 0/1 [B, N] mask itself
+    full_sequence_kwargs=_fsmt_full_sequence,
+    attention_implementations=("eager",),  # its own attention module: no sdpa
+)
+
+FAMILIES = (T5, BART, WHISPER, GPT2, OPT, M2M100, PEGASUS, FSMT)
 
 
 def supported_architectures() -> list[str]:
@@ -147,3 +200,20 @@ def family_for_architecture(architecture: str) -> Family:
     raise ElxError(
         f"architecture {architecture!r} is not supported; elx exports {', '.join(supported_architectures())}"
     )
+
+
+def hf_full_sequence_kwargs(model, encoder_inputs: dict, decoder_input_ids) -> dict:
+    """Keywords to add to HF ``model(..., decoder_input_ids=whole sequence)`` so that it computes what
+    incremental generation computes (a causal decoder); {} for every family but FSMT."""
+    family = family_for_architecture(type(model).__name__)
+    return family.full_sequence_kwargs(encoder_inputs, decoder_input_ids) if family.full_sequence_kwargs else {}
+
+
+def hf_uncached_generate_is_causal(model) -> bool:
+    """Whether HF ``generate(use_cache=False)`` on ``model`` decodes as ``generate()`` does (not FSMT's)."""
+    return family_for_architecture(type(model).__name__).full_sequence_kwargs is None
+
+
+def hf_attention_applies(model, implementation: str) -> bool:
+    """Whether HF can run ``model`` with the attention ``implementation`` ("eager", "sdpa")."""
+    return implementation in family_for_architecture(type(model).__name__).attention_implementations

@@ -167,9 +167,12 @@ class TorchSide:
         with torch.no_grad():
             encoder = self.model.get_encoder()(**rep).last_hidden_state
             if self.prefill:
+                from .families import hf_full_sequence_kwargs
+
                 tokens = torch.from_numpy(np.concatenate([case.prefix, case.tokens], axis=1))
                 out = self.model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
-                                 decoder_input_ids=tokens, use_cache=False)
+                                 decoder_input_ids=tokens,
+                                 **{"use_cache": False, **hf_full_sequence_kwargs(self.model, rep, tokens)})
                 return out.logits[:, -1, :].numpy(), encoder[::beams].numpy()
             pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"]),
                       torch.from_numpy(past[f"past_key_values.{i}.decoder.value"])) for i in range(self.layers)]

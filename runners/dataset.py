@@ -153,7 +153,7 @@ def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH
 
     rules = InputRules(takes_audio="input_features" in roles,
                        has_tokenizer=(folder / TOKENIZER_DIR / "tokenizer.json").is_file(),
-                       vocab_size=manifest.dims.get("vocab_size"),
+                       vocab_size=manifest.dims.get("source_vocab_size", manifest.dims.get("vocab_size")),
                        max_positions=manifest.dims.get("max_position_embeddings"))
     order, lines, count = {}, {}, 0
     for record in read_records(source, rules):

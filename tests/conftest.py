@@ -62,9 +62,10 @@ def _opt(**overrides):
     return OPTForCausalLM(OPTConfig(**config))
 
 
-def _bart_like_dims(**overrides) -> dict:
+def _bart_like_config(overrides: dict, **defaults) -> dict:
+    """BART-like tiny dims and the family's ``defaults``, then the caller's ``overrides``."""
     config = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                  encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+                  encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, **defaults)
     config.update(overrides)
     return config
 
@@ -74,21 +75,21 @@ def _mbart(**overrides):
 
     # HF's defaults otherwise: pre-LN with final layer norms, no decoder_start_token_id (HF starts with the BOS),
     # forced EOS 2, pad 1
-    return MBartForConditionalGeneration(MBartConfig(**_bart_like_dims(vocab_size=128, **overrides)))
+    return MBartForConditionalGeneration(MBartConfig(**_bart_like_config(overrides, vocab_size=128)))
 
 
 def _m2m100(**overrides):
     from transformers import M2M100Config, M2M100ForConditionalGeneration
 
     # sinusoidal positions counted past the pad id, scaled embeddings, start token 2 (= EOS), pad 1
-    return M2M100ForConditionalGeneration(M2M100Config(**_bart_like_dims(vocab_size=128, **overrides)))
+    return M2M100ForConditionalGeneration(M2M100Config(**_bart_like_config(overrides, vocab_size=128)))
 
 
 def _pegasus(**overrides):
     from transformers import PegasusConfig, PegasusForConditionalGeneration
 
     # sinusoidal positions, start token = pad 0, EOS 1 (forced)
-    return PegasusForConditionalGeneration(PegasusConfig(**_bart_like_dims(vocab_size=128, **overrides)))
+    return PegasusForConditionalGeneration(PegasusConfig(**_bart_like_config(overrides, vocab_size=128)))
 
 
 def _fsmt(**overrides):
@@ -96,9 +97,8 @@ def _fsmt(**overrides):
 
     # separate source (96) and target (128) vocabularies; HF's generation defaults of the config (beams 5,
     # max_length 200) left as FSMT sets them
-    config = _bart_like_dims(langs=["en", "de"], src_vocab_size=96, tgt_vocab_size=128)
-    config.update(overrides)
-    return FSMTForConditionalGeneration(FSMTConfig(**config))
+    return FSMTForConditionalGeneration(FSMTConfig(**_bart_like_config(
+        overrides, langs=["en", "de"], src_vocab_size=96, tgt_vocab_size=128)))
 
 
 def _biased(model, std: float = 0.5):

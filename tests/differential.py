@@ -106,7 +106,23 @@ SPECS = (
     _spec("whisper-suppress", "whisper", 4, vocab_size=90, d_model=24, encoder_attention_heads=3,
           decoder_attention_heads=3, max_source_positions=40, num_mel_bins=16, suppress_tokens=[5, 6],
           begin_suppress_tokens=[2, 9]),
+    # the translation families (issue 25); language codes are drawn with the run (``language_options``)
+    _spec("fsmt", "fsmt", 0, shared=True, ci=True),  # its own attention, source vocabulary 96, target 128
+    _spec("mbart", "mbart", 0, shared=True),  # no decoder_start_token_id: HF starts with the BOS
+    _spec("m2m100", "m2m100", 0, shared=True),
+    _spec("pegasus", "pegasus", 0, shared=True),
+    _spec("mbart50-peaked", "mbart", 5, vocab_size=90, d_model=24, encoder_attention_heads=3, decoder_attention_heads=3,
+          encoder_ffn_dim=40, decoder_ffn_dim=40, decoder_start_token_id=2, scale_embedding=True, init_std=0.2,
+          max_position_embeddings=48),
+    _spec("m2m100-peaked", "m2m100", 6, vocab_size=80, d_model=24, encoder_attention_heads=3,
+          decoder_attention_heads=3, encoder_ffn_dim=40, decoder_ffn_dim=40, encoder_layers=1, init_std=0.2),
+    _spec("pegasus-peaked", "pegasus", 7, vocab_size=70, d_model=16, encoder_attention_heads=2,
+          decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, scale_embedding=True, init_std=0.2),
+    _spec("fsmt-peaked", "fsmt", 8, src_vocab_size=60, tgt_vocab_size=90, d_model=24, encoder_attention_heads=3,
+          decoder_attention_heads=3, encoder_ffn_dim=40, decoder_ffn_dim=40, decoder_layers=1, init_std=0.2),
 )
+TRANSLATION = ("mbart", "m2m100", "pegasus", "fsmt")
+LANGUAGE = 20  # a "language code" id inside every drawn vocabulary (>= 24 ids), past the special tokens
 
 BASE_PASS_SETS = ("", "el", "slim=skip-bad", "slim-cross=skip-bad", "slim-cross=skip-bad,slim=skip-bad",
                   "el,slim=skip-bad")
@@ -211,6 +227,7 @@ class ModelInfo:
     pad: int
     specials: tuple
     features: tuple | None = None  # Whisper: (mel bins, frames)
+    source_vocab: int | None = None  # the encoder's vocabulary where it is not the decoder's (FSMT)
 
     @classmethod
     def of(cls, manifest: Manifest) -> "ModelInfo":
@@ -225,7 +242,9 @@ class ModelInfo:
         spec = manifest.encoder_inputs().get("input_features")
         if spec is not None:
             features = tuple(int(d) for d in spec["shape"][1:])
-        return cls(manifest.family, int(manifest.dims["vocab_size"]), pad, specials, features)
+        source = manifest.dims.get("source_vocab_size")
+        return cls(manifest.family, int(manifest.dims["vocab_size"]), pad, specials, features,
+                   None if source is None else int(source))
 
 
 def uniform():
@@ -260,8 +279,9 @@ def batches(draw, info: ModelInfo) -> dict:
         return features(batch, info.features, seed, draw(st.sampled_from([0.5, 1.0, 3.0]), label="feature_scale"))
     lengths = draw(st.lists(st.integers(1, 16), min_size=batch, max_size=batch), label="lengths")
     width = max(lengths)
-    low = max(info.specials) + 1 if max(info.specials) < info.vocab // 2 else 0
-    ids = rng.integers(low, info.vocab, size=(batch, width), dtype=np.int64)
+    vocab = info.source_vocab or info.vocab
+    low = max(info.specials) + 1 if max(info.specials) < vocab // 2 else 0
+    ids = rng.integers(low, vocab, size=(batch, width), dtype=np.int64)
     mask = (np.arange(width)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
     if info.family in DECODER_ONLY:
         mask = mask[:, ::-1].copy()
@@ -301,6 +321,20 @@ def generation_options(draw, ngram: int | None = None) -> dict:
         options["max_length"] = total
         if draw(st.booleans(), label="use_min_length"):
             options["min_length"] = draw(st.integers(0, total), label="min_length")
+    return options
+
+
+@st.composite
+def language_options(draw, family: str) -> dict:
+    """The target language as the translation families' model cards set it: ``forced_bos_token_id`` (mBART-50,
+    M2M100 / NLLB), or the language as ``decoder_start_token_id`` (mBART-cc25); {} for other families."""
+    if family not in TRANSLATION:
+        return {}
+    options = {}
+    if draw(st.booleans(), label="forced_bos"):
+        options["forced_bos_token_id"] = LANGUAGE
+    if family == "mbart" and draw(st.booleans(), label="language_starts_decoder"):
+        options["decoder_start_token_id"] = LANGUAGE
     return options
 
 
@@ -470,7 +504,9 @@ def run_export_example(stats: Stats, pool: ExportPool, spec: ModelSpec, passes: 
 @st.composite
 def random_configs(draw) -> tuple[str, int, dict]:
     """(family, seed, config overrides) of a random tiny model; ``init`` scales the weights (peakedness)."""
-    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper", "gpt2", "opt"])
+    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper", "gpt2", "opt", "translation"])
+    if family == "translation":  # one slot for the four translation families (issue 25)
+        family = draw(uniform(), label="translation").choice(TRANSLATION)
     seed = draw(st.integers(0, 10_000), label="model_seed")
     vocab = draw(st.integers(24, 400), label="vocab_size")
     layers = draw(st.integers(1, 2), label="layers")
@@ -507,10 +543,28 @@ def random_configs(draw) -> tuple[str, int, dict]:
     if family == "bart":
         return family, seed, dict(common, scale_embedding=draw(st.booleans(), label="scale_embedding"),
                                   forced_eos_token_id=draw(st.sampled_from([None, 2]), label="forced_eos"))
+    if family in TRANSLATION:
+        return family, seed, translation_config(draw, family, common)
     return family, seed, dict(common, vocab_size=max(vocab, 12), max_source_positions=draw(st.sampled_from([6, 16])),
                               num_mel_bins=draw(st.sampled_from([4, 8])),
                               suppress_tokens=draw(st.sampled_from([None, [5, 7]]), label="suppress"),
                               begin_suppress_tokens=draw(st.sampled_from([None, [2, 9]]), label="begin_suppress"))
+
+
+def translation_config(draw, family: str, common: dict) -> dict:
+    """A random tiny config of a translation family: conftest's special tokens (mBART / M2M100 / FSMT: BOS 0,
+    pad 1, EOS 2; Pegasus: pad 0, EOS 1), drawn embedding scaling and forced EOS; FSMT: its own source
+    vocabulary (the drawn one is the target's)."""
+    config = dict(common, max_position_embeddings=64, scale_embedding=draw(st.booleans(), label="scale_embedding"))
+    eos = 1 if family == "pegasus" else 2
+    if family != "m2m100":  # M2M100 / NLLB configs set no forced EOS
+        config["forced_eos_token_id"] = draw(st.sampled_from([None, eos]), label="forced_eos")
+    if family == "mbart":  # mBART-cc25 (no start token: HF starts with the BOS) or mBART-50 (starts with EOS)
+        config["decoder_start_token_id"] = draw(st.sampled_from([None, 2]), label="decoder_start")
+    if family == "fsmt":
+        vocab = config.pop("vocab_size")
+        config.update(tgt_vocab_size=vocab, src_vocab_size=draw(st.integers(24, 400), label="src_vocab_size"))
+    return config
 
 
 def build_fp64(family: str, seed: int, config: dict):
@@ -593,6 +647,15 @@ def search_backend(model, manifest: Manifest):
     return (DecoderOnlySearchBackend if manifest.family in DECODER_ONLY else SearchBackend)(model, manifest)
 
 
+def hf_reference_options(model, options: dict) -> dict:
+    """``options`` for HF's reference run of the search variant: ``use_cache=False`` (the decoder recomputed over
+    the whole history, as ``HfLogitsBackend`` does), except where HF's uncached decoder is not causal (FSMT):
+    there HF's cached generate, the one its users run."""
+    from exporter.families import hf_uncached_generate_is_causal
+
+    return dict(options, use_cache=not hf_uncached_generate_is_causal(model))
+
+
 def run_search_example(stats: Stats, family: str, seed: int, config: dict, inputs: dict, options: dict,
                        eos_mode: str = "default", eos_rank: int = 0) -> None:
     """One search-only example: elx's search on HF's fp64 logits against HF generate(use_cache=False), fp64."""
@@ -615,7 +678,7 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
                              **where)
         return
     try:
-        hf = _hf_generate(model, inputs, dict(options, use_cache=False))
+        hf = _hf_generate(model, inputs, hf_reference_options(model, options))
     except ValueError as err:
         try:
             generator.generate(inputs, **options)

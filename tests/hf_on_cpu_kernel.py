@@ -43,11 +43,12 @@ def main() -> None:
     import torch
 
     from exporter.compare import _hf_generate
-    from tests.differential import build_fp64
+    from tests.differential import build_fp64, hf_reference_options
 
     torch.set_num_threads(1)  # as the differential test runs HF
     family, seed, config, inputs, options = pickle.loads(sys.stdin.buffer.read())
-    sequences = _hf_generate(build_fp64(family, seed, config), inputs, dict(options, use_cache=False))
+    model = build_fp64(family, seed, config)
+    sequences = _hf_generate(model, inputs, hf_reference_options(model, options))
     sys.stdout.buffer.write(pickle.dumps((torch.backends.cpu.get_cpu_capability(), sequences)))
 
 

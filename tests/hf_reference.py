@@ -3,7 +3,8 @@
 ``HfLogitsBackend`` is a stand-in for ``runners.model.Model`` (what the searches drive) built on
 the HF model itself: no
 cache, the decoder recomputed over the whole history every step (as ``generate(use_cache=False)``
-does), optionally in float64.  Its logits go to the search as HF hands them to its own search:
+does; FSMT: replayed token by token through HF's cache, as its cached ``generate`` computes it),
+optionally in float64.  Its logits go to the search as HF hands them to its own search:
 cast to float32.  If elx's search on these logits differs from HF ``generate`` on the same model,
 the difference is in the search, not in ONNX.
 
@@ -17,6 +18,7 @@ from unittest import mock
 import numpy as np
 import torch
 
+from exporter.families import hf_uncached_generate_is_causal
 from runners.backend import DecoderCache, EncoderState
 
 
@@ -26,6 +28,19 @@ class HfLogitsBackend:
 
     def __init__(self, model):
         self.model = model
+        # HF's uncached forward over the whole history is not causal for every family (FSMT's; see
+        # ``exporter.families.hf_uncached_generate_is_causal``): there the history is replayed token by token
+        # through HF's cache, the computation of HF's own cached ``generate``
+        self.replay = not hf_uncached_generate_is_causal(model)
+
+    def _replayed(self, encoder_inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
+        encoder = self.model.get_encoder()(**encoder_inputs).last_hidden_state
+        cache, out = None, None
+        for t in range(tokens.shape[1]):
+            out = self.model(encoder_outputs=(encoder,), attention_mask=encoder_inputs.get("attention_mask"),
+                             decoder_input_ids=tokens[:, t: t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+        return out.logits[:, -1]
 
     def encode(self, inputs: dict) -> EncoderState:
         feeds = {role: np.asarray(a) for role, a in inputs.items()}
@@ -39,7 +54,10 @@ class HfLogitsBackend:
         per_item = tokens.shape[0] // state.batch
         encoder_inputs = {role: torch.from_numpy(np.repeat(a, per_item, axis=0)) for role, a in state.feeds.items()}
         with torch.no_grad():
-            logits = self.model(**encoder_inputs, decoder_input_ids=torch.from_numpy(tokens)).logits[:, -1]
+            if self.replay:
+                logits = self._replayed(encoder_inputs, torch.from_numpy(tokens))
+            else:
+                logits = self.model(**encoder_inputs, decoder_input_ids=torch.from_numpy(tokens)).logits[:, -1]
         return logits.to(torch.float32).numpy().copy(), DecoderCache({"history": tokens}, cache.rows)
 
     def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from tests.differential import (DECODER_ONLY, EOS_MODES, SPECS, ModelInfo, Stats, batches, decoder_only_lengths,
                                 generation_options, pass_sets, random_configs, run_export_example, run_search_example,
                                 uniform, with_ngram)
+from tests.differential import TRANSLATION, language_options
 
 EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
 CI = EXAMPLES == 0
@@ -112,6 +113,7 @@ def test_differential_search(capsys):
 def _draw_run(data, family: str, inputs: dict, ngram: int | None = None) -> tuple:
     """(generate options, EOS mode, EOS rank) for one example; lengths moved past a decoder-only prompt."""
     options = data.draw(generation_options(ngram=ngram), label="options")
+    options.update(data.draw(language_options(family), label="language"))  # translation families only
     if family in DECODER_ONLY:
         options = decoder_only_lengths(options, inputs["input_ids"].shape[1])
     return options, data.draw(st.sampled_from(EOS_MODES), label="eos_mode"), data.draw(st.integers(0, 2), label="eos_rank")
@@ -119,7 +121,7 @@ def _draw_run(data, family: str, inputs: dict, ngram: int | None = None) -> tupl
 
 def _info(family: str, config: dict) -> ModelInfo:
     """``ModelInfo`` from a config without building the model (conftest's special tokens per family)."""
-    vocab = config["vocab_size"]
+    vocab = config.get("vocab_size")
     if family == "gpt2":
         return ModelInfo(family, vocab, vocab - 1, (vocab - 1,))
     if family == "opt":
@@ -128,4 +130,9 @@ def _info(family: str, config: dict) -> ModelInfo:
         return ModelInfo(family, vocab, 0, (0, 1))
     if family == "bart":
         return ModelInfo(family, vocab, 1, (0, 1, 2))
+    if family in TRANSLATION:  # conftest's ids: Pegasus pad 0 / EOS 1; the others BOS 0, pad 1, EOS 2
+        vocab = config.get("tgt_vocab_size", vocab)
+        specials = (0, 1) if family == "pegasus" else (0, 1, 2)
+        return ModelInfo(family, vocab, specials[0] if family == "pegasus" else 1, specials,
+                         source_vocab=config.get("src_vocab_size"))
     return ModelInfo(family, vocab, 2, (2, 3), (config["num_mel_bins"], 2 * config["max_source_positions"]))

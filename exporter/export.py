@@ -21,7 +21,7 @@ from .onnx_export import export_cross_kv, export_decoder, export_encoder
 from .passes import check_model_kind, check_not_applied, parse_passes
 from .precision_export import check_precision, fp16_checks, refuse_fp16
 from .sources import resolve_model
-from .verify import require_within_tolerance, verify_export
+from .verify import require_within_tolerance, tolerance_record, verify_export
 
 # generation_config fields the runners implement (anything else set to a non-default value is refused there)
 GENERATION_FIELDS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_beams", "length_penalty",
@@ -173,9 +173,11 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
         report = verify_export(loaded.model, manifest)
         require_within_tolerance(report, "exported graphs vs PyTorch")
         data["verification"]["export"] = report
+        data["verification"]["tolerance"] = tolerance_record(report["logits_magnitude"])
         encoder = (f", encoder {report['max_abs_encoder_diff']:.2e}" if "max_abs_encoder_diff" in report
                    else " (prefill and step)")
-        _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}{encoder}", quiet)
+        _log(f"  verified vs PyTorch: max abs logits diff {report['max_abs_logits_diff']:.2e}{encoder} (tolerance "
+             f"{report['tolerance']:.2e} at max |logit| {report['logits_magnitude']:.3g})", quiet)
         with fp16_checks(precision, loaded.model, manifest, lambda message: _log(message, quiet)) as fp16:
             run_passes(folder, manifest, requests, quiet, fp16.check_pass if fp16 else None)
             if fp16 is not None:

@@ -34,7 +34,8 @@ from runners.generate import Generator
 from runners.inputs import random_inputs
 from runners.validation import check_encoder_inputs
 
-from .families import hf_attention_applies, hf_full_sequence_kwargs
+from .families import hf_attention_applies
+from .hf_decoding import hf_decoder_logits
 from .verify import TOLERANCE
 
 # HF configurations whose agreement makes a row "stable"; the model's default attention is checked as well
@@ -221,9 +222,7 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
         encoder_diff = float(np.abs(state.kept["encoder:last_hidden_state"] - encoder[::per_item].numpy()).max())
         if length < 2:  # nothing to teacher-force
             return np.zeros((rows, 0)), encoder_diff
-        forced = torch.from_numpy(sequences[:, :-1])
-        ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"), decoder_input_ids=forced,
-                    **hf_full_sequence_kwargs(model, rep, forced)).logits  # FSMT: its causal mask
+        ref = hf_decoder_logits(model, encoder, rep.get("attention_mask"), torch.from_numpy(sequences[:, :-1]))
     if runner.returns_log_probs:
         ref = torch.log_softmax(ref, dim=-1)
     ref = ref.numpy()

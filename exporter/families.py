@@ -44,9 +44,10 @@ class Family:
     attention_patch: Callable[[nn.Module], object] = lambda model: nullcontext()
     # the encoder mask [B, N] (0/1) → what the HF decoder takes as ``attention_mask`` (exporter/wrappers.py)
     step_mask: Callable = None  # None: HF's eager additive [B, 1, 1, N] mask
-    # extra keywords that make HF's forward over a whole decoder sequence (no cache) causal, as generation
-    # is; None: HF's plain call already is (and so is HF ``generate(use_cache=False)``)
-    full_sequence_kwargs: Callable | None = None
+    # whether HF's forward over a whole decoder sequence (no cache) computes what its cached ``generate``
+    # computes step by step; False: M2M100 and FSMT count positions past pad tokens differently in the two,
+    # and FSMT's uncached decoder is not causal (``exporter/hf_decoding.py`` replays the steps there)
+    full_sequence_is_stepwise: bool = True
     attention_implementations: tuple = ("eager", "sdpa")  # what HF can switch this family's attention to
 
 
@@ -149,7 +150,7 @@ OPT = Family(  # learned absolute positions (offset 2, inside HF's embedding), f
 # inside HF's forward; the language codes are tokens (``forced_bos_token_id``, ``decoder_start_token_id``).
 
 M2M100 = replace(  # M2M100 / NLLB: BART's modules; sinusoidal positions counted past the pad id, scaled embeddings
-    BART, name="m2m100", architectures=("M2M100ForConditionalGeneration",))
+    BART, name="m2m100", architectures=("M2M100ForConditionalGeneration",), full_sequence_is_stepwise=False)
 
 PEGASUS = replace(BART, name="pegasus", architectures=("PegasusForConditionalGeneration",))  # sinusoidal positions
 
@@ -165,16 +166,6 @@ def _fsmt_attention_patch(model):
     return batch_first_attention(model)
 
 
-def _fsmt_full_sequence(encoder_inputs: dict, decoder_input_ids) -> dict:
-    """HF FSMT builds its causal mask only when handed ``input_ids`` with ``use_cache=False`` (HF quirk: its
-    ``generate(use_cache=False)`` passes neither and attends to later tokens); it then also hides pad tokens of
-    the decoder input from later ones unless a decoder mask says otherwise (incremental decoding never does)."""
-    import torch
-
-    return {"input_ids": encoder_inputs["input_ids"], "use_cache": False,
-            "decoder_attention_mask": torch.ones_like(decoder_input_ids)}
-
-
 FSMT = replace(  # fairseq's WMT transformer: BART's module names, its own (time-major) attention, separate
     BART,          # source and target vocabularies
     name="fsmt",
@@ -182,7 +173,7 @@ FSMT = replace(  # fairseq's WMT transformer: BART's module names, its own (time
     dims=_fsmt_dims,
     attention_patch=_fsmt_attention_patch,
     step_mask=lambda mask, dtype: mask,  # FSMT's decoder inverts a 0/1 [B, N] mask itself
-    full_sequence_kwargs=_fsmt_full_sequence,
+    full_sequence_is_stepwise=False,  # its positions skip pad tokens; uncached, it attends to later tokens
     attention_implementations=("eager",),  # its own attention module: no sdpa
 )
 
@@ -202,16 +193,10 @@ def family_for_architecture(architecture: str) -> Family:
     )
 
 
-def hf_full_sequence_kwargs(model, encoder_inputs: dict, decoder_input_ids) -> dict:
-    """Keywords to add to HF ``model(..., decoder_input_ids=whole sequence)`` so that it computes what
-    incremental generation computes (a causal decoder); {} for every family but FSMT."""
-    family = family_for_architecture(type(model).__name__)
-    return family.full_sequence_kwargs(encoder_inputs, decoder_input_ids) if family.full_sequence_kwargs else {}
-
-
-def hf_uncached_generate_is_causal(model) -> bool:
-    """Whether HF ``generate(use_cache=False)`` on ``model`` decodes as ``generate()`` does (not FSMT's)."""
-    return family_for_architecture(type(model).__name__).full_sequence_kwargs is None
+def hf_full_sequence_is_stepwise(model) -> bool:
+    """Whether HF's uncached forward over whole decoder sequences (and so HF ``generate(use_cache=False)``)
+    computes what its cached ``generate`` computes on ``model`` (not for M2M100 and FSMT)."""
+    return family_for_architecture(type(model).__name__).full_sequence_is_stepwise
 
 
 def hf_attention_applies(model, implementation: str) -> bool:

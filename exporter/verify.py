@@ -203,13 +203,11 @@ class TorchSide:
         with torch.no_grad():
             encoder = self.model.get_encoder()(**rep).last_hidden_state
             if self.prefill:
-                from .families import hf_full_sequence_kwargs
+                from .hf_decoding import hf_decoder_logits
 
                 tokens = torch.from_numpy(np.concatenate([case.prefix, case.tokens], axis=1))
-                out = self.model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
-                                 decoder_input_ids=tokens,
-                                 **{"use_cache": False, **hf_full_sequence_kwargs(self.model, rep, tokens)})
-                return out.logits[:, -1, :].numpy(), encoder[::beams].numpy()
+                logits = hf_decoder_logits(self.model, encoder, rep.get("attention_mask"), tokens, use_cache=False)
+                return logits[:, -1, :].numpy(), encoder[::beams].numpy()
             pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"]),
                       torch.from_numpy(past[f"past_key_values.{i}.decoder.value"])) for i in range(self.layers)]
             cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())

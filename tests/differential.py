@@ -649,11 +649,11 @@ def search_backend(model, manifest: Manifest):
 
 def hf_reference_options(model, options: dict) -> dict:
     """``options`` for HF's reference run of the search variant: ``use_cache=False`` (the decoder recomputed over
-    the whole history, as ``HfLogitsBackend`` does), except where HF's uncached decoder is not causal (FSMT):
-    there HF's cached generate, the one its users run."""
-    from exporter.families import hf_uncached_generate_is_causal
+    the whole history, as ``HfLogitsBackend`` does), except where HF's uncached decoder computes something else
+    (M2M100, FSMT: ``exporter/hf_decoding.py``): there HF's cached generate, which the backend replays."""
+    from exporter.families import hf_full_sequence_is_stepwise
 
-    return dict(options, use_cache=not hf_uncached_generate_is_causal(model))
+    return dict(options, use_cache=not hf_full_sequence_is_stepwise(model))
 
 
 def run_search_example(stats: Stats, family: str, seed: int, config: dict, inputs: dict, options: dict,

@@ -3,7 +3,8 @@
 ``HfLogitsBackend`` is a stand-in for ``runners.model.Model`` (what the searches drive) built on
 the HF model itself: no
 cache, the decoder recomputed over the whole history every step (as ``generate(use_cache=False)``
-does; FSMT: replayed token by token through HF's cache, as its cached ``generate`` computes it),
+does; M2M100 and FSMT: replayed token by token through HF's cache, as their cached ``generate``
+computes it: ``exporter/hf_decoding.py``),
 optionally in float64.  Its logits go to the search as HF hands them to its own search:
 cast to float32.  If elx's search on these logits differs from HF ``generate`` on the same model,
 the difference is in the search, not in ONNX.
@@ -18,7 +19,8 @@ from unittest import mock
 import numpy as np
 import torch
 
-from exporter.families import hf_uncached_generate_is_causal
+from exporter.families import hf_full_sequence_is_stepwise
+from exporter.hf_decoding import hf_decoder_logits
 from runners.backend import DecoderCache, EncoderState
 
 
@@ -28,19 +30,13 @@ class HfLogitsBackend:
 
     def __init__(self, model):
         self.model = model
-        # HF's uncached forward over the whole history is not causal for every family (FSMT's; see
-        # ``exporter.families.hf_uncached_generate_is_causal``): there the history is replayed token by token
-        # through HF's cache, the computation of HF's own cached ``generate``
-        self.replay = not hf_uncached_generate_is_causal(model)
+        # HF's uncached forward over the whole history is not what its cached generate computes for every
+        # family (M2M100, FSMT: ``exporter/hf_decoding.py``): there the history is replayed token by token
+        self.replay = not hf_full_sequence_is_stepwise(model)
 
     def _replayed(self, encoder_inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
         encoder = self.model.get_encoder()(**encoder_inputs).last_hidden_state
-        cache, out = None, None
-        for t in range(tokens.shape[1]):
-            out = self.model(encoder_outputs=(encoder,), attention_mask=encoder_inputs.get("attention_mask"),
-                             decoder_input_ids=tokens[:, t: t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-        return out.logits[:, -1]
+        return hf_decoder_logits(self.model, encoder, encoder_inputs.get("attention_mask"), tokens)[:, -1]
 
     def encode(self, inputs: dict) -> EncoderState:
         feeds = {role: np.asarray(a) for role, a in inputs.items()}

@@ -18,7 +18,8 @@ CI runs a derandomized slice (a few minutes: three exported specs, fixed example
     ELX_DIFF_EXAMPLES=500 [ELX_DIFF_SEARCH_EXAMPLES=1500] [ELX_DIFF_SEED=7] \\
         [ELX_DIFF_REPORT=diff.jsonl] python -m pytest tests/test_differential.py -q
 
-(all specs; ``ELX_DIFF_SEED`` picks another random stream; the report gets the stats as JSON).
+(all specs; ``ELX_DIFF_SEED`` picks another random stream; the report gets the stats as JSON;
+``ELX_DIFF_SPECS=fsmt,mbart,...`` limits the export variant to the named specs).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ CI = EXAMPLES == 0
 EXPORT_EXAMPLES = EXAMPLES or 30
 SEARCH_EXAMPLES = int(os.environ.get("ELX_DIFF_SEARCH_EXAMPLES") or 0) or EXAMPLES or 200
 SEED = os.environ.get("ELX_DIFF_SEED")
+ONLY_SPECS = {n for n in (os.environ.get("ELX_DIFF_SPECS") or "").split(",") if n}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # Where HF's own answer is unstable nothing can be concluded; such examples must stay a minority or the
 # test would stop testing anything.  Measured: a few percent over 2,000+ examples (see the commit notes).
@@ -75,7 +77,7 @@ def pool(differential_pool):
 
 
 def test_differential_exports(pool, capsys):
-    specs = [s for s in SPECS if s.ci or not CI]
+    specs = [s for s in SPECS if (s.ci or not CI) and (not ONLY_SPECS or s.name in ONLY_SPECS)]
     stats = Stats("export")
 
     @given(st.data())

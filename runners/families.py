@@ -32,7 +32,8 @@ class EncoderDecoderRules:
     def validate(self, settings) -> None:
         """Family-specific checks of resolved settings (one-line ``ElxError``)."""
         if settings.decoder_start_token_id is None:
-            raise ElxError("the manifest names no decoder_start_token_id; re-export from a model whose config sets it")
+            raise ElxError("the manifest names no decoder_start_token_id (nor a bos_token_id, which HF would start "
+                           "with); pass decoder_start_token_id or re-export from a model whose config sets it")
         check_int("decoder_start_token_id", settings.decoder_start_token_id, 0)
 
     def pad_token(self, manifest: Manifest) -> int:

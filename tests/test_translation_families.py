@@ -183,3 +183,16 @@ def test_hf_decoder_logits_are_hf_generate_logits(family):
         one_forward = model(encoder_outputs=(encoder,), attention_mask=mask, decoder_input_ids=pad_inside).logits
         stepwise = hf_decoder_logits(model, encoder, mask, pad_inside)
     assert (one_forward[:, -1] - stepwise[:, -1]).abs().max() > 1e-3
+
+
+def test_cli_language_options(exported, capsys):
+    """``--forced-bos-token-id`` (NLLB) and ``--decoder-start-token-id`` (mBART-cc25) from the command line."""
+    from elx.cli import run as elx_run
+
+    common = ["--input-ids", "5 6 7 8; 9 10", "--num-beams", "2", "--max-new-tokens", "4"]
+    assert elx_run(["generate", str(exported("m2m100")), *common, "--forced-bos-token-id", str(LANGUAGE)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(rows) == 2 and all(row[1:3] == ["2", str(LANGUAGE)] for row in rows), rows
+    assert elx_run(["generate", str(exported("mbart")), *common, "--decoder-start-token-id", str(LANGUAGE)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(rows) == 2 and all(row[1] == str(LANGUAGE) for row in rows), rows

@@ -105,6 +105,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-repeat-ngram-size", type=int, metavar="N",
                    help="no n-gram of N tokens occurs twice (0: off); an export with --pass ngram=N does it in the "
                         "graph when the run asks for the same N")
+    g.add_argument("--forced-bos-token-id", type=int, metavar="ID",
+                   help="the first generated token (mBART-50, NLLB/M2M100: the target language's id)")
+    g.add_argument("--decoder-start-token-id", type=int, metavar="ID",
+                   help="the token the decoder starts with (mBART-cc25: the target language's id)")
     g.add_argument("--language", help="Whisper: spoken language, e.g. en or english (multilingual models; "
                                       "default en where HF would detect it)")
     g.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe (default) or translate")
@@ -152,7 +156,8 @@ GENERATION_KEYS = ("num_beams", "num_return_sequences", "max_new_tokens", "min_n
                    "length_penalty", "early_stopping", "no_repeat_ngram_size", "language", "task", "do_sample",
                    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
                    "repetition_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
-                   "renormalize_logits", "max_time", "stop_strings", "seed")
+                   "renormalize_logits", "max_time", "stop_strings", "seed", "forced_bos_token_id",
+                   "decoder_start_token_id")
 
 
 def _generation_config(text: str) -> dict:

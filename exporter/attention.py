@@ -81,7 +81,8 @@ def elx_attention(model, family):
             cfg._attn_implementation = ATTN_IMPLEMENTATION
         for module in cross:
             setattr(module, _CROSS_FLAG, True)
-        yield model
+        with family.attention_patch(model):  # families whose own attention bypasses the interface (FSMT)
+            yield model
     finally:
         for key, cfg in configs.items():
             cfg._attn_implementation = saved[key]

@@ -35,7 +35,8 @@ from runners.validation import check_encoder_inputs
 
 from .hf_reference import hf_generate as _hf_generate
 from .stability import HF_VARIANTS, HfVariants, RowStability, check_rows, epsilon_of, hf_variant, same_row  # noqa: F401
-from .verify import TOLERANCE
+from .hf_decoding import hf_decoder_logits
+from .verify import TOLERANCE, logits_tolerance
 
 
 @dataclass
@@ -167,8 +168,7 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
         encoder_diff = float(np.abs(state.kept["encoder:last_hidden_state"] - encoder[::per_item].numpy()).max())
         if length < 2:  # nothing to teacher-force
             return np.zeros((rows, 0)), encoder_diff
-        ref = model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
-                    decoder_input_ids=torch.from_numpy(sequences[:, :-1])).logits
+        ref = hf_decoder_logits(model, encoder, rep.get("attention_mask"), torch.from_numpy(sequences[:, :-1]))
     if runner.returns_log_probs:
         ref = torch.log_softmax(ref, dim=-1)
     ref = ref.numpy()
@@ -183,11 +183,12 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
 
 
 def export_tolerance(manifest) -> float:
-    """The default ``atol``: the export's own tolerance.  fp32: ``TOLERANCE`` (1e-4).  fp16: the manifest's fp16
+    """The default ``atol``: the export's own tolerance.  fp32: ``logits_tolerance`` (1e-4, or 64 ulps of the
+    largest logit the export's verification measured where that is more).  fp16: the manifest's fp16
     rule (``exporter/precision_check.py``: D·u relative to max |logit|) as the absolute bound the export's final
     fp16 check applied, ``relative_tolerance × max_abs_reference`` of ``verification.fp16`` (runtime mode)."""
     if manifest.data.get("precision", "fp32") == "fp32":
-        return TOLERANCE
+        return logits_tolerance(manifest)
     check = manifest.data["verification"]["fp16"]["runtime"]
     return float(check["relative_tolerance"] * check["max_abs_reference"])
 

@@ -23,7 +23,7 @@ from .precision_export import check_precision, fp16_checks, refuse_fp16
 from .progress import WEIGHTS, Progress
 from .shared_weights import folder_bytes, store_weights_once
 from .sources import resolve_model
-from .verify import require_within_tolerance, verify_export
+from .verify import require_within_tolerance, tolerance_record, verify_export
 
 
 def _as_list(value):
@@ -243,9 +243,11 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 verification = verify_export(loaded.model, manifest)
                 require_within_tolerance(verification, "exported graphs vs PyTorch")
                 data["verification"]["export"] = verification
+                data["verification"]["tolerance"] = tolerance_record(verification["logits_magnitude"])
                 encoder = (f", encoder {verification['max_abs_encoder_diff']:.2e}"
                            if "max_abs_encoder_diff" in verification else " (prefill and step)")
-                stage.detail = f"max abs logits diff {verification['max_abs_logits_diff']:.2e}{encoder}"
+                stage.detail = (f"max abs logits diff {verification['max_abs_logits_diff']:.2e}{encoder} (tolerance "
+                                f"{verification['tolerance']:.2e} at max |logit| {verification['logits_magnitude']:.3g})")
             with fp16_checks(precision, loaded.model, manifest, report) as fp16:
                 run_passes(folder, manifest, requests, report, fp16.check_pass if fp16 else None)
                 if fp16 is not None:

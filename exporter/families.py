@@ -8,7 +8,8 @@ token-id encoder inputs (Whisper takes log-mel features) or that an encoder exis
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from torch import nn
@@ -39,6 +40,17 @@ class Family:
     is_encoder_decoder: bool = True  # False: the prompt is the decoder's own input (exporter/decoder_only.py)
     # refuses (one-line ``ElxError`` naming the config key) a config whose model elx would not reproduce
     check_config: Callable[[object], None] = lambda config: None
+    # a context manager routing the family's attention through elx's attention function while a graph is
+    # traced (``exporter/attention.py``), for families whose attention does not call transformers'
+    # ``AttentionInterface`` (FSMT); the model is as it was on exit
+    attention_patch: Callable[[nn.Module], object] = lambda model: nullcontext()
+    # the encoder mask [B, N] (0/1) → what the HF decoder takes as ``attention_mask`` (exporter/wrappers.py)
+    step_mask: Callable = None  # None: HF's eager additive [B, 1, 1, N] mask
+    # whether HF's forward over a whole decoder sequence (no cache) computes what its cached ``generate``
+    # computes step by step; False: M2M100 and FSMT count positions past pad tokens differently in the two,
+    # and FSMT's uncached decoder is not causal (``exporter/hf_decoding.py`` replays the steps there)
+    full_sequence_is_stepwise: bool = True
+    attention_implementations: tuple = ("eager", "sdpa")  # what HF can switch this family's attention to
 
 
 def _token_encoder_inputs(config) -> tuple[TensorSpec, ...]:
@@ -135,7 +147,39 @@ OPT = Family(  # learned absolute positions (offset 2, inside HF's embedding), f
     is_encoder_decoder=False,
 )
 
-FAMILIES = (T5, BART, WHISPER, GPT2, OPT)
+# -- the translation families (issue 25) ------------------------------------------------------------------
+# mBART / mBART-50 export as BART (``BART.architectures``): the same modules, pre-LN with final layer norms
+# inside HF's forward; the language codes are tokens (``forced_bos_token_id``, ``decoder_start_token_id``).
+
+M2M100 = replace(  # M2M100 / NLLB: BART's modules; sinusoidal positions counted past the pad id, scaled embeddings
+    BART, name="m2m100", architectures=("M2M100ForConditionalGeneration",), full_sequence_is_stepwise=False)
+
+PEGASUS = replace(BART, name="pegasus", architectures=("PegasusForConditionalGeneration",))  # sinusoidal positions
+
+
+def _fsmt_dims(c) -> dict:
+    # the decoder's (target) vocabulary is the logits' width; the encoder reads ids of the source vocabulary
+    return {**_bart_dims(c), "vocab_size": c.tgt_vocab_size, "source_vocab_size": c.src_vocab_size}
+
+
+def _fsmt_attention_patch(model):
+    from .fsmt_attention import batch_first_attention
+
+    return batch_first_attention(model)
+
+
+FSMT = replace(  # fairseq's WMT transformer: BART's module names, its own (time-major) attention, separate
+    BART,          # source and target vocabularies
+    name="fsmt",
+    architectures=("FSMTForConditionalGeneration",),
+    dims=_fsmt_dims,
+    attention_patch=_fsmt_attention_patch,
+    step_mask=lambda mask, dtype: mask,  # FSMT's decoder inverts a 0/1 [B, N] mask itself
+    full_sequence_is_stepwise=False,  # its positions skip pad tokens; uncached, it attends to later tokens
+    attention_implementations=("eager",),  # its own attention module: no sdpa
+)
+
+FAMILIES = (T5, BART, WHISPER, GPT2, OPT, M2M100, PEGASUS, FSMT)
 
 # -- decoder-only families with rotary positions (issue 24; exporter/rope_families.py) -------------
 from .rope_families import ROPE_FAMILIES  # noqa: E402 - they are built on Family above
@@ -154,3 +198,14 @@ def family_for_architecture(architecture: str) -> Family:
     raise ElxError(
         f"architecture {architecture!r} is not supported; elx exports {', '.join(supported_architectures())}"
     )
+
+
+def hf_full_sequence_is_stepwise(model) -> bool:
+    """Whether HF's uncached forward over whole decoder sequences (and so HF ``generate(use_cache=False)``)
+    computes what its cached ``generate`` computes on ``model`` (not for M2M100 and FSMT)."""
+    return family_for_architecture(type(model).__name__).full_sequence_is_stepwise
+
+
+def hf_attention_applies(model, implementation: str) -> bool:
+    """Whether HF can run ``model`` with the attention ``implementation`` ("eager", "sdpa")."""
+    return implementation in family_for_architecture(type(model).__name__).attention_implementations

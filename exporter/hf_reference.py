@@ -2,7 +2,9 @@
 
 ``HfLogitsBackend`` is a stand-in for ``runners.model.Model`` (what the searches drive) built on the HF
 model itself: no cache, the decoder recomputed over the whole history every step (as
-``generate(use_cache=False)`` does), in the model's precision (float64 for the stability rule).  Its
+``generate(use_cache=False)`` does; M2M100 and FSMT, whose uncached forward computes something else:
+replayed token by token through HF's cache, as their cached ``generate`` does, ``exporter/hf_decoding.py``),
+in the model's precision (float64 for the stability rule).  Its
 logits go to the search as HF hands them to its own search: cast to float32.  If elx's search on these
 logits differs from HF ``generate`` on the same model, the difference is in the search, not in ONNX.
 
@@ -20,6 +22,9 @@ import torch
 
 from runners.backend import DecoderCache, EncoderState
 from runners.manifest import Manifest
+
+from .families import hf_full_sequence_is_stepwise
+from .hf_decoding import hf_decoder_logits
 
 
 def torch_inputs(inputs: dict, dtype=torch.float32) -> dict:
@@ -60,6 +65,7 @@ class HfLogitsBackend:
     def __init__(self, model, perturbation: tuple[float, int] | None = None):
         self.model = model
         self.logits = _Perturbed(perturbation)
+        self.replay = not hf_full_sequence_is_stepwise(model)  # M2M100, FSMT: exporter/hf_decoding.py
 
     def encode(self, inputs: dict) -> EncoderState:
         feeds = {role: np.asarray(a) for role, a in inputs.items()}
@@ -73,7 +79,12 @@ class HfLogitsBackend:
         per_item = tokens.shape[0] // state.batch
         encoder_inputs = {role: torch.from_numpy(np.repeat(a, per_item, axis=0)) for role, a in state.feeds.items()}
         with torch.no_grad():
-            logits = self.model(**encoder_inputs, decoder_input_ids=torch.from_numpy(tokens)).logits[:, -1]
+            if self.replay:
+                encoder = self.model.get_encoder()(**encoder_inputs).last_hidden_state
+                logits = hf_decoder_logits(self.model, encoder, encoder_inputs.get("attention_mask"),
+                                           torch.from_numpy(tokens))[:, -1]
+            else:
+                logits = self.model(**encoder_inputs, decoder_input_ids=torch.from_numpy(tokens)).logits[:, -1]
         return self.logits(logits), DecoderCache({"history": tokens}, cache.rows)
 
     def reorder(self, cache: DecoderCache, rows: np.ndarray) -> DecoderCache:
@@ -87,6 +98,13 @@ class HfLogitsBackend:
 
     def cache_bytes(self, cache: DecoderCache) -> int:
         return int(cache.arrays["history"].nbytes)
+
+
+def hf_reference_options(model, options: dict) -> dict:
+    """``options`` for HF's reference run beside ``HfLogitsBackend``: ``use_cache=False`` (the decoder recomputed
+    over the whole history, as the backend does), except where HF's uncached decoder computes something else
+    (M2M100, FSMT: ``exporter/hf_decoding.py``): there HF's cached generate, which the backend replays."""
+    return dict(options, use_cache=not hf_full_sequence_is_stepwise(model))
 
 
 class HfDecoderOnlyLogitsBackend(HfLogitsBackend):

@@ -64,7 +64,7 @@ DIMENSIONS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decode
               "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
               "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings", "num_mel_bins", "max_source_positions",
               "max_target_positions", "relative_attention_num_buckets", "hidden_size", "num_attention_heads",
-              "num_hidden_layers")
+              "num_hidden_layers", "src_vocab_size", "tgt_vocab_size")
 
 
 def _read_config(folder: Path) -> dict:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .families import hf_attention_applies
 from .hf_reference import hf_generate, search_backend
 
 HF_VARIANTS = ("eager-fp32", "sdpa-fp32", "fp64")  # HF configurations whose agreement rule 1 asks for
@@ -68,7 +69,9 @@ class HfVariants:
         return self._models[name]
 
     def generate(self, inputs: dict, options: dict) -> dict:
-        return {name: hf_generate(self.get(name), inputs, options) for name in HF_VARIANTS}
+        """Each variant HF can run the model in (FSMT's own attention has no sdpa form)."""
+        return {name: hf_generate(self.get(name), inputs, options) for name in HF_VARIANTS
+                if name == "fp64" or hf_attention_applies(self.model, name.rpartition("-")[0])}
 
 
 def same_row(a, b, fill: int) -> bool:

@@ -77,7 +77,9 @@ class DecoderGraph(_Graph):
         # The cross K/V come precomputed; the hidden states only tell HF the batch and source length.
         hidden = torch.zeros(batch, src_len, self.d_model, dtype=cross[0][0].dtype)
         additive = None
-        if mask is not None:  # [B, N] 0/1 → [B, 1, 1, N] additive, HF's eager convention
+        if mask is not None and self.family.step_mask is not None:  # the family's own form (FSMT: [B, N] 0/1)
+            additive = self.family.step_mask(mask, hidden.dtype)
+        elif mask is not None:  # [B, N] 0/1 → [B, 1, 1, N] additive, HF's eager convention
             additive = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
         out = self.model(encoder_outputs=(hidden,), attention_mask=additive, decoder_input_ids=input_ids,
                          past_key_values=cache, use_cache=True)

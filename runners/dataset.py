@@ -167,7 +167,7 @@ def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH
 
     rules = InputRules(takes_audio="input_features" in roles,
                        has_tokenizer=(folder / TOKENIZER_DIR / "tokenizer.json").is_file(),
-                       vocab_size=manifest.dims.get("vocab_size"),
+                       vocab_size=manifest.dims.get("source_vocab_size", manifest.dims.get("vocab_size")),
                        max_positions=manifest.dims.get("max_position_embeddings"))
     run = run_identity(folder, settings, backend, device, kernel() if settings.num_beams > 1 else None)
     job = Job(folder, source, target, manifest, rules, settings, {}, RunRecord(target, run, str(source)),

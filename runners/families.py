@@ -6,8 +6,9 @@ prompt (start, language, task, no-timestamps), suppresses tokens, has its own le
 EOS.  Each family's ``Rules`` object answers these questions; ``runners.settings``,
 ``runners.generate`` and ``exporter.compare`` only ever call the rules of the manifest's family.
 
-* ``EncoderDecoderRules`` (T5, BART, Marian, mBART): HF's generic rules; the decoder prompt is
-  the start token and HF returns the sequences with it.
+* ``EncoderDecoderRules`` (T5, BART, Marian, mBART, M2M100/NLLB, Pegasus, FSMT): HF's generic rules;
+  the decoder prompt is the start token (the BOS where the config sets none, as in HF) and HF
+  returns the sequences with it.
 * ``WhisperRules``: ``runners/whisper.py`` (transformers' ``WhisperGenerationMixin``).
 * ``DecoderOnlyRules`` (GPT-2, OPT; ``RopeDecoderOnlyRules`` for the RoPE families): the prompt is the user's own token ids, left-padded, and HF
   returns the sequences with it; lengths count it (``max_length``, ``min_length``, the length
@@ -31,7 +32,8 @@ class EncoderDecoderRules:
     def validate(self, settings) -> None:
         """Family-specific checks of resolved settings (one-line ``ElxError``)."""
         if settings.decoder_start_token_id is None:
-            raise ElxError("the manifest names no decoder_start_token_id; re-export from a model whose config sets it")
+            raise ElxError("the manifest names no decoder_start_token_id (nor a bos_token_id, which HF would start "
+                           "with); pass decoder_start_token_id or re-export from a model whose config sets it")
         check_int("decoder_start_token_id", settings.decoder_start_token_id, 0)
 
     def pad_token(self, manifest: Manifest) -> int:
@@ -51,7 +53,12 @@ class EncoderDecoderRules:
         """Refuse runs HF would refuse or crash on, given the inputs (one-line ``ElxError``)."""
 
     def resolve(self, manifest: Manifest, values: dict, extra: dict) -> dict:
-        """Adjust the resolved generation values (model defaults + user options) to the family's rules."""
+        """Adjust the resolved generation values (model defaults + user options) to the family's rules.
+
+        HF ``generate`` (``_prepare_special_tokens``) starts an encoder-decoder decoder with the BOS when
+        no ``decoder_start_token_id`` is set (mBART's config sets none): mirrored."""
+        if values.get("decoder_start_token_id") is None:
+            return {**values, "decoder_start_token_id": manifest.tokens.get("bos_token_id")}
         return values
 
     def prepare_inputs(self, inputs: dict, settings) -> dict:
@@ -143,6 +150,9 @@ class DecoderOnlyRules(EncoderDecoderRules):
     def validate(self, settings) -> None:
         pass  # no decoder start token: the prompt is the user's input
 
+    def resolve(self, manifest, values, extra):
+        return values  # no decoder start token (nor HF's BOS fallback for one)
+
     def pad_token(self, manifest: Manifest) -> int:
         # HF generate pads with eos_token_id[0] when the model has no pad token (GPT-2)
         pad = manifest.tokens.get("pad_token_id")
@@ -182,6 +192,9 @@ class DecoderOnlyRules(EncoderDecoderRules):
 
 RULES = {"t5": EncoderDecoderRules(), "bart": EncoderDecoderRules(), "whisper": WhisperRules(),
          "gpt2": DecoderOnlyRules(), "opt": DecoderOnlyRules()}
+# the translation families (issue 25): HF's generic encoder-decoder rules; their language codes are token ids
+# (``forced_bos_token_id``, ``decoder_start_token_id``), their positions computed inside the graphs
+RULES.update({"m2m100": EncoderDecoderRules(), "pegasus": EncoderDecoderRules(), "fsmt": EncoderDecoderRules()})
 
 
 # -- decoder-only families with rotary positions (issue 24) -------------------------------------------

@@ -12,13 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 from .manifest import Manifest
+from .validation import source_vocab_size
 
 
 def random_inputs(manifest: Manifest, batch: int, length: int, rng: np.random.Generator) -> dict:
     roles = manifest.encoder_inputs()
     out = {}
     if "input_ids" in roles:
-        vocab = manifest.dims["vocab_size"]
+        vocab = source_vocab_size(manifest)  # the encoder's (FSMT: its own source vocabulary)
         pad = manifest.tokens.get("pad_token_id")
         if pad is None:  # HF generate pads with eos_token_id[0] then (GPT-2)
             pad = (manifest.tokens.get("eos_token_id") or [0])[0]

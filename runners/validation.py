@@ -161,6 +161,17 @@ def vocab_size(manifest) -> int:
     return int(value)
 
 
+def source_vocab_size(manifest) -> int:
+    """The encoder's input vocabulary: ``dims.source_vocab_size`` where it differs from the decoder's (FSMT)."""
+    value = manifest.dims.get("source_vocab_size")
+    if value is None:
+        return vocab_size(manifest)
+    if not _is_int(value) or value < 1:
+        raise ElxError(f"{manifest.folder or 'the manifest'}: dims.source_vocab_size is {value!r}, not a positive "
+                       "integer; re-run 'elx export'")
+    return int(value)
+
+
 def check_token_ids(ids: np.ndarray, vocab: int) -> None:
     """Every id in ``[0, vocab)``; the first bad one is named with its row."""
     bad = np.argwhere((ids < 0) | (ids >= vocab))
@@ -212,7 +223,7 @@ def check_encoder_inputs(manifest, inputs: dict) -> None:
     inputs = {role: np.asarray(value) for role, value in inputs.items() if value is not None}
     if "input_ids" in inputs:
         check_token_shapes(inputs)
-        check_token_ids(inputs["input_ids"], vocab_size(manifest))
+        check_token_ids(inputs["input_ids"], source_vocab_size(manifest))
         check_source_length(manifest, inputs["input_ids"])
     check_features(inputs)
 

@@ -62,6 +62,45 @@ def _opt(**overrides):
     return OPTForCausalLM(OPTConfig(**config))
 
 
+def _bart_like_config(overrides: dict, **defaults) -> dict:
+    """BART-like tiny dims and the family's ``defaults``, then the caller's ``overrides``."""
+    config = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, **defaults)
+    config.update(overrides)
+    return config
+
+
+def _mbart(**overrides):
+    from transformers import MBartConfig, MBartForConditionalGeneration
+
+    # HF's defaults otherwise: pre-LN with final layer norms, no decoder_start_token_id (HF starts with the BOS),
+    # forced EOS 2, pad 1
+    return MBartForConditionalGeneration(MBartConfig(**_bart_like_config(overrides, vocab_size=128)))
+
+
+def _m2m100(**overrides):
+    from transformers import M2M100Config, M2M100ForConditionalGeneration
+
+    # sinusoidal positions counted past the pad id, scaled embeddings, start token 2 (= EOS), pad 1
+    return M2M100ForConditionalGeneration(M2M100Config(**_bart_like_config(overrides, vocab_size=128)))
+
+
+def _pegasus(**overrides):
+    from transformers import PegasusConfig, PegasusForConditionalGeneration
+
+    # sinusoidal positions, start token = pad 0, EOS 1 (forced)
+    return PegasusForConditionalGeneration(PegasusConfig(**_bart_like_config(overrides, vocab_size=128)))
+
+
+def _fsmt(**overrides):
+    from transformers import FSMTConfig, FSMTForConditionalGeneration
+
+    # separate source (96) and target (128) vocabularies; HF's generation defaults of the config (beams 5,
+    # max_length 200) left as FSMT sets them
+    return FSMTForConditionalGeneration(FSMTConfig(**_bart_like_config(
+        overrides, langs=["en", "de"], src_vocab_size=96, tgt_vocab_size=128)))
+
+
 def _biased(model, std: float = 0.5):
     """Every bias drawn from N(0, std²) (HF initializes them to zero, which would hide bias handling)."""
     with torch.no_grad():
@@ -119,7 +158,9 @@ BUILDERS = {"t5": _t5, "bart": _bart, "whisper": _whisper, "gpt2": _gpt2, "opt":
             # sharper attention (init_std 0.1) and non-zero biases: b_K, b_V and the K projection without bias
             "bart-biased": lambda **o: _biased(_bart(**{"init_std": 0.1, **o})),
             "whisper-biased": lambda **o: _biased(_whisper(**{"init_std": 0.1, **o})),
-            **ROPE_BUILDERS}
+            **ROPE_BUILDERS,
+            # the translation families (issue 25)
+            "mbart": _mbart, "m2m100": _m2m100, "pegasus": _pegasus, "fsmt": _fsmt}
 
 
 def make_model_folder(root: Path, family: str, seed: int = 0, **overrides) -> Path:

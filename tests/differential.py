@@ -36,7 +36,8 @@ import torch
 from hypothesis import strategies as st
 
 from exporter.compare import HfVariants, _hf_generate, compare_loaded
-from exporter.hf_reference import DecoderOnlySearchBackend, SearchBackend, search_backend  # noqa: F401 - pinned tests
+from exporter.hf_reference import (DecoderOnlySearchBackend, SearchBackend, hf_reference_options,  # noqa: F401
+                                 search_backend)
 from runners.errors import ElxError
 from runners.generate import Generator
 from runners.log_softmax import ENV
@@ -109,7 +110,23 @@ SPECS = (
     _spec("whisper-suppress", "whisper", 4, vocab_size=90, d_model=24, encoder_attention_heads=3,
           decoder_attention_heads=3, max_source_positions=40, num_mel_bins=16, suppress_tokens=[5, 6],
           begin_suppress_tokens=[2, 9]),
+    # the translation families (issue 25); language codes are drawn with the run (``language_options``)
+    _spec("fsmt", "fsmt", 0, shared=True, ci=True),  # its own attention, source vocabulary 96, target 128
+    _spec("mbart", "mbart", 0, shared=True),  # no decoder_start_token_id: HF starts with the BOS
+    _spec("m2m100", "m2m100", 0, shared=True),
+    _spec("pegasus", "pegasus", 0, shared=True),
+    _spec("mbart50-peaked", "mbart", 5, vocab_size=90, d_model=24, encoder_attention_heads=3, decoder_attention_heads=3,
+          encoder_ffn_dim=40, decoder_ffn_dim=40, decoder_start_token_id=2, scale_embedding=True, init_std=0.2,
+          max_position_embeddings=48),
+    _spec("m2m100-peaked", "m2m100", 6, vocab_size=80, d_model=24, encoder_attention_heads=3,
+          decoder_attention_heads=3, encoder_ffn_dim=40, decoder_ffn_dim=40, encoder_layers=1, init_std=0.2),
+    _spec("pegasus-peaked", "pegasus", 7, vocab_size=70, d_model=16, encoder_attention_heads=2,
+          decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, scale_embedding=True, init_std=0.2),
+    _spec("fsmt-peaked", "fsmt", 8, src_vocab_size=60, tgt_vocab_size=90, d_model=24, encoder_attention_heads=3,
+          decoder_attention_heads=3, encoder_ffn_dim=40, decoder_ffn_dim=40, decoder_layers=1, init_std=0.2),
 )
+TRANSLATION = ("mbart", "m2m100", "pegasus", "fsmt")
+LANGUAGE = 20  # a "language code" id inside every drawn vocabulary (>= 24 ids), past the special tokens
 
 # issue 24: the RoPE decoder-only families (conftest's tiny models, and peaked variants; Llama in the CI slice:
 # GQA with Llama 3's rotary scaling, the prompt shared by the beams)
@@ -242,6 +259,7 @@ class ModelInfo:
     pad: int
     specials: tuple
     features: tuple | None = None  # Whisper: (mel bins, frames)
+    source_vocab: int | None = None  # the encoder's vocabulary where it is not the decoder's (FSMT)
 
     @classmethod
     def of(cls, manifest: Manifest) -> "ModelInfo":
@@ -256,7 +274,9 @@ class ModelInfo:
         spec = manifest.encoder_inputs().get("input_features")
         if spec is not None:
             features = tuple(int(d) for d in spec["shape"][1:])
-        return cls(manifest.family, int(manifest.dims["vocab_size"]), pad, specials, features)
+        source = manifest.dims.get("source_vocab_size")
+        return cls(manifest.family, int(manifest.dims["vocab_size"]), pad, specials, features,
+                   None if source is None else int(source))
 
 
 def uniform():
@@ -291,8 +311,9 @@ def batches(draw, info: ModelInfo) -> dict:
         return features(batch, info.features, seed, draw(st.sampled_from([0.5, 1.0, 3.0]), label="feature_scale"))
     lengths = draw(st.lists(st.integers(1, 16), min_size=batch, max_size=batch), label="lengths")
     width = max(lengths)
-    low = max(info.specials) + 1 if max(info.specials) < info.vocab // 2 else 0
-    ids = rng.integers(low, info.vocab, size=(batch, width), dtype=np.int64)
+    vocab = info.source_vocab or info.vocab
+    low = max(info.specials) + 1 if max(info.specials) < vocab // 2 else 0
+    ids = rng.integers(low, vocab, size=(batch, width), dtype=np.int64)
     mask = (np.arange(width)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
     if info.family in DECODER_ONLY:
         mask = mask[:, ::-1].copy()
@@ -456,7 +477,7 @@ def hf_search(model, inputs: dict, options: dict, vocab: int) -> tuple:
     from exporter.compare import _torch_inputs
 
     batch = int(next(iter(inputs.values())).shape[0])
-    kwargs = call_arguments(dict(options, use_cache=False), vocab, batch, torch_tensors=True)
+    kwargs = call_arguments(hf_reference_options(model, options), vocab, batch, torch_tensors=True)
     if "seed" in options:
         torch.manual_seed(options["seed"])
     with torch.no_grad():
@@ -497,6 +518,19 @@ def same_extras(hf: dict, elx: dict) -> list[str]:
         elif a.shape != b.shape or not np.array_equal(a, b):
             differ.append(name)
     return differ
+
+
+def language_options(draw, family: str) -> dict:
+    """The target language as the translation families' model cards set it: ``forced_bos_token_id`` (mBART-50,
+    M2M100 / NLLB), or the language as ``decoder_start_token_id`` (mBART-cc25); {} for other families."""
+    if family not in TRANSLATION:
+        return {}
+    options = {}
+    if draw(st.booleans(), label="forced_bos"):
+        options["forced_bos_token_id"] = LANGUAGE
+    if family == "mbart" and draw(st.booleans(), label="language_starts_decoder"):
+        options["decoder_start_token_id"] = LANGUAGE
+    return options
 
 
 EOS_MODES = ("default", "frequent", "frequent+default")
@@ -670,9 +704,12 @@ def run_export_example(stats: Stats, pool: ExportPool, spec: ModelSpec, passes: 
 @st.composite
 def random_configs(draw) -> tuple[str, int, dict]:
     """(family, seed, config overrides) of a random tiny model; ``init`` scales the weights (peakedness)."""
-    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper", "gpt2", "opt", "rope"])
+    family = draw(uniform(), label="uniform").choice(["t5", "t5", "bart", "whisper", "gpt2", "opt", "rope",
+                                                      "translation"])
     if family == "rope":
         return rope_config(draw)
+    if family == "translation":  # one slot for the four translation families (issue 25)
+        family = draw(uniform(), label="translation").choice(TRANSLATION)
     seed = draw(st.integers(0, 10_000), label="model_seed")
     vocab = draw(st.integers(24, 400), label="vocab_size")
     layers = draw(st.integers(1, 2), label="layers")
@@ -709,6 +746,8 @@ def random_configs(draw) -> tuple[str, int, dict]:
     if family == "bart":
         return family, seed, dict(common, scale_embedding=draw(st.booleans(), label="scale_embedding"),
                                   forced_eos_token_id=draw(st.sampled_from([None, 2]), label="forced_eos"))
+    if family in TRANSLATION:
+        return family, seed, translation_config(draw, family, common)
     return family, seed, dict(common, vocab_size=max(vocab, 12), max_source_positions=draw(st.sampled_from([6, 16])),
                               num_mel_bins=draw(st.sampled_from([4, 8])),
                               suppress_tokens=draw(st.sampled_from([None, [5, 7]]), label="suppress"),
@@ -757,6 +796,22 @@ def rope_info(family: str, config: dict) -> ModelInfo:
     pad = config.get("pad_token_id", config["eos_token_id"])
     return ModelInfo(family, config["vocab_size"], pad, tuple(sorted({pad, config["bos_token_id"],
                                                                        config["eos_token_id"]})))
+
+
+def translation_config(draw, family: str, common: dict) -> dict:
+    """A random tiny config of a translation family: conftest's special tokens (mBART / M2M100 / FSMT: BOS 0,
+    pad 1, EOS 2; Pegasus: pad 0, EOS 1), drawn embedding scaling and forced EOS; FSMT: its own source
+    vocabulary (the drawn one is the target's)."""
+    config = dict(common, max_position_embeddings=64, scale_embedding=draw(st.booleans(), label="scale_embedding"))
+    eos = 1 if family == "pegasus" else 2
+    if family != "m2m100":  # M2M100 / NLLB configs set no forced EOS
+        config["forced_eos_token_id"] = draw(st.sampled_from([None, eos]), label="forced_eos")
+    if family == "mbart":  # mBART-cc25 (no start token: HF starts with the BOS) or mBART-50 (starts with EOS)
+        config["decoder_start_token_id"] = draw(st.sampled_from([None, 2]), label="decoder_start")
+    if family == "fsmt":
+        vocab = config.pop("vocab_size")
+        config.update(tgt_vocab_size=vocab, src_vocab_size=draw(st.integers(24, 400), label="src_vocab_size"))
+    return config
 
 
 def build_fp64(family: str, seed: int, config: dict):

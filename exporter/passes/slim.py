@@ -49,8 +49,8 @@ W_K refused) and the K→V reconstruction error on random states (fp32; fp16 K c
 W_KV; fp16 W_KV), then the rewritten folder against the original through the runner's backend
 at several shapes, with pasts generated from random states X (K = X·W_K + b_K, V = X·W_V + b_V:
 independent random K and V are not representable by a K-only cache), each shape at three seeds.
-Nothing is written when the max abs logits diff exceeds half the 1e-4 tolerance
-(``culprits.VERIFY_LIMIT``: generation on other inputs measured up to 1.9× the verified max).
+Nothing is written when the max abs logits diff exceeds half the fp32 tolerance
+(``culprits.verify_limit``: generation on other inputs measured up to 1.9× the verified max).
 ``--pass slim=skip-bad`` keeps K and V for the layers that fail (listed in the record) instead of
 refusing.
 

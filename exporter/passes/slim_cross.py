@@ -24,7 +24,7 @@ same input with the same head split; in the decoder the value input feeds exactl
 Verification: cond(W_K) and the K→V reconstruction error per layer, then the rewritten folder
 against the original on random inputs at several shapes (the cross K/V come from the real
 ``cross_kv`` graph, so they are consistent), each shape at three seeds; refused beyond half the
-1e-4 tolerance (``culprits.VERIFY_LIMIT``) in max abs logits diff, for a
+fp32 tolerance (``culprits.verify_limit``) in max abs logits diff, for a
 singular, ill-conditioned or non-square W_K, unless ``--pass slim-cross=skip-bad`` (those layers
 keep their values; the record lists them).  ``el`` removes the cross cache altogether, so the
 two passes refuse to combine.

@@ -16,7 +16,8 @@ def test_export_compare_generate(tmp_path, model_folders):
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert [p["name"] for p in manifest["passes"]] == ["el"]
-    assert sorted(p.name for p in out.iterdir()) == ["decoder.el.onnx", "encoder.onnx", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["decoder.el.onnx", "encoder.onnx", "manifest.json",
+                                                           "weights.data"]
 
     proc = run("-m", "elx.cli", "compare", str(out), "--batch-size", "3", "--input-length", "12",
                "--num-beams", "4", "--no-repeat-ngram-size", "3", "--max-new-tokens", "10")

@@ -192,7 +192,7 @@ def test_el_then_el_self(exported, variant):
     manifest = Manifest.load(folder)
     assert manifest.pass_names() == ["el", "el-self"]
     assert manifest.stages == ["encoder"] and sorted(p.name for p in folder.iterdir()) == [
-        "decoder.el.el-self.onnx", "encoder.onnx", "manifest.json"]
+        "decoder.el.el-self.onnx", "encoder.onnx", "manifest.json", "weights.data"]
     assert all(r["max_abs_logits_diff"] <= TOLERANCE for r in manifest.passes)
     assert [e["input"] for e in manifest.cache_entries] == [f"past_hidden.{i}.decoder" for i in range(2)]
 

@@ -151,7 +151,7 @@ def test_matches_original(gpt2, form):
     assert "prompt_hidden" in after.data["cache"]["prompt"]["holds"] or form == "per-beam"
     assert {step["file"], prefill["file"]} == {"decoder.el-self.onnx", "prefill.el-self.onnx"}
     assert sorted(p.name for p in folder.iterdir()) == ["decoder.el-self.onnx", "manifest.json",
-                                                        "prefill.el-self.onnx"]
+                                                        "prefill.el-self.onnx", "weights.data"]
     for name in ("prefill", "decoder"):
         graph = onnx.load(str(after.graph_path(name)))
         names = {i.name for i in graph.graph.input} | {o.name for o in graph.graph.output}

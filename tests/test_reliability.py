@@ -407,14 +407,12 @@ def test_unknown_model_id_and_preset(tmp_path, capsys):
 
 
 def test_unsupported_architecture(tmp_path, capsys):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import BloomConfig, BloomForCausalLM
 
-    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=50)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    line = refused(capsys, "export", "--model", tmp_path / "llama", "--output", tmp_path / "out")
-    assert "LlamaForCausalLM" in line and "GPT2LMHeadModel" in line and "T5ForConditionalGeneration" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]
+    BloomForCausalLM(BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "bloom")
+    line = refused(capsys, "export", "--model", tmp_path / "bloom", "--output", tmp_path / "out")
+    assert "BloomForCausalLM" in line and "GPT2LMHeadModel" in line and "LlamaForCausalLM" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bloom"]
 
 
 # -- generate: token ids, lengths, options ---------------------------------------------------------------

@@ -433,7 +433,8 @@ def print_plan(result: dict) -> None:
         if tests.get("error"):
             print(f"  selection failed: {tests['error']}")
     for step in result.get("ngram") or []:
-        print(f"[ngram] {step['name']}: $ {shlex.join(step['cmd'])}")
+        unknown = " (CC: the GPU's compute capability, e.g. 90)" if step["cmd"][-1] == "CC" else ""
+        print(f"[ngram] {step['name']}: $ {shlex.join(step['cmd'])}{unknown}")
     for run in result.get("bench") or []:
         label = f"[bench] {run['backend']} {run['precision']} batch {run['batch']}"
         print(f"{label}: not supported: {run['unsupported']}" if "unsupported" in run

@@ -8,10 +8,10 @@ Steps, in order, each recorded even when it fails:
 1. **environment**: ``nvidia-smi``'s device line, PyTorch (and whether it sees CUDA), CuPy, ONNX Runtime
    and its execution providers (``CUDAExecutionProvider`` only with onnxruntime-gpu), TensorRT /
    TensorRT for RTX, nvcc.
-2. **tests**: every test that needs a GPU or the CUDA toolchain, selected from the test files' own
-   markers: a ``gpu`` mark (pyproject's pytest markers), or a ``skipif`` whose reason names CUDA, a GPU or
-   CuPy (the CUDA execution provider included; building TensorRT engines or the kernel needs no GPU).  A new test skipped "for want of a GPU" is
-   therefore picked up without editing this script; a test that skips at run time (``pytest.skip`` in
+2. **tests**: every test that skips without a GPU, selected from the test files' own markers: a ``gpu``
+   mark (pyproject's pytest markers), or a ``skipif`` whose reason names CUDA, a GPU or CuPy (the CUDA
+   execution provider included; building TensorRT engines or the kernel needs no GPU, and CI runs those
+   tests).  A new test skipped "for want of a GPU" is therefore picked up without editing this script; a test that skips at run time (``pytest.skip`` in
    its body or a fixture) needs the ``gpu`` mark.  They run by node id with pytest's temporary folders
    under the output folder; the JUnit XML gives each outcome and skip reason.
 3. **ngram**: the n-gram blocking kernel (``plugins_cuda/``) built for this GPU with
@@ -202,8 +202,9 @@ def collect(files: list[str]) -> int:
     import pytest
 
     selector = _Selector()
-    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--rootdir", str(REPO),
-                        "-c", str(REPO / "pyproject.toml"), *files], plugins=[selector])
+    # hypothesis's pytest plugin alone takes seconds to import, and collecting needs nothing of it
+    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                        "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), *files], plugins=[selector])
     print(json.dumps(selector.selected))
     return 0 if code in (0, 5) else int(code)
 
@@ -456,15 +457,23 @@ def main(argv=None) -> int:
     if args.collect is not None:
         return collect(args.collect)
 
-    started = dt.datetime.now(dt.timezone.utc)
-    out = Path(args.out or REPO / "gpu_check_results" / started.strftime("%Y%m%dT%H%M%SZ")).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        print(f"gpu_check: error: --batches {args.batches!r} is not a list of positive integers like 1,8,32",
+              file=sys.stderr)
+        return 2
     steps = [s for s in args.only.split(",") if s]
     unknown = sorted(set(steps) - set(STEPS))
     if unknown:
         print(f"gpu_check: error: unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}",
               file=sys.stderr)
         return 2
+    started = dt.datetime.now(dt.timezone.utc)
+    out = Path(args.out or REPO / "gpu_check_results" / started.strftime("%Y%m%dT%H%M%SZ")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
     env = probe()
     dry = "--dry-run" if args.dry_run else (None if cuda_found(env) else "no CUDA device found")
     result: dict = {"started": started.isoformat(timespec="seconds"), "command": shlex.join(sys.argv),
@@ -475,12 +484,11 @@ def main(argv=None) -> int:
     if "ngram" in steps:
         result["ngram"] = ngram_commands(env, out)
     if "bench" in steps:
-        batches = [int(b) for b in args.batches.split(",") if b]
         result["bench"] = bench_runs(env, out, Path(args.bench_work).resolve() if args.bench_work
                                      else out / "bench_work", batches, bench_has_precision())
     print_plan(result)
-    if dry:
-        write_results(out, result)
+    if dry:  # never over a real run's results in the same folder
+        write_results(out, result, "dry_run" if previous_results(out) else "")
         return 0
     result = {**previous_results(out), **result}  # steps of an earlier call with the same --out are kept
     write_results(out, result)  # after each step too: a run stopped midway leaves what it has measured
@@ -509,11 +517,13 @@ def previous_results(out: Path) -> dict:
     return {k: v for k, v in earlier.items() if k in STEPS and not earlier.get("dry_run")}
 
 
-def write_results(out: Path, result: dict) -> None:
+def write_results(out: Path, result: dict, prefix: str = "") -> None:
+    """``summary.md`` and ``results.json`` (``<prefix>_summary.md`` ... with a prefix)."""
     result["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (out / "summary.md").write_text(summary_markdown(result))
-    print(f"wrote {out / 'summary.md'} and {out / 'results.json'}", flush=True)
+    summary, data = (out / f"{prefix}{'_' if prefix else ''}{name}" for name in ("summary.md", "results.json"))
+    data.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    summary.write_text(summary_markdown(result))
+    print(f"wrote {summary} and {data}", flush=True)
 
 
 if __name__ == "__main__":

@@ -71,8 +71,8 @@ def table(result: dict) -> str:
         lines.append(f"| {s['step']} | {s['rows']} | {_b(s['d2h'])} | {_b(s['h2d'])} | {_b(s['d2h'] + s['h2d'])} "
                      f"| {s['d2h'] // s['rows']} |")
     rows = result["batch"] * result["beams"]
-    lines += ["", f"logits per step: rows · vocab · 4 = {rows} · {result['vocab']} · 4 = {rows * result['vocab'] * 4:,} "
-                  f"bytes; host→device: rows · 8 (token ids) + {result['cache_entries']} · rows · 8 (parent rows "
+    lines += ["", f"logits per step: rows · vocab · 4 = {rows} · {result['vocab']} · 4 = "
+                  f"{rows * result['vocab'] * 4:,} bytes; host→device: rows · 8 (token ids) + {result['cache_entries']} · rows · 8 (parent rows "
                   f"of each cache entry) after a step that reorders = {rows * 8 * (1 + result['cache_entries']):,} "
                   f"bytes"]
     return "\n".join(lines)

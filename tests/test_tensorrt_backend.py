@@ -35,7 +35,7 @@ def _gpu_skip_reason() -> str | None:
 
 
 REASON = _gpu_skip_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 LIMITS = dict(max_batch_size=2, max_beams=3, max_input_length=16, max_new_tokens=6)
 
 

@@ -201,10 +201,9 @@ PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each v
 
 
 def _preset_names() -> str:
-    from importlib import resources
+    from exporter.model_source import preset_names
 
-    return ", ".join(sorted(p.name[:-5] for p in resources.files("exporter.presets").iterdir()
-                            if p.name.endswith(".json")))
+    return ", ".join(preset_names())
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:

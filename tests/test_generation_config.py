@@ -102,7 +102,7 @@ def test_gpt2_that_samples(tmp_path, capsys):
 
     def cli(*extra):
         assert main(["generate", str(export), "--input-ids", "5 6 7", "--max-new-tokens", "10", *extra]) == 0
-        return [int(t) for t in capsys.readouterr().out.split("] ")[1].split()]
+        return [int(t) for t in capsys.readouterr().out.split(": ")[1].split()]
 
     prompt = torch.tensor([[5, 6, 7]])
     with torch.no_grad():

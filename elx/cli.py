@@ -218,8 +218,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="decoder-only models (GPT-2): the prompt's K/V once per input, read by all beams (shared, "
                         "default) or copied per beam like HF (per-beam; for verification and measurement)")
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty; see --force)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16"), help="fp32 (default) or fp16: weight MatMuls, caches and per-input "
-                                                       "state in fp16, checked against fp32 (exporter/precision.py)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16"),
+                   help="fp32 (default) or fp16: weight MatMuls, caches and per-input state in fp16, checked against "
+                        "fp32 (exporter/precision.py)")
     p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
     p.add_argument("--quiet", action="store_true",
                    help="print nothing (default: a progress bar on a terminal, one line per stage otherwise)")

@@ -96,7 +96,7 @@ KINDS = ("decoder-only", "encoder-decoder")
 FAMILIES = ("t5", "bart", "whisper", "gpt2", "opt", "llama", "qwen2", "gpt_neox", "m2m100")
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(names=st.lists(st.sampled_from(["el", "slim-cross", "slim", "el-self", "ngram"]), min_size=1, max_size=3,
                       unique=True),
        family=st.sampled_from(FAMILIES), kind=st.sampled_from(KINDS),

@@ -18,10 +18,13 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
+from elx.cli_checks import check_bench_model, check_export, check_export_folder, check_generation
 from runners.errors import ElxError
 
 
 def _quiet_libraries() -> None:
+    """No warnings, progress bars or info logs of the libraries, without importing transformers (it reads
+    ``TRANSFORMERS_VERBOSITY`` and the hub's progress bar switch when a command imports it)."""
     import logging
     import warnings
 
@@ -31,12 +34,16 @@ def _quiet_libraries() -> None:
     for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        pass
+    if "transformers" in sys.modules:  # imported before (elx.cli.main called from a program)
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        pass
 
 
 class ElxArgumentParser(argparse.ArgumentParser):
@@ -194,10 +201,9 @@ PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each v
 
 
 def _preset_names() -> str:
-    from importlib import resources
+    from exporter.model_source import preset_names
 
-    return ", ".join(sorted(p.name[:-5] for p in resources.files("exporter.presets").iterdir()
-                            if p.name.endswith(".json")))
+    return ", ".join(preset_names())
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
@@ -212,8 +218,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="decoder-only models (GPT-2): the prompt's K/V once per input, read by all beams (shared, "
                         "default) or copied per beam like HF (per-beam; for verification and measurement)")
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty; see --force)")
-    p.add_argument("--precision", default="fp32", help="fp32 (default) or fp16: weight MatMuls, caches and per-input "
-                                                       "state in fp16, checked against fp32 (exporter/precision.py)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16"),
+                   help="fp32 (default) or fp16: weight MatMuls, caches and per-input state in fp16, checked against "
+                        "fp32 (exporter/precision.py)")
     p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
     p.add_argument("--quiet", action="store_true",
                    help="print nothing (default: a progress bar on a terminal, one line per stage otherwise)")
@@ -225,6 +232,7 @@ def _progress(args) -> str:
 
 
 def cmd_export(args) -> int:
+    check_export(args.model, args.random_init, args.passes, args.output, args.force)  # before any heavy import
     from exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
@@ -234,16 +242,20 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from runners.generate import Generator
     from runners.text import token_rows
 
     if args.input_file and args.stream:
         raise ElxError("--stream prints one generation as it runs; it does not go with --input-file")
+    if args.input_file and args.format != "human":
+        raise ElxError("--format is how rows are printed; --input-file writes JSONL lines to --output-file: drop "
+                       "--format")
     if args.input_file:
         return cmd_generate_file(args)
     given = [f"--{name.replace('_', '-')}" for name in DATASET_KEYS if getattr(args, name) not in (None, False)]
     if given:
         raise ElxError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --input-file")
+    if args.stream and args.format == "jsonl":
+        raise ElxError("--stream prints text as it is generated, which is no JSON line; drop --stream or --format")
     if args.input_ids:
         source = {"input_ids": token_rows(args.input_ids)}
     elif args.text:
@@ -253,32 +265,51 @@ def cmd_generate(args) -> int:
     else:
         raise ElxError("nothing to generate from; pass --input-ids, --text or --audio, or a dataset with "
                        "--input-file IN --output-file OUT")
+    options = generation_options(args)
+    manifest = check_generation(args.folder, options)  # before ONNX Runtime is loaded
+    _check_input_kind(manifest, source)
+    from runners.generate import Generator
+
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
-    _check_input_kind(generator, source)
-    if generator.manifest.data.get("source", {}).get("random_init"):
-        print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",
-              file=sys.stderr)
+    _note_random_weights(generator.manifest)
     streamer = _stream_printer(generator) if args.stream else None
-    out = generator.generate(**source, **generation_options(args), streamer=streamer)
-    for i, row in enumerate(out.sequences):  # the rows HF generate returns for this family
-        tokens = " ".join(str(int(t)) for t in row)
-        text = f"\n    {out.text[i]}" if out.text is not None and streamer is None else ""
-        print(f"[{i}] {tokens}" + text)
+    inputs = generator.encoder_inputs(**source)
+    out = generator.generate(inputs, **options, streamer=streamer)
+    _print_rows(generator, inputs, out, args.format, with_text=streamer is None)
     return 0
 
 
-def _check_input_kind(generator, source: dict) -> None:
+def _note_random_weights(manifest) -> None:
+    if manifest.data.get("source", {}).get("random_init"):
+        print("elx: note: this export has random weights (--random-init): its tokens carry no meaning",
+              file=sys.stderr)
+
+
+def _print_rows(generator, inputs: dict, out, form: str, with_text: bool) -> None:
+    """Each row HF generate returns, less a decoder-only prompt's left padding (runners/output_rows.py)."""
+    from runners.output_rows import human_line, json_line, left_padding, output_rows
+
+    rules = generator.rules
+    padding = left_padding(inputs, prompt_in_sequences=rules.prompt_length(out.settings) is None)
+    decode = generator.text.decode if generator.text is not None else None
+    for row in output_rows(out, rules.rows_per_input(out.settings), padding, decode):
+        print(json_line(row) if form == "jsonl" else human_line(row, with_text))
+
+
+def _check_input_kind(manifest, source: dict) -> None:
     """The input flag fits the model, said in flags (the Python API's messages name its keywords)."""
-    takes_audio = "input_features" in generator.manifest.encoder_inputs()
+    from runners.text import TOKENIZER_DIR
+
+    takes_audio = "input_features" in manifest.encoder_inputs()
     flag = {"input_ids": "--input-ids", "text": "--text", "audio": "--audio"}[next(iter(source))]
     if takes_audio and flag != "--audio":
-        raise ElxError(f"this model ({generator.manifest.family}) transcribes audio; pass --audio FILE.wav instead "
+        raise ElxError(f"this model ({manifest.family}) transcribes audio; pass --audio FILE.wav instead "
                        f"of {flag}")
     if not takes_audio and flag == "--audio":
-        raise ElxError(f"this model ({generator.manifest.family}) takes tokens, not audio (--audio is for Whisper "
+        raise ElxError(f"this model ({manifest.family}) takes tokens, not audio (--audio is for Whisper "
                        "exports); pass --input-ids or --text")
-    if flag == "--text" and generator.text is None:
-        raise ElxError(f"{generator.manifest.folder} has no tokenizer; pass --input-ids instead of --text")
+    if flag == "--text" and not (Path(manifest.folder) / TOKENIZER_DIR / "tokenizer.json").is_file():
+        raise ElxError(f"{manifest.folder} has no tokenizer; pass --input-ids instead of --text")
 
 
 def _stream_printer(generator):
@@ -313,10 +344,15 @@ DATASET_KEYS = ("output_file", "batch_size", "max_tokens_per_batch", "sort_windo
 
 
 def cmd_generate_file(args) -> int:
-    from runners.dataset import DEFAULT_BATCH_SIZE, generate_file
-
     if not args.output_file:
         raise ElxError("--input-file needs --output-file OUT (JSONL results)")
+    check_generation(args.folder, generation_options(args))  # before ONNX Runtime is loaded
+    if not args.quiet:
+        from runners.manifest import Manifest
+
+        _note_random_weights(Manifest.load(args.folder))
+    from runners.dataset import DEFAULT_BATCH_SIZE, generate_file
+
     batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
     try:
         summary = generate_file(
@@ -339,6 +375,7 @@ def cmd_generate_file(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    check_generation(args.folder, generation_options(args))  # before PyTorch and transformers are imported
     from exporter.compare import compare, format_report
     from runners.manifest import Manifest
 
@@ -406,15 +443,17 @@ def _pass_sets(text: str) -> list[str]:
 
 
 def cmd_bench(args) -> int:
-    from exporter.bench import BenchSettings, ensure_engines, ensure_exports, markdown_table, run_bench
     from exporter.bench_peers import parse_peers
     from exporter.bench_sweeps import plot_bench, require_matplotlib, sweep_beam, sweep_budget, sweep_input
     from runners.validation import check_threads
 
+    # the arguments first, then the heavy imports (exporter.bench: PyTorch, transformers, ONNX Runtime)
     peers = parse_peers(args.peers + (",ct2" if args.ct2 else ""))
     check_threads(args.threads)  # PyTorch's and ONNX Runtime's threads, before any export or model is loaded
     if args.sweep != "none":
         require_matplotlib()
+    if args.backend == "tensorrt" and args.device != "cuda":
+        raise ElxError("--backend tensorrt runs engines on an NVIDIA GPU; add --device cuda")
     if args.quick:
         for key, value in QUICK.items():
             if key == "model" and args.model:
@@ -423,13 +462,14 @@ def cmd_bench(args) -> int:
         args.random_init = args.random_init or not Path(args.model).is_dir()
     model = args.model or "t5-small"
     random_init = args.random_init or (args.model is None)
+    check_bench_model(model, random_init, _pass_sets(args.pass_sets))
+    from exporter.bench import BenchSettings, ensure_engines, ensure_exports, markdown_table, run_bench
+
     work = Path(args.work) / Path(model).name
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
                              repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick,
                              backend=args.backend)
-    if settings.backend == "tensorrt" and settings.device != "cuda":
-        raise ElxError("--backend tensorrt runs engines on an NVIDIA GPU; add --device cuda")
     forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
     progress = _progress(args)
     folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms,
@@ -460,10 +500,11 @@ def add_build_engine_parser(sub) -> None:
     p.add_argument("folder", help="an export folder (elx export); engines go to FOLDER/engines")
     p.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
                    help="engine precision (fp16: checked against the fp32 graphs with a stated tolerance)")
-    p.add_argument("--max-batch-size", type=int, default=8, help="largest batch the engines accept (default 8)")
-    p.add_argument("--max-beams", type=int, default=4, help="largest --num-beams the engines accept (default 4)")
-    p.add_argument("--max-input-length", type=int, default=512, help="longest input in tokens/frames (default 512)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="longest generation the engines accept "
+    p.add_argument("--max-batch-size", type=positive_int, default=8, help="largest batch the engines accept (default 8)")
+    p.add_argument("--max-beams", type=positive_int, default=4, help="largest --num-beams the engines accept (default 4)")
+    p.add_argument("--max-input-length", type=positive_int, default=512,
+                   help="longest input in tokens/frames (default 512)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="longest generation the engines accept "
                                                                     "(default 128)")
     p.add_argument("--runtime", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
                    help="auto: NVIDIA TensorRT when installed, else TensorRT for RTX")
@@ -478,6 +519,7 @@ def add_build_engine_parser(sub) -> None:
 
 
 def cmd_build_engine(args) -> int:
+    check_export_folder(args.folder)  # before the TensorRT, onnx and PyTorch imports
     from exporter.tensorrt_build import build_engine
 
     path = build_engine(args.folder, precision=args.precision, max_batch_size=args.max_batch_size,
@@ -504,6 +546,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--audio", action="append", help="a .wav file (Whisper exports); repeatable")
     src.add_argument("--input-file", help="a dataset: .txt (one text per line), .jsonl (id and text, input_ids or "
                                           "audio per line) or .parquet; results go to --output-file")
+    p.add_argument("--format", choices=("human", "jsonl"), default="human",
+                   help="how the rows are printed: human (default: 'input I, hypothesis J, score S: TOKENS' and the "
+                        "text below) or jsonl (one JSON object per row: input, hypothesis, score, tokens, text; "
+                        "score and text null where there is none); a decoder-only prompt's left padding is left "
+                        "out of both")
     add_generation_options(p)
     add_dataset_options(p)
     p.set_defaults(run=cmd_generate)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from torch import nn
+if TYPE_CHECKING:  # annotations only: the command line reads families before importing PyTorch
+    from torch import nn
 
 from runners.errors import ElxError
 

@@ -27,8 +27,8 @@ def test_export_compare_generate(tmp_path, model_folders):
     proc = run("-m", "elx.cli", "generate", str(out), "--input-ids", "5 6 7 8; 9 10", "--num-beams", "2",
                "--max-new-tokens", "4")
     assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 2 and all(len(r.split()) == 1 + 5 for r in rows)  # "[i]" + start token + 4 new tokens
+    rows = [line.split(": ")[1] for line in proc.stdout.splitlines() if line.startswith("input ")]
+    assert len(rows) == 2 and all(len(r.split()) == 5 for r in rows)  # start token + 4 new tokens
 
 
 def test_compare_fails_when_tokens_differ(tmp_path, model_folders, exported):
@@ -73,7 +73,7 @@ def test_generate_and_compare_take_the_backend(exported, capsys):
     for backend in ("ort", "ort-io"):
         assert main(["generate", folder, "--input-ids", "5 6 7 8; 9 10", "--num-beams", "3", "--max-new-tokens", "5",
                      "--backend", backend]) == 0
-        rows[backend] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+        rows[backend] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("input ")]
     assert rows["ort"] == rows["ort-io"] and len(rows["ort"]) == 2
     assert main(["compare", folder, "--batch-size", "2", "--input-length", "6", "--max-new-tokens", "4",
                  "--backend", "ort-io"]) == 0

@@ -82,8 +82,8 @@ def test_opus_mt_like_marian_generates_from_the_cli(tmp_path, capsys):
     export = export_model(source, tmp_path / "export", quiet=True)
     assert Manifest.load(export).data["generation_defaults"]["bad_words_ids"] == [[pad]]
     assert main(["generate", str(export), "--input-ids", "5 6 7 8; 9 10", "--max-new-tokens", "8"]) == 0
-    rows = [[int(t) for t in line.split("] ")[1].split()] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("[")]
+    rows = [[int(t) for t in line.split(": ")[1].split()] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("input ")]
     assert len(rows) == 2 and all(row[0] == pad and pad not in row[1:] for row in rows)
     from exporter.compare import compare
 
@@ -102,7 +102,7 @@ def test_gpt2_that_samples(tmp_path, capsys):
 
     def cli(*extra):
         assert main(["generate", str(export), "--input-ids", "5 6 7", "--max-new-tokens", "10", *extra]) == 0
-        return [int(t) for t in capsys.readouterr().out.split("] ")[1].split()]
+        return [int(t) for t in capsys.readouterr().out.split(": ")[1].split()]
 
     prompt = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
@@ -144,10 +144,10 @@ def test_cli_generation_flags(capsys, exported):
     generator = Generator.from_folder(folder, threads=1)
     expected = generator.generate(input_ids=[[5, 6, 7], [8, 9]], max_new_tokens=6, do_sample=True, seed=4, top_k=5,
                                   temperature=0.7, repetition_penalty=1.3, num_return_sequences=2).sequences
-    assert [[int(t) for t in line.split("] ")[1].split()] for line in first.splitlines()] == expected.tolist()
+    assert [[int(t) for t in line.split(": ")[1].split()] for line in first.splitlines()] == expected.tolist()
     code, out, _ = _cli(capsys, "generate", folder, "--input-ids", "5 6 7", "--max-new-tokens", "6",
                         "--generation-config", '{"bad_words_ids": [[3], [4, 5]], "repetition_penalty": 1.5}')
-    assert code == 0 and out.startswith("[0]")
+    assert code == 0 and out.startswith("input 0, hypothesis 0")
 
 
 @pytest.mark.parametrize("flags,expected", [

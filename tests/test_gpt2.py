@@ -341,8 +341,8 @@ def test_cli_generate_and_compare(gpt2, capsys):
 
     assert main(["generate", str(gpt2["shared"]), "--input-ids", "5 6 7 8; 9 10", "--num-beams", "3",
                  "--max-new-tokens", "5"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert len(lines) == 2 and lines[1].split()[1:3] == [str(EOS), str(EOS)]  # left padding, HF's layout
+    lines = [line.split(": ")[1].split() for line in capsys.readouterr().out.splitlines() if line.startswith("input")]
+    assert len(lines) == 2 and lines[1][:2] == ["9", "10"]  # HF's row less its left padding (2 EOS tokens)
     assert main(["compare", str(gpt2["per-beam"]), "--batch-size", "2", "--input-length", "9", "--num-beams", "2",
                  "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr().out
@@ -408,7 +408,7 @@ def test_text_with_the_gpt2_tokenizer(gpt2, capsys):
 
     assert main(["generate", str(export), "--text", "Hello", "--max-new-tokens", "3"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("[0] 15496 ") and printed[1].strip().startswith("Hello")
+    assert printed[0].startswith("input 0, hypothesis 0: 15496 ") and printed[1].strip().startswith("Hello")
 
 
 def test_dataset_rows_are_each_inputs_own_generation(gpt2, tmp_path):

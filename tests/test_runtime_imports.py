@@ -79,7 +79,7 @@ def test_cli_generate_without_torch(tmp_path, exported):
                        "--max-new-tokens", "3"]))
         """, str(exported("bart")))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[0].startswith("[0] ")
+    assert proc.stdout.splitlines()[0].startswith("input 0, hypothesis 0, score ")
 
 
 def test_generate_matches_with_torch_present(exported):

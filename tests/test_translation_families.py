@@ -191,8 +191,8 @@ def test_cli_language_options(exported, capsys):
 
     common = ["--input-ids", "5 6 7 8; 9 10", "--num-beams", "2", "--max-new-tokens", "4"]
     assert elx_run(["generate", str(exported("m2m100")), *common, "--forced-bos-token-id", str(LANGUAGE)]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert len(rows) == 2 and all(row[1:3] == ["2", str(LANGUAGE)] for row in rows), rows
+    rows = [line.split(": ")[1].split() for line in capsys.readouterr().out.splitlines() if line.startswith("input ")]
+    assert len(rows) == 2 and all(row[:2] == ["2", str(LANGUAGE)] for row in rows), rows
     assert elx_run(["generate", str(exported("mbart")), *common, "--decoder-start-token-id", str(LANGUAGE)]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert len(rows) == 2 and all(row[1] == str(LANGUAGE) for row in rows), rows
+    rows = [line.split(": ")[1].split() for line in capsys.readouterr().out.splitlines() if line.startswith("input ")]
+    assert len(rows) == 2 and all(row[0] == str(LANGUAGE) for row in rows), rows

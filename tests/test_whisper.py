@@ -233,7 +233,7 @@ def test_generate_audio_cli(multilingual, tmp_path, capsys):
     assert elx_main(["generate", str(multilingual), "--audio", str(tmp_path / "noise.wav"), "--num-beams", "2",
                      "--language", "fr", "--max-new-tokens", "5"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    tokens = [int(t) for t in printed[0].split("]", 1)[1].split()]
+    tokens = [int(t) for t in printed[0].split(": ", 1)[1].split()]
     expected = Generator.from_folder(multilingual).generate({"input_features": features["input_features"][:1]},
                                                             num_beams=2, language="fr", max_new_tokens=5)
     assert tokens == expected.sequences[0].tolist()  # HF Whisper's layout: no prompt, no final EOS
@@ -367,9 +367,9 @@ def test_tiny_en_generate_cli(tiny_en, speech, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 * len(files)
     for i, (text, words) in enumerate(zip(lines[1::2], CLIPS.values())):
-        assert lines[2 * i].startswith(f"[{i}] ")
+        assert lines[2 * i].startswith(f"input {i}, hypothesis 0, score ")
         hf_row = [int(t) for t in speech["hf"][4][i] if t != 50256]
-        assert [int(t) for t in lines[2 * i].split("]", 1)[1].split()] == speech["hf"][4][i].tolist()  # HF's rows
+        assert [int(t) for t in lines[2 * i].split(": ", 1)[1].split()] == speech["hf"][4][i].tolist()  # HF's rows
         assert text.strip() == speech["tokenizer"].decode(hf_row, skip_special_tokens=True).strip()
         assert sum(w in text.lower() for w in words) >= len(words) - 1
     assert elx_main(["generate", str(tiny_en["el"]), "--audio", files[0], "--language", "en"]) == 2

@@ -1,19 +1,15 @@
 """Graph passes: ONNX rewrites of an exported folder, each verified before anything is written.
 
-``PASSES`` below is the one place a pass is declared: its name and module.  The module exposes
+``catalog.py`` declares every pass (``PassSpec``): its name, its module here, its place in the
+canonical order (passes always run in that order, whatever order the user lists them in), its
+``NAME=argument`` parser, the passes it cannot be combined with and the models it does not apply to.
+It is light (no onnx, numpy or PyTorch), and so is this module until a pass is applied: the command
+line checks ``--pass`` in full (``parse_passes``, ``check_model_kind``) before any heavy import.
 
-* ``NAME`` and ``ORDER`` (its place in the canonical order: passes always run in that order,
-  whatever order the user lists them in);
-* ``parse_argument(text)``: the ``NAME=text`` argument (``None`` when absent) checked and parsed,
-  or an ``ElxError`` saying what it takes; ``parse_passes`` calls it before any heavy work;
-* ``CONFLICTS``: ``{other pass name: why they cannot be combined}`` (declaring it on one side
-  is enough);
-* ``REFUSES`` (optional): ``{model kind: why the pass does not apply to it}``, kinds
-  ``"decoder-only"`` and ``"encoder-decoder"``; ``check_model_kind`` refuses before any work
-  (or ``refuses(family, kind, dims)``, when the family or dims decide);
-* ``apply(folder, manifest, argument) -> dict``: rewrites graph files inside the (temporary)
-  export folder, updates the manifest in place, and returns the record stored in the manifest's
-  ``passes`` list, which must hold the measured verification error.
+A pass module takes its declaration from the catalog (``SPEC``) and exposes
+``apply(folder, manifest, argument) -> dict``: it rewrites graph files inside the (temporary)
+export folder, updates the manifest in place, and returns the record stored in the manifest's
+``passes`` list, which must hold the measured verification error.
 """
 from __future__ import annotations
 
@@ -22,43 +18,47 @@ from dataclasses import dataclass
 
 from runners.errors import ElxError
 
-# pass name → module in this package (the order of application is each module's ORDER)
-PASSES = {
-    "el": "el",
-    "slim-cross": "slim_cross",
-    "slim": "slim",
-    "el-self": "el_self",
-    "ngram": "ngram",
-}
+from .catalog import KINDS, PASSES, PassSpec
 
 
 @dataclass(frozen=True)
 class PassRequest:
     name: str
     argument: str | None
-    module: object
+    spec: PassSpec
 
     @property
     def order(self) -> int:
-        return self.module.ORDER
+        return self.spec.order
+
+    @property
+    def module(self):
+        """The pass's module (imported on first use: onnx and onnx-graphsurgeon come with it)."""
+        return load_pass(self.name)
+
+
+def pass_spec(name: str) -> PassSpec:
+    """The declaration of pass ``name``; unknown names fail with the list of known ones."""
+    if name not in PASSES:
+        raise ElxError(f"unknown pass {name!r}; available passes: {', '.join(PASSES)}")
+    return PASSES[name]
 
 
 def load_pass(name: str):
-    """The module of pass ``name``; unknown names fail with the list of known ones."""
-    if name not in PASSES:
-        raise ElxError(f"unknown pass {name!r}; available passes: {', '.join(PASSES)}")
+    """The module of pass ``name``."""
+    module = pass_spec(name).module
     try:
-        return importlib.import_module(f"{__name__}.{PASSES[name]}")
+        return importlib.import_module(f"{__name__}.{module}")
     except ModuleNotFoundError as err:
-        if err.name and err.name.endswith(PASSES[name]):
+        if err.name and err.name.endswith(module):
             raise ElxError(f"pass {name!r} is not available in this elx build")
         raise
 
 
 def conflict(first: str, second: str) -> str | None:
-    """Why passes ``first`` and ``second`` cannot be combined, or None (either module may declare it)."""
+    """Why passes ``first`` and ``second`` cannot be combined, or None (either declaration may say it)."""
     for this, other in ((first, second), (second, first)):
-        reason = getattr(load_pass(this), "CONFLICTS", {}).get(other)
+        reason = pass_spec(this).conflicts.get(other)
         if reason:
             return reason
     return None
@@ -92,30 +92,28 @@ def parse_passes(text: str | None) -> list[PassRequest]:
         return []
     requests, seen = [], set()
     for name, argument in _split(text):
-        module = load_pass(name)
+        spec = pass_spec(name)
         if name in seen:
             raise ElxError(f"pass {name!r} is listed twice; list each pass once")
         seen.add(name)
-        module.parse_argument(argument or None)
-        requests.append(PassRequest(name, argument or None, module))
+        spec.parse(argument or None)
+        requests.append(PassRequest(name, argument or None, spec))
     _check_conflicts([r.name for r in requests])
     return sorted(requests, key=lambda r: r.order)
 
 
 def model_kind(is_encoder_decoder: bool) -> str:
-    return "encoder-decoder" if is_encoder_decoder else "decoder-only"
+    return KINDS[1] if is_encoder_decoder else KINDS[0]
 
 
 def check_model_kind(requests: list[PassRequest], family: str, is_encoder_decoder: bool,
                      dims: dict | None = None) -> None:
-    """Refuse passes that do not apply to this kind of model (e.g. cross-attention passes on GPT-2).
-
-    A pass module may instead define ``refuses(family, kind, dims) -> reason | None`` (e.g. slim: rotary
-    decoder-only models with as many key/value heads as query heads only)."""
+    """Refuse passes that do not apply to this kind of model (e.g. cross-attention passes on GPT-2; slim: rotary
+    decoder-only models with as many key/value heads as query heads only).  ``dims`` None: only what the
+    family and kind decide (the command line, before the model is loaded)."""
     kind = model_kind(is_encoder_decoder)
     for request in requests:
-        hook = getattr(request.module, "refuses", None)
-        reason = hook(family, kind, dims) if hook else getattr(request.module, "REFUSES", {}).get(kind)
+        reason = request.spec.refuses(family, kind, dims)
         if reason:
             raise ElxError(f"pass {request.name} does not apply to {family} exports ({kind}): {reason}; "
                            f"drop it from --pass")

@@ -21,8 +21,8 @@ from runners.errors import ElxError
 from runners.manifest import Manifest
 
 from ..verify import worst_report
+from .catalog import SKIP_BAD
 
-SKIP_BAD = "skip-bad"
 # A rewrite is accepted only within half the tolerance.  Verification samples a few shapes; generation on
 # other inputs reached up to 1.9x the verified max (issue 10's differential test: t5-gated-square's slim
 # layers, verified at 8.4e-5 against 1e-4 at one seed, gave 1.1e-4 along a real 20-token decode, and
@@ -37,15 +37,6 @@ def verify_limit(report: dict) -> float:
 
 def _limit_text(report: dict) -> str:
     return f"{verify_limit(report):g} (half the {report['tolerance']:g} tolerance)"
-
-
-def skip_bad_argument(argument: str | None, name: str) -> bool:
-    """A per-layer pass's argument: none, or ``skip-bad`` (leave out the layers that fail instead of refusing)."""
-    if argument in (None, ""):
-        return False
-    if argument == SKIP_BAD:
-        return True
-    raise ElxError(f"pass {name} takes no argument or {SKIP_BAD!r} (got {argument!r}); e.g. --pass {name}={SKIP_BAD}")
 
 
 def refuse(name: str, where: str, index: int, reason: str) -> ElxError:

@@ -44,12 +44,9 @@ from runners.manifest import Manifest
 from runners.errors import ElxError
 from .rewrite import (Builder, commit, constant_value, linear_before, load_graph, only_consumer, pass_file,
                       refuse_twice, save_graph, through_shape_ops_down, through_shape_ops_up)
+from .catalog import EL as SPEC  # name, order, argument, conflicts, refusals
 
-NAME = "el"
-ORDER = 10
-REFUSES = {"decoder-only": "EL-attention rewrites cross-attention, which decoder-only models do not have "
-                           "(their prompt's K/V are already shared by the beams: --prompt-cache shared)"}
-CONFLICTS = {"slim-cross": "el removes the cross-attention cache that slim-cross shrinks"}
+NAME, parse_argument = SPEC.name, SPEC.parse
 ENCODER_INPUT = "encoder_hidden_states"
 
 
@@ -184,11 +181,6 @@ def _layer_inputs(manifest: Manifest) -> list[tuple[str, str, str, str]]:
             raise ElxError(f"pass el needs cross-attention keys and values; {value} is missing (slim-cross applied?)")
         pairs.append((key, value, cross[key].partition(":")[2], cross[value].partition(":")[2]))
     return pairs
-
-
-def parse_argument(text: str | None) -> None:
-    if text:
-        raise ElxError(f"pass el takes no argument (got {text!r}); use --pass el")
 
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:

@@ -76,31 +76,20 @@ import onnx_graphsurgeon as gs
 from runners.errors import ElxError
 from runners.manifest import Manifest
 
+from . import catalog
+from .catalog import FP64  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ accumulates in float64
 from .rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
 from . import slim
 from .qkv import head_projection
 from .slim import self_layers as cache_pairs
 from .slim_math import Projection, Unfit
 
-NAME = "el-self"
-ORDER = 25  # after el (10), slim-cross (15) and slim (20), before ngram (90)
-CONFLICTS = {"slim": "both replace the self-attention K/V cache (slim keeps K only, el-self keeps X)"}
-ROPE = ("RoPE rotates each cached key by its own position (K_n = R_n·(x_n·W_K)), so W_K cannot move to the query "
-        "side as one product (q·W_Kᵀ)·Xᵀ over all keys: EL-attention would recompute every key each step; "
-        "--pass slim keeps the keys before RoPE instead (MHA models)")
-
-
-def refuses(family: str, kind: str, dims: dict | None = None) -> str | None:
-    """el-self applies to every model kind except rotary-position decoder-only models (``ROPE``)."""
-    from ..rope_families import is_rotary
-
-    return ROPE if is_rotary(family) else None
-
+SPEC = catalog.EL_SELF  # name, order (after el, slim-cross, slim; before ngram), argument, conflicts, refusals
+NAME, CONFLICTS, parse_argument = SPEC.name, SPEC.conflicts, SPEC.parse
 
 PAST = "past_hidden.{}.decoder"
 PRESENT = "present_hidden.{}.decoder"
 SCORE_OPS = ("Mul", "Div", "Add")
-FP64 = "fp64"  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ accumulates in float64
 
 
 @dataclass
@@ -441,13 +430,6 @@ def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 
         return out
 
     return past_from
-
-
-def parse_argument(text: str | None) -> str | None:
-    if text not in (None, "", FP64):
-        raise ElxError(f"pass {NAME} takes no argument or {FP64!r} (got {text!r}); e.g. --pass {NAME} or "
-                       f"--pass {NAME}={FP64}")
-    return text or None
 
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:

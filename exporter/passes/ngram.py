@@ -30,31 +30,18 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
 from runners.manifest import Manifest
 from runners.ngram_reference import block_ngrams
 
 from ..plugins.ngram import ort_node, tensorrt_node
 from ..verify import RuntimeSide
+from . import catalog
 from .rewrite import Builder, commit, load_graph, pass_file, refuse_twice, save_graph
 
-NAME = "ngram"
-ORDER = 90  # last: it consumes the final logits
-REFUSES = {"decoder-only": "its in-graph blocker sees generated tokens only, while HF counts the prompt's "
-                           "n-grams for decoder-only models; their n-gram blocking runs in the search"}
-CONFLICTS: dict = {}
+SPEC = catalog.NGRAM  # name, order (last: it consumes the final logits), argument, refusals (decoder-only)
+NAME, parse_argument = SPEC.name, SPEC.parse
 HISTORY_INPUT = "decoder_input_ids_history"
 OUTPUT = "log_probs"
-
-
-def parse_argument(argument: str | None) -> int:
-    try:
-        n = int(argument)
-    except (TypeError, ValueError):
-        raise ElxError(f"pass ngram needs the n-gram size, e.g. --pass ngram=3 (got {argument!r})")
-    if n < 1:
-        raise ElxError(f"pass ngram needs an n-gram size >= 1 (got {n})")
-    return n
 
 
 def _append_blocking(graph: gs.Graph, logits_name: str, spec) -> None:

@@ -74,31 +74,13 @@ from runners.errors import ElxError
 from runners.manifest import Manifest
 
 from ..verify import RuntimeSide, verify_rewrite
-from .culprits import skip_bad_argument, verified_rewrite
+from . import catalog
+from .culprits import verified_rewrite
 from .rewrite import Builder, adopt, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
 from .slim_math import COND_LIMIT, FP16_NOTE, Analysis, Projection, Unfit, analyse
 
-NAME = "slim"
-ORDER = 20
-CONFLICTS: dict = {}
-
-
-def refuses(family: str, kind: str, dims: dict | None = None) -> str | None:
-    """Why slim does not apply to a model (``passes.check_model_kind``): decoder-only models without rotary
-    positions, and GQA/MQA models (``slim_rope.py``: V is no function of K there)."""
-    from ..rope_families import is_rotary
-
-    if kind == "encoder-decoder":
-        return None
-    if not is_rotary(family):
-        return ("its decoder-only rewrite is for models with rotary positions (Llama-family: the K cache kept "
-                "before RoPE); GPT-2/OPT graphs are not supported")
-    heads, kv = (dims or {}).get("num_heads"), (dims or {}).get("num_kv_heads")
-    if heads and kv and kv != heads:
-        from .slim_rope import GQA
-
-        return GQA.format(kv=kv, heads=heads)
-    return None
+SPEC = catalog.SLIM  # name, order, argument, conflicts, refusals (decoder-only: rotary MHA models only)
+NAME, parse_argument = SPEC.name, SPEC.parse
 
 
 # -- graph structure ---------------------------------------------------------------------------------
@@ -301,11 +283,6 @@ def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 
 
 
 # -- apply ----------------------------------------------------------------------------------------------
-
-def parse_argument(argument: str | None) -> bool:
-    """``--pass slim`` or ``--pass slim=skip-bad``: whether to keep K and V for layers that fail."""
-    return skip_bad_argument(argument, NAME)
-
 
 def _analyse_layers(graph: gs.Graph, layers: list[SelfLayer], heads: int, d_kv: int) -> dict:
     """Match and analyse every layer; returns {index: reason} for those that cannot be rewritten."""

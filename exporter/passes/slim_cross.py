@@ -40,15 +40,14 @@ from runners.errors import ElxError
 from runners.manifest import Manifest
 
 from ..verify import RuntimeSide, verify_rewrite
-from .culprits import skip_bad_argument, verified_rewrite
+from . import catalog
+from .culprits import verified_rewrite
 from .rewrite import Builder, adopt, load_graph, pass_file, refuse_twice, save_graph
 from .slim import projection, read_shapes_from, record, replace_with, same_head_split, values_from_keys, values_matmul
 from .slim_math import Analysis, Projection, Unfit, analyse
 
-NAME = "slim-cross"
-ORDER = 15
-REFUSES = {"decoder-only": "it shrinks the cross-attention cache, which decoder-only models do not have"}
-CONFLICTS: dict = {}  # el declares its conflict with slim-cross
+SPEC = catalog.SLIM_CROSS  # name, order, argument, conflicts, refusals (el declares its conflict)
+NAME, parse_argument = SPEC.name, SPEC.parse
 STAGE = "cross_kv"
 WHERE = "decoder cross-attention"
 
@@ -148,11 +147,6 @@ def _candidate(manifest: Manifest, layers: list[CrossLayer], suffix: str) -> Man
     after.data["cache"]["cross"]["values"] = (
         "recomputed from keys (slim-cross): (P_i·K)·W_KV,i + c_i; keys [batch, h, N, d_kv]")
     return after
-
-
-def parse_argument(argument: str | None) -> bool:
-    """``--pass slim-cross`` or ``--pass slim-cross=skip-bad``."""
-    return skip_bad_argument(argument, NAME)
 
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:

@@ -64,6 +64,7 @@ from runners.manifest import Manifest
 
 from ..verify import RuntimeSide, default_shapes, measure
 from . import slim
+from .catalog import GQA
 from .culprits import verified_rewrite
 from .el_self_decoder_only import PromptLayer, _check_value_parts, _reader, layers_of, prefill_stage
 from .qkv import head_projection
@@ -74,8 +75,6 @@ NAME = slim.NAME
 PROMPT_POSITIONS = "prompt_position_ids"  # the shared form's step input of the prompt's position ids
 POSITION_IDS = "position_ids"  # the step's (and the prefill's) position input
 MASK = "attention_mask"  # the per-beam step's mask over every position so far
-GQA = ("slim attention needs W_K square ([d, h·d_k] with h·d_k = d) to compute V from K; with {kv} key/value heads "
-       "for {heads} query heads (GQA/MQA) K spans only {kv}·d_k of d dimensions and does not determine V")
 
 
 @dataclass

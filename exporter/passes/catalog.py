@@ -1,0 +1,122 @@
+"""Each graph pass as the command line sees it: its name, its place in the order, its argument, the passes
+it cannot be combined with and the models it does not apply to.  The math is in the pass's own module.
+
+Light on purpose (no numpy, onnx, onnx-graphsurgeon or PyTorch): ``elx export --pass ...`` checks every
+name, argument, combination and model kind with it before any heavy import, so that a bad ``--pass``
+is refused at once (issue 27).  Each pass module takes its declaration from here (``SPEC``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from runners.errors import ElxError
+
+SKIP_BAD = "skip-bad"  # slim, slim-cross: leave the layers that fail verification as they are
+FP64 = "fp64"  # el-self: the score product (q_i·W_K,iᵀ)·Xᵀ accumulated in float64
+KINDS = ("decoder-only", "encoder-decoder")
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    module: str  # the module of exporter.passes that applies it
+    order: int  # passes run in this order, whatever order they are listed in
+    parse: Callable[[str | None], object]  # the NAME=ARGUMENT argument (None when absent), checked and parsed
+    conflicts: dict = field(default_factory=dict)  # other pass name → why they cannot be combined
+    # (family, kind, dims) → why the pass does not apply to such a model, or None; dims may be None when
+    # only the family is known yet (the command line before loading the model): then only what the family
+    # alone decides is refused
+    refuses: Callable[[str, str, dict | None], str | None] = lambda family, kind, dims: None
+
+
+def _no_argument(name: str):
+    def parse(argument: str | None) -> None:
+        if argument:
+            raise ElxError(f"pass {name} takes no argument (got {argument!r}); use --pass {name}")
+    return parse
+
+
+def skip_bad_argument(name: str):
+    """A per-layer pass's argument: none, or ``skip-bad`` (leave out the layers that fail instead of refusing)."""
+    def parse(argument: str | None) -> bool:
+        if argument in (None, ""):
+            return False
+        if argument == SKIP_BAD:
+            return True
+        raise ElxError(f"pass {name} takes no argument or {SKIP_BAD!r} (got {argument!r}); e.g. "
+                       f"--pass {name}={SKIP_BAD}")
+    return parse
+
+
+def _fp64_argument(argument: str | None) -> str | None:
+    if argument not in (None, "", FP64):
+        raise ElxError(f"pass el-self takes no argument or {FP64!r} (got {argument!r}); e.g. --pass el-self or "
+                       f"--pass el-self={FP64}")
+    return argument or None
+
+
+def _ngram_size(argument: str | None) -> int:
+    try:
+        n = int(argument)
+    except (TypeError, ValueError):
+        raise ElxError(f"pass ngram needs the n-gram size, e.g. --pass ngram=3 (got {argument!r})")
+    if n < 1:
+        raise ElxError(f"pass ngram needs an n-gram size >= 1 (got {n})")
+    return n
+
+
+def _refuses_kind(reasons: dict):
+    return lambda family, kind, dims: reasons.get(kind)
+
+
+def _is_rotary(family: str) -> bool:
+    from .. import families  # noqa: F401 - rope_families is built on it (imported first: no import cycle)
+    from ..rope_families import is_rotary
+
+    return is_rotary(family)
+
+
+GQA = ("slim attention needs W_K square ([d, h·d_k] with h·d_k = d) to compute V from K; with {kv} key/value heads "
+       "for {heads} query heads (GQA/MQA) K spans only {kv}·d_k of d dimensions and does not determine V")
+ROPE = ("RoPE rotates each cached key by its own position (K_n = R_n·(x_n·W_K)), so W_K cannot move to the query "
+        "side as one product (q·W_Kᵀ)·Xᵀ over all keys: EL-attention would recompute every key each step; "
+        "--pass slim keeps the keys before RoPE instead (MHA models)")
+
+
+def _slim_refuses(family: str, kind: str, dims: dict | None) -> str | None:
+    """Decoder-only models without rotary positions, and GQA/MQA models (``slim_rope.py``: V is no function of K
+    there; decided only when ``dims`` give both head counts)."""
+    if kind == "encoder-decoder":
+        return None
+    if not _is_rotary(family):
+        return ("its decoder-only rewrite is for models with rotary positions (Llama-family: the K cache kept "
+                "before RoPE); GPT-2/OPT graphs are not supported")
+    heads, kv = (dims or {}).get("num_heads"), (dims or {}).get("num_kv_heads")
+    if heads and kv and kv != heads:
+        return GQA.format(kv=kv, heads=heads)
+    return None
+
+
+def _el_self_refuses(family: str, kind: str, dims: dict | None) -> str | None:
+    """el-self applies to every model kind except rotary-position decoder-only models (``ROPE``)."""
+    return ROPE if _is_rotary(family) else None
+
+
+EL = PassSpec("el", "el", 10, _no_argument("el"),
+              conflicts={"slim-cross": "el removes the cross-attention cache that slim-cross shrinks"},
+              refuses=_refuses_kind({"decoder-only": "EL-attention rewrites cross-attention, which decoder-only "
+                                                     "models do not have (their prompt's K/V are already shared by "
+                                                     "the beams: --prompt-cache shared)"}))
+SLIM_CROSS = PassSpec("slim-cross", "slim_cross", 15, skip_bad_argument("slim-cross"),
+                      refuses=_refuses_kind({"decoder-only": "it shrinks the cross-attention cache, which "
+                                                             "decoder-only models do not have"}))
+SLIM = PassSpec("slim", "slim", 20, skip_bad_argument("slim"), refuses=_slim_refuses)
+EL_SELF = PassSpec("el-self", "el_self", 25, _fp64_argument, refuses=_el_self_refuses,
+                   conflicts={"slim": "both replace the self-attention K/V cache (slim keeps K only, el-self keeps X)"})
+NGRAM = PassSpec("ngram", "ngram", 90, _ngram_size,  # last: it consumes the final logits
+                 refuses=_refuses_kind({"decoder-only": "its in-graph blocker sees generated tokens only, while HF "
+                                                        "counts the prompt's n-grams for decoder-only models; their "
+                                                        "n-gram blocking runs in the search"}))
+
+PASSES = {spec.name: spec for spec in (EL, SLIM_CROSS, SLIM, EL_SELF, NGRAM)}

@@ -1,0 +1,63 @@
+"""The rows ``elx generate`` prints: which input and hypothesis each returned sequence is, its score, its tokens
+and text, as a line for people or a JSON object for scripts (``--format jsonl``).
+
+A row is what HF ``generate`` returns for it, less the left padding of a decoder-only prompt: GPT-2's
+returned rows begin with the prompt as the batch was padded (``padding_side="left"``, pad = EOS), so a
+short prompt batched with a longer one starts with pad tokens that are no part of its input.  Those
+leading positions (where the prompt's attention mask is 0) are dropped from the tokens shown, and the
+text is decoded from the tokens shown.  Everything else is HF's: the start token of encoder-decoder
+rows, the generated tokens, and the pad tokens that fill a row that finished early.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OutputRow:
+    input: int  # the input's index in the batch
+    hypothesis: int  # the row's rank among its input's returned sequences (0: the best)
+    score: float | None  # HF's sequences_scores (beam search: length-penalized log-probability); None without
+    tokens: list[int]
+    text: str | None  # None: the export has no tokenizer
+
+
+def left_padding(inputs: dict, prompt_in_sequences: bool) -> list[int]:
+    """Per input, the pad positions a returned row begins with: the leading zeros of a decoder-only prompt's
+    attention mask (``prompt_in_sequences``), none for encoder-decoder rows (their prompt is the encoder's)."""
+    batch = int(next(iter(inputs.values())).shape[0])
+    mask = inputs.get("attention_mask")
+    if not prompt_in_sequences or mask is None:
+        return [0] * batch
+    mask = np.asarray(mask)
+    return [int(np.argmax(row != 0)) if row.any() else int(row.shape[0]) for row in mask]
+
+
+def output_rows(out, rows_per_input: int, padding: list[int], decode=None) -> list[OutputRow]:
+    """The rows of ``out`` (a ``GenerationOutput``); ``decode(rows) -> texts`` decodes rows whose padding was
+    dropped (the export's tokenizer; None: ``out.text`` as it is)."""
+    rows = []
+    for r, sequence in enumerate(out.sequences):
+        i, j = divmod(r, rows_per_input)
+        tokens = [int(t) for t in sequence[padding[i]:]]
+        text = out.text[r] if out.text is not None else None
+        if text is not None and padding[i] and decode is not None:
+            text = decode([tokens])[0]
+        score = None if out.sequences_scores is None else float(out.sequences_scores[r])
+        rows.append(OutputRow(i, j, score, tokens, text))
+    return rows
+
+
+def human_line(row: OutputRow, with_text: bool = True) -> str:
+    """``input 0, hypothesis 1, score -0.7310: 0 5 6 7`` and the text on the next line, indented."""
+    score = "" if row.score is None else f", score {row.score:.4f}"
+    line = f"input {row.input}, hypothesis {row.hypothesis}{score}: {' '.join(map(str, row.tokens))}"
+    return line + (f"\n    {row.text}" if with_text and row.text is not None else "")
+
+
+def json_line(row: OutputRow) -> str:
+    """One JSON object: input, hypothesis, score (null without one), tokens, text (null without a tokenizer)."""
+    return json.dumps(asdict(row), ensure_ascii=False)

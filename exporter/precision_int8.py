@@ -15,7 +15,9 @@ residual stream, layer/RMS norms, softmax and log-softmax, attention scores and 
 (activation × activation), position bias, masks, biases, embedding Gathers, the self-attention cache, the
 per-input state and the logits (graph IO is unchanged: fp32).  Kept fp32 by exception (as the fp16 rule,
 ``exporter/precision.py``, and for the same reason): slim's W_KV products and the projection producing a
-slim K-only cache (V is recomputed as K·W_KV, which amplifies any error of K by up to cond(W_K)).
+slim K-only cache (V is recomputed as K·W_KV, which amplifies any error of K by up to cond(W_K)).  Also
+kept fp32: EL's per-head W_K/W_V, 3-D weights [heads, ·, ·] (ONNX Runtime's quantizer scales 2-D weights per
+column; not attempted here), 2·d² weights per decoder layer.
 ``KEEP_LM_HEAD_FP32`` below records the LM head decision.
 
 **Why dynamic quantization and not ``MatMulNBits`` (8 bits) or weight-only QDQ** (measured here, a 2-core
@@ -37,8 +39,10 @@ that out at the cost of one bit of weight precision.  The choice is recorded in 
 """
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +112,10 @@ def choose(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | None
         if node.op_type != "MatMul":
             continue
         weight = weights.get(node.input[1])
-        if weight is None or weight.data_type != TensorProto.FLOAT or len(weight.dims) != 2:
+        if weight is None or weight.data_type != TensorProto.FLOAT:
             counts["fp32: activation x activation"] += 1
+        elif len(weight.dims) != 2:
+            counts["fp32: per-head (3-D) weight"] += 1
         elif "W_KV" in node.input[1]:
             counts["fp32: slim W_KV product"] += 1
         elif index in exact:
@@ -135,6 +141,18 @@ def _name_nodes(model: onnx.ModelProto) -> None:
         seen.add(node.name)
 
 
+@contextmanager
+def _quiet():
+    """The quantizer logs a suggestion to pre-process on the root logger for every graph: not the user's concern."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | None = None,
             keep_lm_head: bool = KEEP_LM_HEAD_FP32, reduce_range: bool = REDUCE_RANGE) -> tuple[
         onnx.ModelProto, dict]:
@@ -149,9 +167,10 @@ def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | Non
     with tempfile.TemporaryDirectory(prefix="elx-int8-") as work:
         source, target = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
         save_model(model, source)
-        quantize_dynamic(source, target, per_channel=True, reduce_range=reduce_range, weight_type=QuantType.QInt8,
-                         nodes_to_quantize=chosen, use_external_data_format=True,
-                         extra_options={"MatMulConstBOnly": True})
+        with _quiet():
+            quantize_dynamic(source, target, per_channel=True, reduce_range=reduce_range, weight_type=QuantType.QInt8,
+                             nodes_to_quantize=chosen, use_external_data_format=True,
+                             extra_options={"MatMulConstBOnly": True})
         quantized = onnx.load(str(target))  # its external data read in: the folder stores it (shared_weights.py)
     return quantized, counts
 

@@ -343,8 +343,12 @@ def format_report(report: CompareReport, passes: list) -> str:
                      f"max abs logits diff {worst:.2e}; per step: {steps}")
     same = sum(r.identical for r in report.rows)
     fragile, failures = len(report.fragile), len(report.failures)
-    lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate; {failures} stable difference(s) "
-                 f"(failures), {fragile} fragile (HF's own answer not stable there; not counted)")
+    if report.agreement is not None:
+        lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate (an int8 export: judged against "
+                     "its recorded agreement, below)")
+    else:
+        lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate; {failures} stable difference(s) "
+                     f"(failures), {fragile} fragile (HF's own answer not stable there; not counted)")
     numerics = "within" if report.logits_within_tolerance and report.encoder_within_tolerance else "OUTSIDE"
     lines.append(f"numerics {numerics} tolerance {report.atol:g}: teacher-forced max abs logits diff "
                  f"{report.max_logits_diff:.2e}" + ("" if report.encoder_diff is None

@@ -14,13 +14,16 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from exporter.compare import CompareReport, RowReport, compare
+from exporter.bench import rows_equal, split_precision
+from exporter.bench_peers import parse_peers
+from exporter.compare import CompareReport, RowReport, compare, format_report
 from exporter.precision_int8_check import ALPHA, LOGITS_MARGIN, binomial_cdf, judge, logits_bound
 from exporter.progress import Progress
 from runners.errors import ElxError
 from runners.generate import Generator
 from runners.manifest import Manifest
 from runners.manifest_schema import check
+from exporter.shared_weights import graph_files
 
 _INT8 = {}
 
@@ -81,6 +84,9 @@ def test_int8_quantizes_every_weight_matmul_and_keeps_io(exported, int8_export, 
     int8_weights = [t for name in [*int8.stages, int8.step] for t in onnx.load(str(int8.graph_path(name))).graph.initializer
                     if t.data_type == onnx.TensorProto.INT8]
     assert int8_weights and all(np.abs(numpy_helper.to_array(t)).max() <= 64 for t in int8_weights)  # reduce_range: 7 bits
+    # one weights file for every graph, no fp32 graph file left behind (exporter/shared_weights.py)
+    assert sorted(p.name for p in int8.folder.iterdir()) == sorted([*graph_files(int8), "weights.data", "manifest.json"])
+    assert all(f.endswith(".int8.onnx") for f in graph_files(int8))
     out = Generator.from_folder(int8.folder).generate(input_ids=[[5, 6, 7, 8], [9, 10]], num_beams=2, max_new_tokens=4)
     assert out.sequences.shape[0] == 2
 
@@ -102,6 +108,8 @@ def test_int8_record_is_reproduced_by_compare_on_its_draw(int8_export):
         assert report.agreement.measured["rows_identical"] == recorded["rows_identical"]
         assert report.agreement.measured["top1_agree"] == recorded["top1_agree"]
         assert report.atol == logits_bound(manifest) and report.passed, report.problems
+        text = format_report(report, [])
+        assert "int8 agreement on the recorded draw" in text and text.endswith("PASS")
 
 
 def test_int8_compare_fails_a_damaged_export(int8_export, tmp_path):
@@ -163,3 +171,13 @@ def test_int8_refuses_passes_and_engines_on_an_int8_folder(int8_export, tmp_path
         apply_passes(int8_export("t5"), tmp_path / "out", "el")
     data = json.loads((int8_export("t5") / "manifest.json").read_text())
     assert data["verification"]["int8"]["searches"]["beam4"]["num_beams"] == 4
+
+
+def test_int8_bench_pass_sets_and_rows_equal():
+    assert split_precision("baseline@int8") == ("", "int8") and split_precision("el,slim@int8") == ("el,slim", "int8")
+    assert split_precision("el") == ("el", "fp32") and split_precision("baseline") == ("", "fp32")
+    assert parse_peers("ct2-int8,ct2") == ["ct2-int8", "ct2"]
+    reference = np.array([[0, 5, 6, 1], [0, 7, 8, 1], [0, 9, 1, 0]])
+    peer = np.array([[0, 5, 6, 1, 0], [0, 7, 9, 1, 0], [0, 9, 1, 0, 0]])  # padded one column wider
+    assert rows_equal(reference, peer, pad=0) == (2, 3)
+    assert rows_equal(reference, peer[:2], pad=0) == (1, 3)  # a missing row is not equal

@@ -250,7 +250,9 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     ``timed``: after the compared runs (the warm-ups), one more run of each is timed (``hf_seconds``,
     ``elx_seconds``: one run each, no ratio is printed; ``elx bench`` measures speed with repeats).
     """
-    int8 = generator.manifest.data.get("precision") == "int8" and atol is None
+    # an int8 export is judged against the agreement it recorded (none yet while the export records it)
+    data = generator.manifest.data
+    int8 = data.get("precision") == "int8" and "int8" in data.get("verification", {})
     atol = export_tolerance(generator.manifest) if atol is None else atol
     if int8:
         variants = None  # rows are judged together against the recorded agreement

@@ -7,8 +7,10 @@ neighbour hurts all of them alike; after the first round in a seeded shuffled or
 system always inherits the same predecessor's leftovers: ``round_orders``).  Reported per system:
 median seconds, samples/s, generated tokens/s, speed ratio to HF, input-related state bytes and
 self-attention cache bytes (peak over steps, from the runner's live tensors), peak RSS growth while
-it ran, whether its tokens equal HF's, the GFLOP/s reached, and time / floor (the roofline below).
-Peers (``exporter.bench_peers``): ONNX Runtime's BeamSearch op and CTranslate2, on the same weights.
+it ran, whether its tokens equal HF's (and if not, how many rows do: ``rows_equal``), the GFLOP/s
+reached, and time / floor (the roofline below; its bytes are fp32's, so an int8 system can run below it).
+Peers (``exporter.bench_peers``): ONNX Runtime's BeamSearch op and CTranslate2 (fp32 or int8), on the
+same weights.  A pass set ending in ``@int8`` is exported with ``--precision int8``.
 A ``--quick`` run is labelled a smoke run in its table, JSON and plots: one repeat of a tiny model
 is no measurement.
 

@@ -218,9 +218,10 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="decoder-only models (GPT-2): the prompt's K/V once per input, read by all beams (shared, "
                         "default) or copied per beam like HF (per-beam; for verification and measurement)")
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty; see --force)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16"),
+    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "int8"),
                    help="fp32 (default) or fp16: weight MatMuls, caches and per-input state in fp16, checked against "
-                        "fp32 (exporter/precision.py)")
+                        "fp32 (exporter/precision.py); int8: weight MatMuls on int8 weights, agreement with HF "
+                        "recorded (exporter/precision_int8.py)")
     p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
     p.add_argument("--quiet", action="store_true",
                    help="print nothing (default: a progress bar on a terminal, one line per stage otherwise)")
@@ -404,7 +405,8 @@ def add_bench_parser(sub) -> None:
                    help="build the --model preset with seeded random weights (needed for presets, as in elx export; "
                         "without --model the bench runs t5-small with random weights)")
     p.add_argument("--pass-sets", default="baseline|el",
-                   help="pass sets separated by spaces or '|', e.g. 'baseline|el|slim|el,slim'")
+                   help="pass sets separated by spaces or '|', e.g. 'baseline|el|slim|el,slim'; "
+                        "'@int8' after a set exports it with --precision int8 ('baseline|baseline@int8|el@int8')")
     p.add_argument("--prompt-cache", default=None,
                    help="decoder-only models: prompt cache forms to compare, e.g. 'shared|per-beam' (default shared)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="inputs per generate (default 4)")
@@ -423,7 +425,8 @@ def add_bench_parser(sub) -> None:
                    help="how elx runs: ort (ONNX Runtime, default) or tensorrt (engines built into each export "
                         "folder first when missing; needs --device cuda and a TensorRT runtime)")
     p.add_argument("--peers", default="", help="other systems on the same weights, comma-separated: "
-                                               "ort-beamsearch (ONNX Runtime's BeamSearch op, T5), ct2 (CTranslate2)")
+                                               "ort-beamsearch (ONNX Runtime's BeamSearch op, T5), ct2 (CTranslate2), "
+                                               "ct2-int8 (CTranslate2 with int8 weights)")
     p.add_argument("--ct2", action="store_true", help="the same as adding ct2 to --peers")
     p.add_argument("--sweep", choices=["none", "input", "beam", "budget", "all"], default="none",
                    help="input lengths, beam counts or the memory-budget table, with PNG plots (needs matplotlib)")

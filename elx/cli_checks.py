@@ -7,6 +7,10 @@ without the model or the runtime is left to the command, which checks it again i
 """
 from __future__ import annotations
 
+from runners.errors import ElxError
+
+BENCH_PRECISIONS = ("fp32", "fp16", "int8")  # what may follow '@' in a bench pass set (exporter.bench.split_precision)
+
 
 def check_export(model: str, random_init: bool, passes: str | None, output, force: bool) -> None:
     """``elx export``: the passes (names, arguments, combinations), the model (a folder, a preset, a cached hub id;
@@ -52,8 +56,12 @@ def check_bench_model(model: str | None, random_init: bool, pass_sets: list[str]
     from exporter.model_source import locate_model
     from exporter.passes import parse_passes
 
-    for passes in pass_sets:
-        parse_passes(passes)
+    for pass_set in pass_sets:
+        passes, _, precision = pass_set.partition("@")  # exporter.bench.split_precision's form, without its imports
+        if precision and precision not in BENCH_PRECISIONS:
+            raise ElxError(f"--pass-sets: unknown precision {precision!r} in {pass_set!r}; after '@' name one of "
+                           f"{', '.join(BENCH_PRECISIONS)}")
+        parse_passes("" if passes in ("baseline", "base", "none") else passes)
     if model is not None:
         locate_model(model, random_init)
 

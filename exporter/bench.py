@@ -7,8 +7,10 @@ neighbour hurts all of them alike; after the first round in a seeded shuffled or
 system always inherits the same predecessor's leftovers: ``round_orders``).  Reported per system:
 median seconds, samples/s, generated tokens/s, speed ratio to HF, input-related state bytes and
 self-attention cache bytes (peak over steps, from the runner's live tensors), peak RSS growth while
-it ran, whether its tokens equal HF's, the GFLOP/s reached, and time / floor (the roofline below).
-Peers (``exporter.bench_peers``): ONNX Runtime's BeamSearch op and CTranslate2, on the same weights.
+it ran, whether its tokens equal HF's (and if not, how many rows do: ``rows_equal``), the GFLOP/s
+reached, and time / floor (the roofline below; its bytes are fp32's, so an int8 system can run below it).
+Peers (``exporter.bench_peers``): ONNX Runtime's BeamSearch op and CTranslate2 (fp32 or int8), on the
+same weights.  A pass set ending in ``@int8`` is exported with ``--precision int8``.
 A ``--quick`` run is labelled a smoke run in its table, JSON and plots: one repeat of a tiny model
 is no measurement.
 
@@ -83,6 +85,7 @@ class SystemResult:
     name: str
     seconds: list = field(default_factory=list)
     tokens_equal_hf: bool | None = None
+    rows_equal_hf: tuple | None = None  # (rows identical to HF's, rows)
     note: str = ""
     state_bytes: int | None = None
     cache_bytes: int | None = None
@@ -97,6 +100,7 @@ class SystemResult:
             "tokens_per_s": samples * settings.new_tokens / median, "speedup_vs_hf": hf_median / median,
             "state_bytes": self.state_bytes, "cache_bytes": self.cache_bytes,
             "peak_rss_growth_bytes": self.peak_rss_growth, "tokens_equal_hf": self.tokens_equal_hf,
+            "rows_equal_hf": None if self.rows_equal_hf is None else list(self.rows_equal_hf),
             "note": self.note, "gflops_per_s": flops / median / 1e9, "roofline_fraction": flops / median / peak,
             "time_over_floor": median / floor if floor else None,
             "all_seconds": self.seconds,
@@ -318,17 +322,28 @@ def check_work_folder(folder: Path) -> None:
                            "its exports there: move it out or choose another --work")
 
 
+def split_precision(pass_set: str) -> tuple[str, str]:
+    """``el@int8`` → ("el", "int8"); ``baseline@int8`` → ("", "int8"); ``el`` → ("el", "fp32")."""
+    passes, _, precision = pass_set.partition("@")
+    return ("" if passes in ("baseline", "base", "none") else passes), precision or "fp32"
+
+
 def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Path, seed: int = 0,
                    quiet: bool = True, prompt_caches: list | None = None, progress=None) -> list[Path]:
     """Export ``model`` once per pass set (and, for decoder-only models, prompt cache form: None is the
-    default, shared) into ``work``; reused when an export with the same source exists.  ``progress``: the
+    default, shared) into ``work``; reused when an export with the same source exists.  A pass set may end
+    in ``@<precision>`` (``baseline@int8``, ``el@int8``): that export's ``--precision``.  ``progress``: the
     exports' stages (``exporter/progress.py``; ``quiet`` says nothing), and a line per reused export."""
     from exporter.export import export_model
+    from exporter.precision_export import check_precision
 
     folders = []
     for form in prompt_caches or [None]:
-        for passes in pass_sets:
+        for pass_set in pass_sets:
+            passes, precision = split_precision(pass_set)
+            check_precision(precision)
             name = passes.replace(",", "+").replace("=", "") if passes else "baseline"
+            name += "" if precision == "fp32" else f"-{precision}"
             folder = work / (name + (f"-prompt-{form}" if form else ""))
             wanted = sorted(p.split("=")[0] for p in (passes or "").split(",") if p)
             manifest = folder / "manifest.json"
@@ -339,6 +354,7 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
                 if (source.get("model") == model and source.get("random_init") == random_init
                         and source.get("seed") == (seed if random_init else None)
                         and sorted(p["name"] for p in data.get("passes", [])) == wanted
+                        and data.get("precision", "fp32") == precision
                         and kind == {None: kind, "shared": "beam-shared", "per-beam": "per-beam"}[form]):
                     if not quiet:
                         say(f"elx bench: reusing the export {folder}", progress)
@@ -346,7 +362,8 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
                     continue
             check_work_folder(folder)
             folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
-                                        force=True, quiet=quiet, prompt_cache=form, progress=progress))
+                                        force=True, quiet=quiet, prompt_cache=form, progress=progress,
+                                        precision=precision))
     return folders
 
 
@@ -397,6 +414,8 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
     systems = {"HF generate (PyTorch)": (hf, None)}
     for g in generators:
         name = "elx " + ("+".join(g.manifest.pass_names()) or "baseline")
+        if g.manifest.data.get("precision", "fp32") != "fp32":
+            name += f"@{g.manifest.data['precision']}"
         prompt = g.manifest.data["cache"].get("prompt")
         if prompt:  # decoder-only: where the prompt's K/V live
             name += f" (prompt {prompt['kind']})"
@@ -427,6 +446,7 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
             if reference is None:
                 reference = tokens
             result.tokens_equal_hf = bool(tokens.shape == reference.shape and np.array_equal(tokens, reference))
+            result.rows_equal_hf = rows_equal(reference, tokens, manifest.data["tokens"].get("pad_token_id"))
             if gen is not None:
                 tracked = gen.generate(inputs, track_memory=True, **options).memory
                 result.state_bytes = max(m["state_bytes"] for m in tracked)
@@ -459,6 +479,19 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
             "flops_per_generate": flops, "matmul_peak_gflops": peak / 1e9,
             "read_bandwidth_gb_s": bandwidth / 1e9, "roofline": roof, "skipped_peers": skipped,
             "systems": [r.summary(settings, hf_median, flops, peak, roof and roof["floor_s"]) for r in results.values()]}
+
+
+def rows_equal(reference: np.ndarray, tokens: np.ndarray, pad: int | None) -> tuple[int, int]:
+    """(rows of ``tokens`` equal to ``reference``'s, rows of ``reference``): a row may differ only in trailing
+    ``pad`` columns (a peer that pads its batch to another width)."""
+    def row(a) -> list:
+        a = list(a)
+        while a and pad is not None and a[-1] == pad:
+            a.pop()
+        return a
+
+    same = sum(r < len(tokens) and row(reference[r]) == row(tokens[r]) for r in range(len(reference)))
+    return int(same), len(reference)
 
 
 def generator_for(folder: Path, settings: BenchSettings) -> Generator:
@@ -557,6 +590,8 @@ def markdown_table(report: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["systems"]:
         equal = "yes" if r["tokens_equal_hf"] else ("no: " + r["note"] if r["note"] else "NO")
+        if not r["tokens_equal_hf"] and r.get("rows_equal_hf"):
+            equal += " ({}/{} rows)".format(*r["rows_equal_hf"])
         lines.append(f"| {r['system']} | {r['median_s']:.3f} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_hf']:.2f}x | {_mb(r['state_bytes'])} | {_mb(r['cache_bytes'])} | "
                      f"{_mb(r['peak_rss_growth_bytes'])} | {r['gflops_per_s']:.1f} | "

@@ -11,6 +11,8 @@
   differed from the first generated token).
 * ``ct2``: CTranslate2 (``pip install ctranslate2``), with a vocabulary of unique placeholder tokens; for
   decoder-only models (Llama-family) its ``Generator`` on the prompt tokens (left padding dropped).
+* ``ct2-int8``: the same CTranslate2 conversion loaded with ``compute_type="int8"`` (int8 weights per output
+  channel, activations quantized per row at run time): the peer of ``elx export --precision int8``.
 * ``ort-genai``: ONNX Runtime GenAI (``pip install onnxruntime-genai``): its model builder
   (``python -m onnxruntime_genai.models.builder``, fp32 CPU) converts a Llama-family ``save_pretrained``
   copy (with a placeholder tokenizer: the builder reads one) and its own greedy/beam search runs the
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-PEER_NAMES = ("ort-beamsearch", "ct2", "ort-genai")
+PEER_NAMES = ("ort-beamsearch", "ct2", "ct2-int8", "ort-genai")
 
 
 class PeerUnavailable(Exception):
@@ -166,6 +168,7 @@ class Ct2Peer:
     ``Translator`` for encoder-decoder models, its ``Generator`` for decoder-only ones."""
 
     name = "CTranslate2"
+    compute_type = "default"  # the converted model's own (float32)
 
     def __init__(self, hf_model, source: dict, work: Path, settings):
         try:
@@ -197,7 +200,8 @@ class Ct2Peer:
             (work / "source.json").write_text(json.dumps(_key(source)))
         self.decoder_only = not hf_model.config.is_encoder_decoder
         kind = ctranslate2.Generator if self.decoder_only else ctranslate2.Translator
-        self.model = kind(str(out), device=settings.device, intra_threads=settings.threads or 0)
+        self.model = kind(str(out), device=settings.device, intra_threads=settings.threads or 0,
+                          compute_type=self.compute_type)
         self.start = hf_model.generation_config.decoder_start_token_id
 
     def generate(self, inputs: dict, settings) -> np.ndarray:
@@ -216,6 +220,14 @@ class Ct2Peer:
         results = self.model.translate_batch(batch, max_decoding_length=settings.new_tokens,
                                              min_decoding_length=settings.new_tokens, return_end_token=True, **options)
         return _padded([[self.start] + [int(t[2:-1]) for t in r.hypotheses[0]] for r in results])
+
+
+class Ct2Int8Peer(Ct2Peer):
+    """CTranslate2 with ``compute_type="int8"``: weights quantized to int8 when it loads the converted model
+    (per output channel), activations quantized per row at run time; elx's ``--precision int8`` counterpart."""
+
+    name = "CTranslate2 int8"
+    compute_type = "int8"
 
 
 def _first_line(err: BaseException) -> str:
@@ -286,7 +298,7 @@ def _genai_convert(hf_model, work: Path, out: Path) -> None:
         raise PeerUnavailable(f"its model builder failed: {lines[-1][:300]}")
 
 
-PEERS = {"ort-beamsearch": OrtBeamSearchPeer, "ct2": Ct2Peer, "ort-genai": GenAiPeer}
+PEERS = {"ort-beamsearch": OrtBeamSearchPeer, "ct2": Ct2Peer, "ct2-int8": Ct2Int8Peer, "ort-genai": GenAiPeer}
 
 
 def make_peer(name: str, hf_model, source: dict, work: Path, settings):

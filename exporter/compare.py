@@ -14,8 +14,13 @@ Two rules decide the verdict (``CompareReport.passed``, exit status 0 only when 
   error.  Other differing rows are *fragile*: reported with their margin, not counted.
 * **Numerics.**  The teacher-forced max abs logits difference (every row, every step) and the
   encoder output difference must be within ``atol``, by default the export's own tolerance
-  (``export_tolerance``: 1e-4 in fp32; an fp16 export's D·u relative to max |logit|).
+  (``export_tolerance``: 1e-4 in fp32; an fp16 export's D·u relative to max |logit|; an int8 export's
+  recorded figures, ``exporter/precision_int8_check.py``).
   A corrupted export can keep emitting HF's tokens on a random model; the logits give it away.
+
+An int8 export is judged against what it recorded at export (``exporter/precision_int8_check.py``): differing
+rows are not failures one by one (no stability rule); the share of identical rows and the top-1 agreement
+along HF's tokens fail only where they are worse than recorded.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ class RowReport:
     hf_tokens: list = field(default_factory=list)
     elx_tokens: list = field(default_factory=list)
     stability: RowStability | None = None  # rows that differ: the stability rule's findings (None: not checked)
+    step_top1: list = field(default_factory=list)  # per step: elx's top token is PyTorch's (along HF's tokens)
 
     @property
     def hf_stable(self) -> bool | None:
@@ -79,6 +85,7 @@ class CompareReport:
     atol: float = TOLERANCE
     shape_identical: bool = True  # elx's output array has HF's shape
     hf_variants: tuple = ()  # the HF configurations run for the stability rule (empty: every row identical)
+    agreement: object = None  # an int8 export: exporter.precision_int8_check.Agreement (rows judged together)
 
     @property
     def all_identical(self) -> bool:
@@ -86,6 +93,8 @@ class CompareReport:
 
     @property
     def failures(self) -> list:
+        if self.agreement is not None:  # int8: differing rows are judged by the agreement rule, not one by one
+            return []
         return [r for r in self.rows if r.failure]
 
     @property
@@ -129,6 +138,8 @@ class CompareReport:
         if not self.encoder_within_tolerance:
             out.append(f"encoder output max abs diff {self.encoder_diff:.3g} exceeds the tolerance {self.atol:g}: "
                        f"the export does not compute the model's encoder")
+        if self.agreement is not None:
+            out.extend(self.agreement.problems)
         return out
 
     @property
@@ -145,13 +156,13 @@ def _first_divergence(a: np.ndarray, b: np.ndarray, prompt_len: int) -> int | No
     return None if len(a) == len(b) else n - prompt_len
 
 
-def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: np.ndarray, per_item: int,
+def teacher_forced_steps(generator: Generator, model, inputs: dict, sequences: np.ndarray, per_item: int,
                          no_repeat_ngram_size: int = 0):
-    """Max abs logits diff per (row, step) along ``sequences`` ([items·per_item, T]), and the encoder diff.
+    """Both sides' scores per step along ``sequences`` ([items·per_item, T]): elx's and PyTorch's, each a list of
+    [rows, vocab] arrays (one per step), and the encoder diff.
 
     When the run reads the step graph's blocked log-probs (the ``ngram`` pass with the run's
-    n-gram size), the PyTorch logits go through log-softmax and the reference blocking first;
-    equal −inf entries count as equal.
+    n-gram size), the PyTorch logits go through log-softmax and the reference blocking first.
     """
     runner = generator.model.for_run(no_repeat_ngram_size)
     state = runner.encode(inputs)
@@ -167,28 +178,46 @@ def teacher_forced_diffs(generator: Generator, model, inputs: dict, sequences: n
         encoder = model.get_encoder()(**rep).last_hidden_state
         encoder_diff = float(np.abs(state.kept["encoder:last_hidden_state"] - encoder[::per_item].numpy()).max())
         if length < 2:  # nothing to teacher-force
-            return np.zeros((rows, 0)), encoder_diff
+            return [], [], encoder_diff
         ref = hf_decoder_logits(model, encoder, rep.get("attention_mask"), torch.from_numpy(sequences[:, :-1]))
     if runner.returns_log_probs:
         ref = torch.log_softmax(ref, dim=-1)
     ref = ref.numpy()
     blocks = runner.plan.ngram_size if runner.returns_log_probs else 0
+    expected = [block_ngrams(sequences[:, : t + 1], ref[:, t], blocks) if blocks else ref[:, t]
+                for t in range(length - 1)]
+    return ort_steps, expected, encoder_diff
+
+
+def step_diffs(ours: list, expected: list, rows: int) -> np.ndarray:
+    """Max abs difference per (row, step); equal −inf entries count as equal."""
     diffs = []
-    for t in range(length - 1):
-        expected = block_ngrams(sequences[:, : t + 1], ref[:, t], blocks) if blocks else ref[:, t]
-        both_inf = np.isneginf(expected) & np.isneginf(ort_steps[t])
+    for got, want in zip(ours, expected):
+        both_inf = np.isneginf(want) & np.isneginf(got)
         with np.errstate(invalid="ignore"):  # -inf - -inf, masked by both_inf
-            diffs.append(np.where(both_inf, 0.0, np.abs(ort_steps[t] - expected)).max(axis=1))
-    return np.stack(diffs, axis=1), encoder_diff
+            diffs.append(np.where(both_inf, 0.0, np.abs(got - want)).max(axis=1))
+    return np.stack(diffs, axis=1) if diffs else np.zeros((rows, 0))
+
+
+def step_top1(ours: list, expected: list, rows: int) -> np.ndarray:
+    """Per (row, step): whether both sides' highest-scoring token is the same."""
+    same = [np.argmax(got, axis=1) == np.argmax(want, axis=1) for got, want in zip(ours, expected)]
+    return np.stack(same, axis=1) if same else np.zeros((rows, 0), dtype=bool)
 
 
 def export_tolerance(manifest) -> float:
     """The default ``atol``: the export's own tolerance.  fp32: ``logits_tolerance`` (1e-4, or 64 ulps of the
-    largest logit the export's verification measured where that is more).  fp16: the manifest's fp16
+    largest logit the export's verification measured where that is more).  int8: ``logits_bound`` of
+    ``exporter/precision_int8_check.py`` (the recorded figures).  fp16: the manifest's fp16
     rule (``exporter/precision_check.py``: D·u relative to max |logit|) as the absolute bound the export's final
     fp16 check applied, ``relative_tolerance × max_abs_reference`` of ``verification.fp16`` (runtime mode)."""
-    if manifest.data.get("precision", "fp32") == "fp32":
+    precision = manifest.data.get("precision", "fp32")
+    if precision == "fp32":
         return logits_tolerance(manifest)
+    if precision == "int8":
+        from .precision_int8_check import logits_bound
+
+        return logits_bound(manifest)
     check = manifest.data["verification"]["fp16"]["runtime"]
     return float(check["relative_tolerance"] * check["max_abs_reference"])
 
@@ -221,11 +250,17 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     ``timed``: after the compared runs (the warm-ups), one more run of each is timed (``hf_seconds``,
     ``elx_seconds``: one run each, no ratio is printed; ``elx bench`` measures speed with repeats).
     """
+    # an int8 export is judged against the agreement it recorded (none yet while the export records it)
+    data = generator.manifest.data
+    int8 = data.get("precision") == "int8" and "int8" in data.get("verification", {})
     atol = export_tolerance(generator.manifest) if atol is None else atol
+    if int8:
+        variants = None  # rows are judged together against the recorded agreement
     settings = generator.settings(**options)
     rules = generator.rules
     hf_options = rules.hf_options(generator.manifest, {k: v for k, v in options.items() if v is not None})
-    if inputs is None:
+    own_draw = inputs is None
+    if own_draw:
         inputs = random_inputs(generator.manifest, batch_size, input_length, np.random.default_rng(seed))
     check_encoder_inputs(generator.manifest, inputs)  # before HF sees them (torch fails with a traceback)
     hf = _hf_generate(model, inputs, hf_options)  # the compared runs double as warm-ups ...
@@ -240,19 +275,22 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     prompt_len = rules.prompt(inputs, settings).shape[1] if out.sequences is out.raw_sequences else 0
     forced = rules.full_sequences(hf, settings)
     if generator.manifest.data.get("is_encoder_decoder", True):
-        diffs, encoder_diff = teacher_forced_diffs(generator, model, inputs, forced, per_item,
-                                                   settings.no_repeat_ngram_size)
+        ours, expected, encoder_diff = teacher_forced_steps(generator, model, inputs, forced, per_item,
+                                                            settings.no_repeat_ngram_size)
+        diffs, top1 = step_diffs(ours, expected, forced.shape[0]), step_top1(ours, expected, forced.shape[0])
     else:  # no encoder: the prompt's own logits are the first step's
         from .compare_decoder_only import decoder_only_teacher_forced
 
         diffs, encoder_diff = decoder_only_teacher_forced(generator, model, inputs, forced, per_item)
+        top1 = np.zeros((forced.shape[0], 0), dtype=bool)
     fill = rules.output_fill(settings)
     rows = []
     for r in range(hf.shape[0]):
         a, b = hf[r], elx[r] if r < elx.shape[0] else np.array([], dtype=np.int64)
         same = same_row(a, b, fill)
         rows.append(RowReport(r // per_item, same, None if same else _first_divergence(a, b, prompt_len),
-                              [float(x) for x in diffs[r]], a.tolist(), b.tolist()))
+                              [float(x) for x in diffs[r]], a.tolist(), b.tolist(),
+                              step_top1=[bool(x) for x in top1[r]]))
     differing = [r for r, row in enumerate(rows) if not row.identical]
     checked = ()
     if differing and variants is not None:
@@ -262,17 +300,26 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
         checked = HF_VARIANTS
         for r, stability in found.items():
             rows[r].stability = stability
-    return CompareReport(rows, encoder_diff, hf_seconds, elx_seconds,
-                         {k: getattr(settings, k) for k in ("num_beams", "num_return_sequences", "no_repeat_ngram_size",
-                                                            "length_penalty", "early_stopping", "max_new_tokens",
-                                                            "min_new_tokens")},
-                         atol=atol, shape_identical=elx.shape == hf.shape, hf_variants=checked)
+    report = CompareReport(rows, encoder_diff, hf_seconds, elx_seconds,
+                           {k: getattr(settings, k) for k in ("num_beams", "num_return_sequences",
+                                                              "no_repeat_ngram_size", "length_penalty", "early_stopping",
+                                                              "max_new_tokens", "min_new_tokens")},
+                           atol=atol, shape_identical=elx.shape == hf.shape, hf_variants=checked)
+    if int8:
+        from .precision_int8_check import judge
+
+        drawn = {"seed": seed, "batch_size": batch_size, "input_length": input_length} if own_draw else {}
+        report.agreement = judge(generator.manifest, report, {**drawn, "num_beams": settings.num_beams,
+                                                              "max_new_tokens": settings.max_new_tokens})
+    return report
 
 
-def _row_status(row: RowReport) -> str:
+def _row_status(row: RowReport, int8: bool = False) -> str:
     if row.identical:
         return "identical"
     where = f"first divergence at generated step {row.first_divergence}"
+    if int8:
+        return f"different ({where}; an int8 export: rows are judged together, below)"
     found = row.stability
     if found is None:
         return f"DIFFERENT ({where}; HF stability not checked): FAILURE"
@@ -294,16 +341,22 @@ def format_report(report: CompareReport, passes: list) -> str:
     for i, row in enumerate(report.rows):
         worst = max(row.step_logits_diff) if row.step_logits_diff else 0.0
         steps = " ".join(f"{d:.1e}" for d in row.step_logits_diff)
-        lines.append(f"row {i} (input {row.item}): {_row_status(row)}; {len(row.hf_tokens)} tokens; "
+        lines.append(f"row {i} (input {row.item}): {_row_status(row, report.agreement is not None)}; {len(row.hf_tokens)} tokens; "
                      f"max abs logits diff {worst:.2e}; per step: {steps}")
     same = sum(r.identical for r in report.rows)
     fragile, failures = len(report.fragile), len(report.failures)
-    lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate; {failures} stable difference(s) "
-                 f"(failures), {fragile} fragile (HF's own answer not stable there; not counted)")
+    if report.agreement is not None:
+        lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate (an int8 export: judged against "
+                     "its recorded agreement, below)")
+    else:
+        lines.append(f"{same}/{len(report.rows)} sequences identical to HF generate; {failures} stable difference(s) "
+                     f"(failures), {fragile} fragile (HF's own answer not stable there; not counted)")
     numerics = "within" if report.logits_within_tolerance and report.encoder_within_tolerance else "OUTSIDE"
     lines.append(f"numerics {numerics} tolerance {report.atol:g}: teacher-forced max abs logits diff "
                  f"{report.max_logits_diff:.2e}" + ("" if report.encoder_diff is None
                                                      else f", encoder {report.encoder_diff:.2e}"))
+    if report.agreement is not None:
+        lines.extend(report.agreement.lines())
     problems = report.problems
     lines.append("PASS" if not problems else "FAIL: " + "; ".join(problems))
     return "\n".join(lines)

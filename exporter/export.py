@@ -202,7 +202,7 @@ def _check_decoder_only_options(family, prompt_cache) -> str | None:
 def _total_weight(requests: list, precision: str) -> float:
     """The export's stages' weights (``WEIGHTS``), graphs counted as an encoder-decoder export's."""
     graphs = WEIGHTS["encoder"] + WEIGHTS["cross_kv"] + WEIGHTS["decoder"]
-    fp16 = WEIGHTS["fp16"] * (2 + len(requests)) if precision == "fp16" else 0
+    fp16 = {"fp16": WEIGHTS["fp16"] * (2 + len(requests)), "int8": WEIGHTS["fp16"] * 2}.get(precision, 0)
     return (WEIGHTS["load"] + graphs + WEIGHTS["verify"] + WEIGHTS["pass"] * len(requests) + fp16 + WEIGHTS["store"]
             + WEIGHTS["write"])
 
@@ -252,6 +252,10 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 run_passes(folder, manifest, requests, report, fp16.check_pass if fp16 else None)
                 if fp16 is not None:
                     fp16.finish(folder, manifest)
+            if precision == "int8":  # exporter/precision_int8.py: converted last, measured and recorded
+                from .precision_int8 import finish as finish_int8
+
+                finish_int8(loaded.model, folder, manifest, report)
             data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
             finish_folder(folder, manifest, report)
         say_written(report, output, started)

@@ -36,21 +36,22 @@ from .precision_check import MODES, arithmetic_twin, fp16_depth, judge
 from .progress import WEIGHTS, Progress
 from .verify import RuntimeSide, TorchSide, measure
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "fp16", "int8")  # int8: exporter/precision_int8.py
 SUFFIX = "fp16"
 
 
 def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
-        raise ElxError(f"unknown precision {precision!r}; choose fp32 or fp16")
+        raise ElxError(f"unknown precision {precision!r}; choose fp32, fp16 or int8")
     return precision
 
 
 def refuse_fp16(manifest: Manifest, what: str) -> None:
     """Passes and engine builds start from fp32 graphs."""
-    if manifest.data.get("precision", "fp32") != "fp32":
-        raise ElxError(f"{manifest.folder} is an fp16 export; {what} from the fp32 export "
-                       "(elx export --precision fp16 converts after the passes)")
+    precision = manifest.data.get("precision", "fp32")
+    if precision != "fp32":
+        raise ElxError(f"{manifest.folder} is an {precision} export; {what} from the fp32 export "
+                       f"(elx export --precision {precision} converts after the passes)")
 
 
 def _set_dtypes(specs: dict, names) -> None:

@@ -107,6 +107,34 @@ _GENERATION = {  # generation_config values the runners read (runners/options.py
                            "description": "an object of language codes by name"},
     },
 }
+_SHARE = {"type": "number", "minimum": 0, "maximum": 1, "description": "a share (a number from 0 to 1)"}
+_DIFF = {"type": "number", "minimum": 0, "description": "a non-negative number"}
+_INT8_SEARCH = {  # exporter/precision_int8_check.py: one search's recorded agreement with HF fp32
+    "type": "object", "description": "a search's recorded agreement with HF fp32",
+    "required": ["num_beams", "rows", "rows_identical", "identical_share", "top1_pairs", "top1_agree",
+                 "top1_agreement", "max_abs_logits_diff"],
+    "properties": {"num_beams": _int(1, "a positive integer"), "rows": _int(), "rows_identical": _int(),
+                   "identical_share": _SHARE, "top1_pairs": _int(), "top1_agree": _int(), "top1_agreement": _SHARE,
+                   "top1_agreement_per_step": {"type": "array", "items": _SHARE, "description": "a list of shares"},
+                   "max_abs_logits_diff": _DIFF}}
+_INT8_VERIFICATION = {
+    "type": "object", "required": ["draw", "random_inputs", "searches"],
+    "description": "the int8 export's recorded agreement ({draw, random_inputs, searches})",
+    "properties": {
+        "draw": {"type": "object", "required": ["seed", "batch_size", "input_length", "max_new_tokens"],
+                 "description": "the seeded draw ({seed, batch_size, input_length, max_new_tokens})",
+                 "properties": {"seed": _int(), **{k: _int(1, "a positive integer") for k in (
+                     "batch_size", "input_length", "max_new_tokens")}}},
+        "random_inputs": {"type": "object", "required": ["max_abs_logits_diff", "max_abs_reference"],
+                          "description": "the teacher-forced difference on random inputs",
+                          "properties": {"max_abs_logits_diff": _DIFF, "max_abs_reference": _DIFF}},
+        "searches": {"type": "object", "required": ["greedy", "beam4"], "description": "the greedy and beam4 records",
+                     "additionalProperties": _INT8_SEARCH}}}
+_INT8 = {"type": "object", "required": ["graphs", "reduce_range", "lm_head"],
+         "description": "the int8 rule's record (exporter/precision_int8.py)",
+         "properties": {"graphs": {"type": "object", "description": "MatMul counts per decision, by graph"},
+                        "reduce_range": {"type": "boolean", "description": "true or false"},
+                        "lm_head": {"enum": ["int8", "fp32"], "description": "'int8' or 'fp32'"}}}
 SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
@@ -149,7 +177,10 @@ SCHEMA = {
                              "properties": {"name": {"type": "string", "description": "a pass name"}}}},
         "first_step_scores": {"type": "string", "description": "a stage output '<graph>:<output>'"},
         "padding_side": {"enum": ["left", "right"], "description": "'left' or 'right'"},
-        "precision": {"type": "string", "description": "a precision name"},
+        "precision": {"enum": ["fp32", "fp16", "int8"], "description": "'fp32', 'fp16' or 'int8'"},
+        "int8": _INT8,
+        "verification": {"type": "object", "description": "the export's verification records",
+                         "properties": {"int8": _INT8_VERIFICATION}},
         "engines": {"type": "object", "required": ["format", "build_id", "folder", "graphs"],
                     "description": "the TensorRT engines record (runners/tensorrt_engines.py)",
                     "properties": {"format": _int(1, "a positive integer"),
@@ -161,6 +192,10 @@ SCHEMA = {
                                                   "properties": {"file": _FILE, "source": _FILE,
                                                                  "source_bytes": _int()}}}}},
     },
+    # an int8 export is judged against its recorded agreement (elx compare): both records must be there
+    "if": {"properties": {"precision": {"const": "int8"}}, "required": ["precision"]},
+    "then": {"required": ["int8", "verification"],
+             "properties": {"verification": {"required": ["int8"]}}},
 }
 
 

@@ -214,13 +214,13 @@ def test_judge_states_the_tolerance():
 def test_unknown_precision_is_one_line(model_folders, tmp_path):
     from exporter.export import export_model
 
-    with pytest.raises(ElxError, match=r"^unknown precision 'bf16'; choose fp32 or fp16$"):
+    with pytest.raises(ElxError, match=r"^unknown precision 'bf16'; choose fp32, fp16 or int8$"):
         export_model(str(model_folders["t5"]), tmp_path / "x", precision="bf16")
     proc = subprocess.run([sys.executable, "-m", "elx.cli", "export", "--model", str(model_folders["t5"]),
-                           "--output", str(tmp_path / "y"), "--precision", "bf16"], capture_output=True, text=True,
+                           "--output", str(tmp_path / "y"), "--precision", "int4"], capture_output=True, text=True,
                           timeout=300)
     err = proc.stderr.strip()  # the command line refuses it before any import (argparse's choices; issue 27 item 2)
-    assert proc.returncode == 2 and err.startswith("elx: error: argument --precision: invalid choice: 'bf16'")
+    assert proc.returncode == 2 and err.startswith("elx: error: argument --precision: invalid choice: 'int4'")
     assert "\n" not in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 

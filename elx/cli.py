@@ -259,6 +259,9 @@ def cmd_generate(args) -> int:
         raise ElxError("--stream prints text as it is generated, which is no JSON line; drop --stream or --format")
     if args.input_ids:
         source = {"input_ids": token_rows(args.input_ids)}
+        if not source["input_ids"]:  # ";;": rows separated, none holding a token
+            raise ElxError(f"--input-ids holds no input tokens (got {args.input_ids!r}); pass token ids such as "
+                           "'5 6 7; 8 9'")
     elif args.text:
         source = {"text": args.text}
     elif args.audio:
@@ -613,8 +616,7 @@ def _termination_as_exception():
                 pass
         _INSTALLED.update(previous)
     hook = sys.unraisablehook
-    if previous:
-        sys.unraisablehook = _redeliver_swallowed_signal(hook)
+    sys.unraisablehook = _redeliver_swallowed_signal(hook)
     try:
         yield
     finally:
@@ -629,7 +631,8 @@ def _redeliver_swallowed_signal(hook):
     """Python runs a signal handler wherever the main thread is, also inside a ``__del__``, where the
     exception it raises is printed and dropped: the run would go on as if never interrupted.  Such a
     swallowed ``Terminated`` sends its signal again while the command still runs, handled outside the
-    finalizer.  (Ctrl-C's KeyboardInterrupt is left to Python: in-process callers raise it themselves.)"""
+    finalizer; so does a swallowed Ctrl-C (``KeyboardInterrupt`` raised by Python's own SIGINT handler inside
+    a finalizer, e.g. ``regex``'s ``SetBase.__del__`` during an export: the export then finished with exit 0)."""
 
     def resend(signum: int) -> None:
         # under the lock, so that the handler cannot be restored between the check and the delivery
@@ -638,12 +641,19 @@ def _redeliver_swallowed_signal(hook):
             if signum in _INSTALLED and signal.getsignal(signum) is _raise_terminated:
                 os.kill(os.getpid(), signum)
 
+    def resend_interrupt() -> None:
+        with _INSTALLED_LOCK:
+            if sys.unraisablehook is redeliver and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                os.kill(os.getpid(), signal.SIGINT)
+
     def redeliver(unraisable):
         error = unraisable.exc_value
         if isinstance(error, Terminated) and error.signum in _INSTALLED:
             # sent from another thread a moment later: sent from here, its handler would run (and be
             # dropped) inside this hook, still within the finalizer
             threading.Timer(0.01, resend, (error.signum,)).start()
+        elif isinstance(error, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            threading.Timer(0.01, resend_interrupt).start()
         else:
             hook(unraisable)
 

@@ -474,7 +474,7 @@ def call_arguments(options: dict, vocab: int, batch: int, torch_tensors: bool) -
 def hf_search(model, inputs: dict, options: dict, vocab: int) -> tuple:
     """HF ``generate(use_cache=False)`` with ``options`` (specs built, seeded with ``torch.manual_seed``):
     (sequences, {scores, logits, beam_indices, sequences_scores} as numpy where HF returned them)."""
-    from exporter.compare import _torch_inputs
+    from exporter.hf_reference import torch_inputs as _torch_inputs
 
     batch = int(next(iter(inputs.values())).shape[0])
     kwargs = call_arguments(hf_reference_options(model, options), vocab, batch, torch_tensors=True)
@@ -520,6 +520,7 @@ def same_extras(hf: dict, elx: dict) -> list[str]:
     return differ
 
 
+@st.composite
 def language_options(draw, family: str) -> dict:
     """The target language as the translation families' model cards set it: ``forced_bos_token_id`` (mBART-50,
     M2M100 / NLLB), or the language as ``decoder_start_token_id`` (mBART-cc25); {} for other families."""

@@ -10,6 +10,47 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# -- the CI slice ------------------------------------------------------------------------------------------
+# CI must stay under 40 minutes on the 2-core machine: it runs one case of each kind.  The cases below repeat
+# a kind another test already runs in CI (named after each), and run only with ELX_LONG_TESTS=1.  Measured
+# with `pytest --durations=0` (issue 23-28 merge, 2026-11-25): together about a third of the suite's time.
+LONG = os.environ.get("ELX_LONG_TESTS") == "1"
+LONG_ONLY = {
+    # fp16 export records: t5-None and t5-el,el-self stay (a plain export and a pass chain)
+    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[bart-None]": "t5-None",
+    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[bart-slim=skip-bad]": "t5-None",
+    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[t5-ngram=2]": "t5-el,el-self",
+    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[whisper-None]": "t5-None",
+    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[whisper-el]": "t5-el,el-self",
+    # el / el-self graph checks on a second and third family
+    "tests/test_el.py::test_el_graph_has_no_cross_cache[whisper]": "[bart]",
+    "tests/test_el_self.py::test_el_self_matches_original[t5-wide]": "[bart-biased]",
+    "tests/test_el_self.py::test_el_self_matches_original[whisper-biased]": "[bart-biased]",
+    # the stability rule: a stable failure and a fragile row stay (test_compare.py)
+    "tests/test_compare.py::test_fragile_rows_on_a_peaked_model": "test_fragile_difference_is_reported_not_counted",
+    "tests/test_compare.py::test_the_input_alone_must_agree": "test_stable_difference_is_a_failure",
+    "tests/test_compare.py::test_a_near_tie_within_the_export_error_is_fragile":
+        "test_fragile_difference_is_reported_not_counted",
+    "tests/test_cli.py::test_compare_fails_when_tokens_differ": "test_compare.py::test_cli_compare_exit_status_and_atol",
+    # bench: the full --quick run (HF, every peer, plots) is long; the bench's parts are tested one by one
+    "tests/test_bench.py::test_bench_quick": "the other tests of test_bench.py",
+    "tests/test_bench.py::test_compare_prints_no_one_run_speed_ratio": "test_compare.py's report tests",
+    "tests/test_bench.py::test_iobinding_backend_matches_plain_backend[ngram=2]": "[el]",
+    # generation from a config / early EOS on more families and passes
+    "tests/test_generation_config.py::test_gpt2_that_samples": "tests/test_sampling.py",
+    "tests/test_generation.py::test_identical_with_early_eos[None-t5]": "[el-t5]",
+    "tests/test_generation.py::test_identical_with_early_eos[None-bart]": "[el-bart]",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if LONG:
+        return
+    for item in items:
+        instead = LONG_ONLY.get(item.nodeid)
+        if instead is not None:
+            item.add_marker(pytest.mark.skip(reason=f"CI runs {instead} of this kind; set ELX_LONG_TESTS=1"))
+
 
 def _t5(**overrides):
     from transformers import T5Config, T5ForConditionalGeneration

@@ -241,7 +241,8 @@ def test_a_near_tie_within_the_export_error_is_fragile(issue_23_export):
     own answer moves under perturbations of that size: fragile, with its margin, and compare passes."""
     report = compare(issue_23_export, threads=1, **ISSUE_23)
     text = format_report(report, [])
-    if all(r.identical for r in report.rows):  # since weights are stored once per folder (issue 27) ONNX Runtime
+    if all(r.identical for r in report.rows):  # seen after the 2026-11-25 merges (cause not traced): ONNX Runtime
+        # now rounds this near-tie as HF does, so the premise of the test is gone; the stability rule stays tested
         pytest.skip("the export now decides this near-tie HF's way: no row to classify (" + text.splitlines()[-3] + ")")
     assert [r.identical for r in report.rows] == [True, True, True, False], text
     assert report.rows[3].fragile and report.passed, text

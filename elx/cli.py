@@ -448,6 +448,22 @@ def _pass_sets(text: str) -> list[str]:
     return ["" if t in ("baseline", "base", "none") else t for t in items]
 
 
+def _check_cuda_bench(backend: str) -> None:
+    """``bench --device cuda`` runs HF on PyTorch's CUDA and elx on ONNX Runtime's CUDA EP (or TensorRT): both
+    present, or one line before anything is exported (it failed with PyTorch's traceback after the exports)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ElxError(f"--device cuda: this PyTorch ({torch.__version__}) sees no CUDA device; run on a machine "
+                       "with an NVIDIA GPU and a CUDA build of PyTorch, or use --device cpu")
+    if backend == "ort":
+        import onnxruntime
+
+        if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+            raise ElxError("--device cuda: this onnxruntime has no CUDA execution provider; install onnxruntime-gpu "
+                           "(README: GPU check, carrying wheels) or add --backend tensorrt")
+
+
 def cmd_bench(args) -> int:
     from exporter.bench_peers import parse_peers
     from exporter.bench_sweeps import plot_bench, require_matplotlib, sweep_beam, sweep_budget, sweep_input
@@ -469,6 +485,8 @@ def cmd_bench(args) -> int:
     model = args.model or "t5-small"
     random_init = args.random_init or (args.model is None)
     check_bench_model(model, random_init, _pass_sets(args.pass_sets))
+    if args.device == "cuda":
+        _check_cuda_bench(args.backend)
     from exporter.bench import BenchSettings, ensure_engines, ensure_exports, markdown_table, run_bench
 
     work = Path(args.work) / Path(model).name

@@ -293,3 +293,18 @@ def test_a_bench_run_is_plotted_whenever_matplotlib_is_there(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert plot_bench(report, tmp_path / "none.png").startswith("no plot: matplotlib is not installed")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_bench_on_cuda_without_a_cuda_device_is_one_line_before_any_export(tmp_path, capsys):
+    """Found by the GPU check's dry run: ``bench --device cuda`` on a CPU-only PyTorch exported the model, then
+    died with PyTorch's 'Torch not compiled with CUDA enabled' traceback."""
+    import torch
+
+    from elx.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert main(["bench", "--quick", "--device", "cuda", "--work", str(tmp_path / "work")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elx: error: --device cuda:") and "\n" not in err
+    assert not (tmp_path / "work").exists()

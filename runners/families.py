@@ -28,6 +28,9 @@ class EncoderDecoderRules:
 
     options: tuple[str, ...] = ()  # generation options beyond GenerationSettings' fields
     padding_side = "right"  # how rows of different lengths are padded (the encoder's inputs)
+    # whether HF's first decoder call over a several-token decoder prefix (decoder_input_ids) is causal; FSMT's
+    # cached decoder takes no causal mask, so there each prefix token sees the later ones (elx's graphs are causal)
+    causal_prefix = True
 
     def validate(self, settings) -> None:
         """Family-specific checks of resolved settings (one-line ``ElxError``)."""
@@ -194,7 +197,11 @@ RULES = {"t5": EncoderDecoderRules(), "bart": EncoderDecoderRules(), "whisper": 
          "gpt2": DecoderOnlyRules(), "opt": DecoderOnlyRules()}
 # the translation families (issue 25): HF's generic encoder-decoder rules; their language codes are token ids
 # (``forced_bos_token_id``, ``decoder_start_token_id``), their positions computed inside the graphs
-RULES.update({"m2m100": EncoderDecoderRules(), "pegasus": EncoderDecoderRules(), "fsmt": EncoderDecoderRules()})
+class FsmtRules(EncoderDecoderRules):
+    causal_prefix = False
+
+
+RULES.update({"m2m100": EncoderDecoderRules(), "pegasus": EncoderDecoderRules(), "fsmt": FsmtRules()})
 
 
 # -- decoder-only families with rotary positions (issue 24) -------------------------------------------

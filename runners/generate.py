@@ -142,7 +142,7 @@ class Generator:
         args = CallArguments.of(options)
         check_family_options(self.manifest, options, settings)
         if args.decoder_input_ids is not None:
-            prompt = decoder_prefix(self.manifest, settings, prompt, args.decoder_input_ids)
+            prompt = decoder_prefix(self.manifest, settings, prompt, args.decoder_input_ids, self.rules.causal_prefix)
         check_memory(self.manifest, settings, inputs, prompt.shape[1])  # runners/validation.py: refuse what cannot fit
         model = self.model.for_run(settings.no_repeat_ngram_size if graph_may_block(settings, args) else None)
         log_softmax_kernel()  # a bad ELX_LOG_SOFTMAX is refused before any graph runs

@@ -141,9 +141,10 @@ def graph_may_block(settings, args: CallArguments) -> bool:
     return not rescales
 
 
-def decoder_prefix(manifest, settings, prompt: np.ndarray, ids) -> np.ndarray:
+def decoder_prefix(manifest, settings, prompt: np.ndarray, ids, causal_prefix: bool = True) -> np.ndarray:
     """HF's ``_prepare_decoder_input_ids_for_generation``: the caller's ``decoder_input_ids`` [B, P], with the
-    start token put in front when no row starts with it."""
+    start token put in front when no row starts with it.  ``causal_prefix`` False (the family's rules: FSMT):
+    a prefix of more than one token is refused, HF runs it without a causal mask."""
     if not manifest.data.get("is_encoder_decoder", True):
         raise ElxError("decoder_input_ids apply to encoder-decoder models; a decoder-only model's prompt is input_ids")
     if AUDIO in manifest.encoder_inputs():
@@ -164,6 +165,10 @@ def decoder_prefix(manifest, settings, prompt: np.ndarray, ids) -> np.ndarray:
     start = prompt[:, :1]
     if (ids[:, 0] != start[:, 0]).all():
         ids = np.concatenate([start, ids], axis=1)
+    if ids.shape[1] > 1 and not causal_prefix:
+        raise ElxError(f"decoder_input_ids of {ids.shape[1]} tokens: HF's {manifest.family} decoder reads a prefix "
+                       "without a causal mask (each token sees the later ones), which elx's step graphs do not "
+                       "reproduce; pass only the start token, or generate without decoder_input_ids")
     check_total_length(settings, ids.shape[1])  # runners/validation.py: the decoder's positions
     max_length = settings.total_max_length(ids.shape[1])
     if ids.shape[1] >= max_length:

@@ -414,7 +414,8 @@ def issue25_options(draw, info: ModelInfo, beams: int) -> dict:
         out["_stopping_criterion"] = rnd.randint(3, 11)
     if not audio and rnd.random() < 0.15:
         out.update(return_dict_in_generate=True, output_scores=rnd.random() < 0.8, output_logits=rnd.random() < 0.5)
-    if not audio and info.family not in DECODER_ONLY and rnd.random() < 0.1:
+    # FSMT: elx refuses prefixes (HF runs them without a causal mask: test_translation_families.py)
+    if not audio and info.family not in (*DECODER_ONLY, "fsmt") and rnd.random() < 0.1:
         out["_decoder_prefix"] = [rnd.randint(1, 3), rnd.randrange(2**31)]
     if rnd.random() < 0.02:
         out["max_time"] = 0.0

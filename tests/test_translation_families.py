@@ -196,3 +196,28 @@ def test_cli_language_options(exported, capsys):
     assert elx_run(["generate", str(exported("mbart")), *common, "--decoder-start-token-id", str(LANGUAGE)]) == 0
     rows = [line.split(": ")[1].split() for line in capsys.readouterr().out.splitlines() if line.startswith("input ")]
     assert len(rows) == 2 and all(row[0] == str(LANGUAGE) for row in rows), rows
+
+
+def test_fsmt_decoder_prefix_is_refused_as_hf_reads_it_without_a_causal_mask(exported):
+    """Found by the merged differential run (FSMT, seed 145, a 2-token decoder prefix): HF's generate reads a
+    several-token decoder_input_ids prefix in one cached FSMT call, which takes no causal mask, so its first
+    logits differ from the causal, step-by-step computation elx's graphs do; elx refuses such a prefix."""
+    from exporter.hf_decoding import hf_decoder_logits
+    from tests.conftest import BUILDERS
+
+    torch.manual_seed(0)
+    model = BUILDERS["fsmt"](init_std=0.2).eval()
+    ids = torch.randint(3, 90, (2, 6))
+    mask = torch.ones_like(ids)
+    prefix = torch.tensor([[2, 9, 17]] * 2)  # the start token and two more
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, num_beams=1,
+                             max_new_tokens=1, output_logits=True, return_dict_in_generate=True)
+        encoder = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        causal = hf_decoder_logits(model, encoder, mask, prefix)[:, -1]
+    assert (out.logits[0] - causal).abs().max() > 1e-3  # HF's first step is not the causal one
+    generator = Generator.from_folder(exported("fsmt"))
+    inputs = {"input_ids": np.array([[5, 6, 7, 8]]), "attention_mask": np.ones((1, 4), np.int64)}
+    with pytest.raises(ElxError, match="causal mask"):
+        generator.generate(inputs, decoder_input_ids=[[2, 9, 17]], max_new_tokens=3)
+    assert generator.generate(inputs, decoder_input_ids=[[2]], max_new_tokens=3).sequences.shape[0] == 1

@@ -14,10 +14,20 @@ Errors a user can fix are ``elx.ElxError`` (one line saying what is wrong and wh
 """
 from __future__ import annotations
 
-from runners.arguments import check_arguments
-from runners.errors import ElxError
+import os as _os
 
-__version__ = "0.1.0"
+# ``elx.exporter`` and ``elx.runners`` live in the repository's ``exporter/`` and ``runners/`` folders; an
+# install maps them under ``elx/`` (pyproject's package-dir), a source checkout finds them beside this folder.
+_HERE = _os.path.dirname(_os.path.abspath(__file__))
+_CHECKOUT = _os.path.dirname(_HERE)
+if not _os.path.isdir(_os.path.join(_HERE, "runners")) and all(
+        _os.path.isfile(_os.path.join(_CHECKOUT, part, "__init__.py")) for part in ("exporter", "runners")):
+    __path__.append(_CHECKOUT)  # noqa: F821 - the package's own search path
+
+from elx._version import __version__  # noqa: E402
+from elx.runners.arguments import check_arguments
+from elx.runners.errors import ElxError
+
 __all__ = ["ElxError", "Generator", "build_engine", "export", "generate_file", "__version__"]
 
 
@@ -34,7 +44,7 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
 
     Needs the export extra (PyTorch, transformers): ``pip install 'elx[export]'``."""
     check_arguments("export", locals())  # runners/arguments.py: one line naming a wrong argument
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     return export_model(model, output, random_init=random_init, passes=passes, seed=seed, force=force, quiet=quiet,
                         precision=precision, prompt_cache=prompt_cache, progress=progress)
@@ -42,15 +52,15 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
 
 def __getattr__(name: str):
     if name == "Generator":
-        from runners.generate import Generator
+        from elx.runners.generate import Generator
 
         return Generator
-    if name == "build_engine":  # TensorRT engines for an export folder (exporter/tensorrt_build.py)
-        from exporter.tensorrt_build import build_engine
+    if name == "build_engine":  # TensorRT engines for an export folder (exporter/tensorrt/build.py)
+        from elx.exporter.tensorrt.build import build_engine
 
         return build_engine
     if name == "generate_file":
-        from runners.dataset import generate_file
+        from elx.runners.dataset.pipeline import generate_file
 
         return generate_file
     raise AttributeError(f"module 'elx' has no attribute {name!r}")

@@ -8,50 +8,12 @@ token-id encoder inputs (Whisper takes log-mel features) or that an encoder exis
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from dataclasses import replace
 
-if TYPE_CHECKING:  # annotations only: the command line reads families before importing PyTorch
-    from torch import nn
+from elx.runners.errors import ElxError
 
-from runners.errors import ElxError
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One graph input: its name, element type and symbolic shape (ints are fixed sizes)."""
-
-    name: str
-    dtype: str  # "int64" | "float32"
-    shape: tuple  # e.g. ("batch", "encoder_sequence")
-    role: str  # what a runner feeds: "input_ids", "attention_mask", "input_features"
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    architectures: tuple[str, ...]
-    encoder_inputs: Callable[[object], tuple[TensorSpec, ...]]
-    decoder_layers: Callable[[nn.Module], list]
-    cross_attention: Callable[[nn.Module], nn.Module]
-    cross_projections: Callable[[nn.Module], tuple[nn.Linear, nn.Linear]]
-    dims: Callable[[object], dict]
-    uses_encoder_mask: bool = True
-    is_encoder_decoder: bool = True  # False: the prompt is the decoder's own input (exporter/decoder_only.py)
-    # refuses (one-line ``ElxError`` naming the config key) a config whose model elx would not reproduce
-    check_config: Callable[[object], None] = lambda config: None
-    # a context manager routing the family's attention through elx's attention function while a graph is
-    # traced (``exporter/attention.py``), for families whose attention does not call transformers'
-    # ``AttentionInterface`` (FSMT); the model is as it was on exit
-    attention_patch: Callable[[nn.Module], object] = lambda model: nullcontext()
-    # the encoder mask [B, N] (0/1) → what the HF decoder takes as ``attention_mask`` (exporter/wrappers.py)
-    step_mask: Callable = None  # None: HF's eager additive [B, 1, 1, N] mask
-    # whether HF's forward over a whole decoder sequence (no cache) computes what its cached ``generate``
-    # computes step by step; False: M2M100 and FSMT count positions past pad tokens differently in the two,
-    # and FSMT's uncached decoder is not causal (``exporter/hf_decoding.py`` replays the steps there)
-    full_sequence_is_stepwise: bool = True
-    attention_implementations: tuple = ("eager", "sdpa")  # what HF can switch this family's attention to
+from elx.exporter.family import Family, TensorSpec
+from elx.exporter.rope_families import ROPE_FAMILIES
 
 
 def _token_encoder_inputs(config) -> tuple[TensorSpec, ...]:
@@ -164,7 +126,7 @@ def _fsmt_dims(c) -> dict:
 
 
 def _fsmt_attention_patch(model):
-    from .fsmt_attention import batch_first_attention
+    from elx.exporter.fsmt_attention import batch_first_attention
 
     return batch_first_attention(model)
 
@@ -180,12 +142,8 @@ FSMT = replace(  # fairseq's WMT transformer: BART's module names, its own (time
     attention_implementations=("eager",),  # its own attention module: no sdpa
 )
 
-FAMILIES = (T5, BART, WHISPER, GPT2, OPT, M2M100, PEGASUS, FSMT)
-
-# -- decoder-only families with rotary positions (issue 24; exporter/rope_families.py) -------------
-from .rope_families import ROPE_FAMILIES  # noqa: E402 - they are built on Family above
-
-FAMILIES = FAMILIES + ROPE_FAMILIES
+# decoder-only families with rotary positions (issue 24) are declared in exporter/rope_families.py
+FAMILIES = (T5, BART, WHISPER, GPT2, OPT, M2M100, PEGASUS, FSMT) + ROPE_FAMILIES
 
 
 def supported_architectures() -> list[str]:

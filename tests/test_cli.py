@@ -12,7 +12,7 @@ def run(*args):
 
 def test_export_compare_generate(tmp_path, model_folders):
     out = tmp_path / "bart-el"
-    proc = run("-m", "exporter", "--model", str(model_folders["bart"]), "--pass", "el", "--output", str(out))
+    proc = run("-m", "elx.exporter", "--model", str(model_folders["bart"]), "--pass", "el", "--output", str(out))
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert [p["name"] for p in manifest["passes"]] == ["el"]

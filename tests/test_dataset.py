@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 
 from elx.cli import main as elx_main
-from runners import dataset
-from runners.dataset import Progress, generate_file
-from runners.errors import ElxError
-from runners.generate import Generator
+from elx.runners.dataset import job, writer
+from elx.runners.dataset import pipeline as dataset
+from elx.runners.dataset.pipeline import Progress, generate_file
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
 from tests.test_runtime_imports import BLOCKER, _word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,15 +100,15 @@ def test_order_restored_and_tokens_equal_per_item_generation(tmp_path, folder, g
 
 
 def test_batches_are_length_sorted_and_capped():
-    from runners.dataset_io import Record
+    from elx.runners.dataset.io import Record
 
     lengths = [5, 40, 3, 41, 17, 2, 39, 18, 90]
     records = [Record(i, i + 1, i, "input_ids", None, tokens=[7] * n) for i, n in enumerate(lengths)]
-    batches = dataset.plan_batches(records, batch_size=3, max_tokens=100, sort=True)
+    batches = job.plan_batches(records, batch_size=3, max_tokens=100, sort=True)
     assert [[len(r.tokens) for r in b] for b in batches] == [[90], [41, 40], [39, 18], [17, 5, 3], [2]]
     assert all(len(b) * len(b[0].tokens) <= 100 for b in batches if len(b) > 1)  # rows × longest
     assert sorted(r.index for b in batches for r in b) == list(range(9))
-    plain = dataset.plan_batches(records, batch_size=4, max_tokens=None, sort=False)
+    plain = job.plan_batches(records, batch_size=4, max_tokens=None, sort=False)
     assert [[r.index for r in b] for b in plain] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
 
 
@@ -315,7 +316,7 @@ def test_resume_refuses_another_run(tmp_path, folder, generator, monkeypatch, ca
 def test_a_second_run_on_the_same_output_is_refused(tmp_path, folder, capsys):
     """Two runs on one OUT would interleave their lines (784 lines for 400 inputs): the second is refused at once.
     (The lock is an flock on its own open file: held here, it is held against this process's next open too.)"""
-    from runners.output_lock import output_lock
+    from elx.runners.output_lock import output_lock
 
     source = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": r} for r in token_rows(4)])
     out = tmp_path / "out.jsonl"
@@ -337,7 +338,7 @@ def _env() -> dict:
 
 
 def test_resume_after_sigkill_gives_the_uninterrupted_output(tmp_path, folder, monkeypatch):
-    # the killed and resumed runs import no torch, so their search uses numpy's log-softmax (runners/log_softmax.py);
+    # the killed and resumed runs import no torch, so their search uses numpy's log-softmax (runners/search/log_softmax.py);
     # the expected output is made with the same kernel: the scores' last bits depend on it
     monkeypatch.setenv("ELX_LOG_SOFTMAX", "numpy")
     rows = token_rows(400, seed=11, high=30)
@@ -383,8 +384,10 @@ def test_a_failing_stage_stops_cleanly_and_keeps_finished_lines(tmp_path, folder
     generate_file(folder, source, expected, **run)
     calls = []
     # read: the 10th input's check (2nd window); generate: the 4th batch; write: the 4th line
-    target, when = {"read": ("check_tokens", 10), "generate": ("run_batch", 4), "write": ("result_text", 4)}[stage]
-    original = getattr(dataset, target)
+    # each patched where the stage looks it up: the reader in job.py, the generate stage in pipeline.py, the writer
+    module, target, when = {"read": (job, "check_tokens", 10), "generate": (dataset, "run_batch", 4),
+                            "write": (writer, "result_text", 4)}[stage]
+    original = getattr(module, target)
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -392,7 +395,7 @@ def test_a_failing_stage_stops_cleanly_and_keeps_finished_lines(tmp_path, folder
             raise RuntimeError(f"{stage} broke")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(dataset, target, flaky)
+    monkeypatch.setattr(module, target, flaky)
     out = tmp_path / "out.jsonl"
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=f"{stage} broke"):
@@ -403,7 +406,7 @@ def test_a_failing_stage_stops_cleanly_and_keeps_finished_lines(tmp_path, folder
         assert finished in (0, 3, 6)
     else:  # everything that finished before the failure: 3 batches, or 3 lines
         assert finished == (9 if stage == "generate" else 3)
-    monkeypatch.setattr(dataset, target, original)
+    monkeypatch.setattr(module, target, original)
     summary = generate_file(folder, source, out, resume=True, **run)
     assert summary.skipped == finished and summary.written == 24 - finished
     assert out.read_bytes() == expected.read_bytes()
@@ -567,7 +570,8 @@ def test_disk_full_while_writing_lines_keeps_complete_lines(tmp_path, folder, ge
 def test_disk_full_while_putting_the_output_in_order(tmp_path, folder, generator, monkeypatch, when):
     """The finished file is put in input order through a sorted copy: a full disk there leaves the file whole (its
     lines in finishing order), no copy behind it, and --resume sorts it."""
-    from runners import dataset_io, dataset_run
+    from elx.runners.dataset import io as dataset_io
+    from elx.runners.dataset import run_record as dataset_run
 
     source = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": r} for r in token_rows(20, seed=29)])
     run = dict(generator=generator, batch_size=4, progress="none", **OPTIONS)
@@ -631,7 +635,7 @@ def test_decoder_only_rows_equal_per_input_generation(tmp_path, exported, option
     """HF counts a decoder-only batch's left padding as prompt: a padded row would get max_length − (the batch's
     width) new tokens, not max_length − (its own length), reach min_length early, and have its pad (EOS) tokens
     blocked as n-grams.  Dataset rows must be the input's own generation: batches mix only lengths that change
-    nothing (runners.dataset.padding_key)."""
+    nothing (elx.runners.dataset.pipeline.padding_key)."""
     folder = exported("gpt2")
     rows = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18], [19], [20, 21, 22, 23, 24, 25], [26, 27]]
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "input_ids": r} for i, r in enumerate(rows)])
@@ -646,8 +650,8 @@ def test_decoder_only_rows_equal_per_input_generation(tmp_path, exported, option
 
 
 def test_decoder_only_batches_mix_lengths_only_where_padding_changes_nothing():
-    from runners.dataset_io import Record
-    from runners.settings import GenerationSettings
+    from elx.runners.dataset.io import Record
+    from elx.runners.search.settings import GenerationSettings
 
     class FakeJob:  # what padding_key reads: the manifest's family and the settings
         def __init__(self, family, **settings):
@@ -657,7 +661,7 @@ def test_decoder_only_batches_mix_lengths_only_where_padding_changes_nothing():
     records = [Record(i, i + 1, i, "input_ids", None, tokens=[7] * n) for i, n in enumerate([9, 9, 5, 4, 4, 1])]
 
     def widths(job):
-        batches = dataset.plan_batches(records, 16, None, True, key=dataset.padding_key(job))
+        batches = job.plan_batches(records, 16, None, True, key=job.padding_key(job))
         return [[len(r.tokens) for r in b] for b in batches]
 
     assert widths(FakeJob("gpt2", max_new_tokens=4)) == [[9, 9, 5, 4, 4, 1]]  # the same number of new tokens

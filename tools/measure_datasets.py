@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runners.dataset import generate_file  # noqa: E402
+from elx.runners.dataset.pipeline import generate_file  # noqa: E402
 
 
 def make_inputs(path: Path, items: int, low: int, high: int, vocab: int, seed: int = 0) -> list[int]:
@@ -104,11 +104,14 @@ def main() -> None:
 
         import ray
 
-        import runners
+        import tempfile
+
+        from elx.runners.dataset.ray import shipped_elx
 
         started = time.monotonic()
-        ray.init(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
-                 runtime_env={"py_modules": [runners]})
+        with tempfile.TemporaryDirectory(prefix="elx-ray-") as scratch:
+            ray.init(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
+                     runtime_env={"py_modules": [shipped_elx(scratch)]})
         ray_start = time.monotonic() - started
         name = f"ray, {args.ray_actors} actors"
         out = work / "out-ray.jsonl"

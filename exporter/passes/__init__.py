@@ -16,9 +16,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
-from .catalog import KINDS, PASSES, PassSpec
+from elx.exporter.passes.catalog import KINDS, PASSES, PassSpec
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,11 @@ class PassRequest:
         """The pass's module (imported on first use: onnx and onnx-graphsurgeon come with it)."""
         return load_pass(self.name)
 
+    def module_for(self, manifest):
+        """The module that applies the pass to ``manifest``'s model kind (a spec may name one per kind)."""
+        kind = "encoder-decoder" if manifest.data.get("is_encoder_decoder", True) else "decoder-only"
+        return load_pass(self.name, kind)
+
 
 def pass_spec(name: str) -> PassSpec:
     """The declaration of pass ``name``; unknown names fail with the list of known ones."""
@@ -44,9 +49,10 @@ def pass_spec(name: str) -> PassSpec:
     return PASSES[name]
 
 
-def load_pass(name: str):
-    """The module of pass ``name``."""
-    module = pass_spec(name).module
+def load_pass(name: str, kind: str | None = None):
+    """The module of pass ``name`` (for models of ``kind`` when its declaration names one for that kind)."""
+    spec = pass_spec(name)
+    module = spec.kind_modules.get(kind, spec.module)
     try:
         return importlib.import_module(f"{__name__}.{module}")
     except ModuleNotFoundError as err:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
 SKIP_BAD = "skip-bad"  # slim, slim-cross: leave the layers that fail verification as they are
 FP64 = "fp64"  # el-self: the score product (q_i·W_K,iᵀ)·Xᵀ accumulated in float64
@@ -20,7 +20,7 @@ KINDS = ("decoder-only", "encoder-decoder")
 @dataclass(frozen=True)
 class PassSpec:
     name: str
-    module: str  # the module of exporter.passes that applies it
+    module: str  # the module of elx.exporter.passes that applies it
     order: int  # passes run in this order, whatever order they are listed in
     parse: Callable[[str | None], object]  # the NAME=ARGUMENT argument (None when absent), checked and parsed
     conflicts: dict = field(default_factory=dict)  # other pass name → why they cannot be combined
@@ -28,6 +28,7 @@ class PassSpec:
     # only the family is known yet (the command line before loading the model): then only what the family
     # alone decides is refused
     refuses: Callable[[str, str, dict | None], str | None] = lambda family, kind, dims: None
+    kind_modules: dict = field(default_factory=dict)  # model kind → the module that applies it there instead
 
 
 def _no_argument(name: str):
@@ -71,8 +72,7 @@ def _refuses_kind(reasons: dict):
 
 
 def _is_rotary(family: str) -> bool:
-    from .. import families  # noqa: F401 - rope_families is built on it (imported first: no import cycle)
-    from ..rope_families import is_rotary
+    from elx.exporter.rope_families import is_rotary
 
     return is_rotary(family)
 
@@ -111,8 +111,10 @@ EL = PassSpec("el", "el", 10, _no_argument("el"),
 SLIM_CROSS = PassSpec("slim-cross", "slim_cross", 15, skip_bad_argument("slim-cross"),
                       refuses=_refuses_kind({"decoder-only": "it shrinks the cross-attention cache, which "
                                                              "decoder-only models do not have"}))
-SLIM = PassSpec("slim", "slim", 20, skip_bad_argument("slim"), refuses=_slim_refuses)
+SLIM = PassSpec("slim", "slim", 20, skip_bad_argument("slim"), refuses=_slim_refuses,
+                kind_modules={"decoder-only": "slim_rope"})  # RoPE models: keys cached before RoPE
 EL_SELF = PassSpec("el-self", "el_self", 25, _fp64_argument, refuses=_el_self_refuses,
+                   kind_modules={"decoder-only": "el_self_decoder_only"},  # the prompt part too
                    conflicts={"slim": "both replace the self-attention K/V cache (slim keeps K only, el-self keeps X)"})
 NGRAM = PassSpec("ngram", "ngram", 90, _ngram_size,  # last: it consumes the final logits
                  refuses=_refuses_kind({"decoder-only": "its in-graph blocker sees generated tokens only, while HF "

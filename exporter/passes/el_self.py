@@ -73,16 +73,16 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from . import catalog
-from .catalog import FP64  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ accumulates in float64
-from .rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
-from . import slim
-from .qkv import head_projection
-from .slim import self_layers as cache_pairs
-from .slim_math import Projection, Unfit
+from elx.exporter.passes import catalog
+from elx.exporter.passes.catalog import FP64  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ accumulates in float64
+from elx.exporter.passes.rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
+from elx.exporter.passes import slim
+from elx.exporter.passes.qkv import head_projection
+from elx.exporter.passes.slim import self_layers as cache_pairs
+from elx.exporter.passes.slim_math import Projection, Unfit
 
 SPEC = catalog.EL_SELF  # name, order (after el, slim-cross, slim; before ngram), argument, conflicts, refusals
 NAME, CONFLICTS, parse_argument = SPEC.name, SPEC.conflicts, SPEC.parse
@@ -433,6 +433,16 @@ def consistent_past(layers: list[SelfLayer], heads: int, d_kv: int, seed: int = 
 
 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
+    """el-self on an encoder-decoder export: the step graph's self-attention caches X.  Decoder-only exports
+    (the prompt part too) are ``el_self_decoder_only.apply`` (the catalog names it for that kind)."""
+    return run(folder, manifest, argument,
+               lambda manifest, wide: candidate(manifest, pass_file(manifest.graphs[manifest.step]["file"], NAME),
+                                                wide=wide))
+
+
+def run(folder: Path, manifest: Manifest, argument: str | None, make_candidate) -> dict:
+    """The pass's checks, rewrite (``make_candidate(manifest, wide) -> (after, layers)``), verification and
+    record, for either model kind."""
     refuse_twice(manifest, NAME)
     argument = parse_argument(argument)
     wide = frozenset({"scores"}) if argument == FP64 else frozenset()
@@ -446,13 +456,7 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
                        f"{[e['input'] for e in manifest.cache_entries][:4]} (slim or {NAME} applied?); "
                        "export again from the model")
     before = manifest.copy()
-    decoder_only = not manifest.data.get("is_encoder_decoder", True)
-    if decoder_only:  # the prompt part too (el_self_decoder_only.py)
-        from .el_self_decoder_only import candidate as decoder_only_candidate
-
-        after, layers = decoder_only_candidate(manifest, wide)
-    else:
-        after, layers = candidate(manifest, pass_file(manifest.graphs[manifest.step]["file"], NAME), wide=wide)
+    after, layers = make_candidate(manifest, wide)
     dims = manifest.dims
     try:
         report = commit(folder, before, after, past_from=consistent_past(layers, dims["num_heads"], dims["d_kv"]),
@@ -470,9 +474,6 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
               "cache": f"{layers[0].names[0].format('{i}')} [rows, past_sequence, {d_model}] per layer instead of K "
                        f"and V [rows, {heads}, past_sequence, {d_kv}]",
               "self_cache_ratio": ratio}
-    if decoder_only:
-        record["prompt"] = after.data["cache"]["prompt"]["holds"] + f" instead of K and V [·, {heads}, ·, {d_kv}]"
-        record["prompt_cache_ratio"] = ratio
     return {**record, **report}
 
 

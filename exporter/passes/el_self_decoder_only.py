@@ -56,18 +56,19 @@ through the runner; the generated past comes from random states X shaped by ``ln
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from . import el_self
-from .el_self import NAME, SelfLayer, _Consts, _become, _reader, _redirect_shape_reads
-from .qkv import head_projection
-from .rewrite import Builder, constant_value, load_graph, pass_file, producer, save_graph
-from .slim_math import Unfit
+from elx.exporter.passes import el_self
+from elx.exporter.passes.el_self import NAME, SelfLayer, _Consts, _become, _reader, _redirect_shape_reads
+from elx.exporter.passes.qkv import head_projection
+from elx.exporter.passes.rewrite import Builder, constant_value, load_graph, pass_file, producer, save_graph
+from elx.exporter.passes.slim_math import Unfit
 
 NAMES = ("past_hidden.{}", "present_hidden.{}")  # the generated part's X cache (step input, step output)
 PROMPT = "prompt_hidden.{}"  # the step's input of the prompt's X, batch B
@@ -356,3 +357,12 @@ def _swap_names(entries: dict, new: dict) -> dict:
         elif name not in dropped:
             out[name] = spec
     return out
+
+
+def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
+    """el-self on a decoder-only export: the prompt's X_p once per input and the generated tokens' X per beam."""
+    record = el_self.run(folder, manifest, argument, candidate)
+    heads, d_kv = manifest.dims["num_heads"], manifest.dims["d_kv"]
+    record["prompt"] = manifest.data["cache"]["prompt"]["holds"] + f" instead of K and V [·, {heads}, ·, {d_kv}]"
+    record["prompt_cache_ratio"] = record["self_cache_ratio"]
+    return record

@@ -1,0 +1,153 @@
+"""The output side of a dataset run: progress (a bar or plain lines), the writer that appends one finished line per
+input (crash-safe, resumable), and the end of a run (the first error re-raised, the lines put in input order).
+
+Shared by the local pipeline (``runners/dataset/pipeline.py``) and Ray Data (``runners/dataset/ray.py``).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from elx.runners.dataset.io import OutputFile, error_line, put_in_order
+from elx.runners.dataset.run_record import record_fingerprint
+from elx.runners.errors import ElxError
+from elx.runners.dataset.job import DatasetSummary, Failed, Job, result_text
+
+PLAIN_PROGRESS_SECONDS = 10.0
+
+
+class Progress:
+    """A tqdm bar on a terminal (items, items/s, generated tokens/s, ETA), plain lines every 10 s otherwise, or none."""
+
+    def __init__(self, total: int, mode: str = "auto", stream=None):
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "plain"
+        if mode not in ("bar", "plain", "none"):
+            raise ElxError(f"progress must be auto, bar, plain or none, not {mode!r}")
+        self.mode, self.total = mode, total
+        self.items = self.tokens = 0
+        self.start = self.shown = time.monotonic()
+        self.first = None  # (time, items, tokens) of the first update: rates and ETA count from there, not from
+        # the model loading or the Ray start-up before it
+        self.bar = None
+        if mode == "bar":
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="item", file=self.stream, dynamic_ncols=True, smoothing=0.05,
+                            desc="elx generate")
+
+    def update(self, items: int, tokens: int) -> None:
+        now = time.monotonic()
+        self.items += items
+        self.tokens += tokens
+        if self.first is None:
+            self.first = (now, self.items, self.tokens)
+            if self.bar is not None:
+                self.bar.unpause()  # tqdm's rate and ETA: from the first batch on, not from the loading
+        if self.bar is not None:
+            self.bar.update(items)
+            if now - self.shown >= 0.5:
+                self.bar.set_postfix_str(f"{self.rates(now)[1]:.0f} tok/s", refresh=False)
+                self.shown = now
+        elif self.mode == "plain" and now - self.shown >= PLAIN_PROGRESS_SECONDS:
+            self.shown = now
+            print(f"elx: {self.line(now)}", file=self.stream, flush=True)
+
+    def rates(self, now: float | None = None) -> tuple[float, float]:
+        """Items/s and generated tokens/s since the first finished batch (0 before a second one)."""
+        if self.first is None:
+            return 0.0, 0.0
+        start, items, tokens = self.first
+        elapsed = (now or time.monotonic()) - start
+        if elapsed <= 0 or self.items == items:
+            return 0.0, 0.0
+        return (self.items - items) / elapsed, (self.tokens - tokens) / elapsed
+
+    def line(self, now: float | None = None) -> str:
+        rate, token_rate = self.rates(now)
+        eta = (self.total - self.items) / rate if rate > 0 else float("nan")
+        eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if np.isfinite(eta) else "?"
+        return f"{self.items}/{self.total} items, {rate:.2f} items/s, {token_rate:.0f} tokens/s, ETA {eta_text}"
+
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class Writer:
+    """Stage 3: turns results into lines, appends them, counts them."""
+
+    def __init__(self, job: Job, text, progress: Progress):
+        self.job, self.text, self.progress = job, text, progress
+        self.file = OutputFile(job.output, job.record, job.start)
+        self.file.inputs = job.inputs_digest
+        try:
+            self.file.sync()  # the run record, before any line: OUT is provably elx's from its first byte
+        except BaseException:
+            self.file.close(sync=False)
+            raise
+        self.written = self.errors = self.new_tokens = 0
+        self.last_index = job.done_last
+        self.in_order = job.done_in_order
+
+    def _line(self, index: int, line: str, fingerprint: int) -> None:
+        self.file.write(line, fingerprint)
+        if index < self.last_index:
+            self.in_order = False
+        self.last_index = index
+        self.written += 1
+
+    def write(self, work) -> None:
+        if isinstance(work, Failed):
+            for record in work.records:
+                self._line(record.index, error_line(record), record_fingerprint(record))
+            self.errors += len(work.records)
+            self.file.checkpoint()
+            self.progress.update(len(work.records), 0)
+            return
+        tokens = 0
+        for result in work:
+            self._line(result.record.index, result_text(result, self.text, self.job.several),
+                       record_fingerprint(result.record))
+            tokens += result.new_tokens
+        self.new_tokens += tokens
+        self.file.checkpoint()
+        self.progress.update(len(work), tokens)
+
+    def write_line(self, index: int, line: str, fingerprint: int, new_tokens: int, error: bool) -> None:
+        """One finished line made elsewhere (the Ray workers); ``fingerprint``: its record's (dataset_run).  The
+        caller calls ``checkpoint`` after each group of them."""
+        self._line(index, line, fingerprint)
+        self.errors += int(error)
+        self.new_tokens += new_tokens
+        self.progress.update(1, new_tokens)
+
+    def checkpoint(self) -> None:
+        self.file.checkpoint()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _raise_first(errors: list) -> None:
+    """The error to report: an interrupt (KeyboardInterrupt, or any other BaseException such as the CLI's SIGTERM)
+    or an input error (ElxError) before a consequential one."""
+    for interrupt in (err for err in errors if not isinstance(err, Exception)):
+        raise interrupt
+    for err in errors:
+        if isinstance(err, ElxError):
+            raise err
+    raise errors[0]
+
+
+def _finish(job: Job, writer: Writer, errors: list) -> DatasetSummary:
+    if errors:
+        _raise_first(errors)
+    reordered = False if writer.in_order else put_in_order(job.output, job.order, job.record, writer.file.state())
+    return DatasetSummary(job.output, len(job.order), writer.written, writer.errors, len(job.done),
+                          writer.new_tokens, 0.0, reordered)

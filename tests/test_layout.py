@@ -1,0 +1,139 @@
+"""The layout and the namespace (issues 26 item 4, 27 item 5): one top-level name ``elx``, a folder per axis, no
+import circles.
+
+The repository keeps ``exporter/`` and ``runners/`` beside ``elx/``; installed, they are ``elx.exporter`` and
+``elx.runners`` (pyproject's package-dir).  Every module imports them by those names, so one module is never
+loaded twice under two names.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPS = {"elx": "elx", "exporter": "elx.exporter", "runners": "elx.runners"}
+SOURCES = ("elx", "exporter", "runners", "tests", "tools")
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package, by its installed dotted name."""
+    found = {}
+    for folder, dotted in TOPS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((dotted, *parts))] = path
+    return found
+
+
+def _imports(path: Path):
+    """(dotted name, line) of every absolute import in ``path``, at any depth (lazy imports count)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module, node.lineno
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}", node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            yield "." * node.level + (node.module or ""), node.lineno
+
+
+def test_every_package_folder_is_installed():
+    """A folder with an ``__init__.py`` that pyproject does not list would be missing from a wheel (as
+    ``runners/processors`` once was)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert folders == listed
+
+
+def test_sources_import_elx_names_only():
+    """No module, test or tool imports ``exporter``/``runners`` as top-level packages, or relatively."""
+    wrong = []
+    for folder in SOURCES:
+        for path in (ROOT / folder).rglob("*.py"):
+            for name, line in _imports(path):
+                if name.startswith(".") or name.split(".")[0] in ("exporter", "runners"):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _circles(graph: dict[str, set]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or around a circle, counting lazy (in-function) imports; a
+    module importing its own package (``import elx`` inside ``elx.runners``) is not a circle."""
+    modules = _modules()
+    graph = {name: {target for target, _ in _imports(path)
+                    if target in modules and target != name and not name.startswith(target + ".")}
+             for name, path in modules.items()}
+    assert _circles(graph) == []
+
+
+def test_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_one_top_level_name_imports_cleanly():
+    """Importing every module by its ``elx.`` name loads no top-level ``exporter`` or ``runners``."""
+    code = ("import importlib, sys\n"
+            f"for name in {sorted(n for n in _modules() if not n.endswith('__main__'))!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'exporter', 'runners'}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.slow
+def test_wheel_holds_elx_only(tmp_path):
+    """The wheel's top-level names are ``elx`` and its metadata; the axes' folders and the presets are inside."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                           "-q", "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "No module named" in done.stderr:
+        pytest.skip(f"cannot build a wheel here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("elx-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"elx"}
+    for expected in ("elx/runners/search/processors/bias.py", "elx/runners/backends/ort_io.py",
+                     "elx/exporter/passes/el.py", "elx/exporter/tensorrt/build.py"):
+        assert expected in names
+    assert any(n.startswith("elx/exporter/presets/") and n.endswith(".json") for n in names)

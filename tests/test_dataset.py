@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from elx.cli import main as elx_main
-from elx.runners.dataset import job, writer
+from elx.runners.dataset import job as dataset_job
+from elx.runners.dataset import writer
 from elx.runners.dataset import pipeline as dataset
 from elx.runners.dataset.pipeline import Progress, generate_file
 from elx.runners.errors import ElxError
@@ -104,11 +105,11 @@ def test_batches_are_length_sorted_and_capped():
 
     lengths = [5, 40, 3, 41, 17, 2, 39, 18, 90]
     records = [Record(i, i + 1, i, "input_ids", None, tokens=[7] * n) for i, n in enumerate(lengths)]
-    batches = job.plan_batches(records, batch_size=3, max_tokens=100, sort=True)
+    batches = dataset_job.plan_batches(records, batch_size=3, max_tokens=100, sort=True)
     assert [[len(r.tokens) for r in b] for b in batches] == [[90], [41, 40], [39, 18], [17, 5, 3], [2]]
     assert all(len(b) * len(b[0].tokens) <= 100 for b in batches if len(b) > 1)  # rows × longest
     assert sorted(r.index for b in batches for r in b) == list(range(9))
-    plain = job.plan_batches(records, batch_size=4, max_tokens=None, sort=False)
+    plain = dataset_job.plan_batches(records, batch_size=4, max_tokens=None, sort=False)
     assert [[r.index for r in b] for b in plain] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
 
 
@@ -385,7 +386,7 @@ def test_a_failing_stage_stops_cleanly_and_keeps_finished_lines(tmp_path, folder
     calls = []
     # read: the 10th input's check (2nd window); generate: the 4th batch; write: the 4th line
     # each patched where the stage looks it up: the reader in job.py, the generate stage in pipeline.py, the writer
-    module, target, when = {"read": (job, "check_tokens", 10), "generate": (dataset, "run_batch", 4),
+    module, target, when = {"read": (dataset_job, "check_tokens", 10), "generate": (dataset, "run_batch", 4),
                             "write": (writer, "result_text", 4)}[stage]
     original = getattr(module, target)
 
@@ -661,7 +662,7 @@ def test_decoder_only_batches_mix_lengths_only_where_padding_changes_nothing():
     records = [Record(i, i + 1, i, "input_ids", None, tokens=[7] * n) for i, n in enumerate([9, 9, 5, 4, 4, 1])]
 
     def widths(job):
-        batches = job.plan_batches(records, 16, None, True, key=job.padding_key(job))
+        batches = dataset_job.plan_batches(records, 16, None, True, key=dataset_job.padding_key(job))
         return [[len(r.tokens) for r in b] for b in batches]
 
     assert widths(FakeJob("gpt2", max_new_tokens=4)) == [[9, 9, 5, 4, 4, 1]]  # the same number of new tokens

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+import elx
+
 PEER_NAMES = ("ort-beamsearch", "ct2", "ct2-int8", "ort-genai")
 
 
@@ -134,7 +136,7 @@ def convert_t5_beam_search(hf_model, source: dict, work: Path) -> Path:
     config = json.loads((hf_dir / "config.json").read_text())
     config["attn_implementation"] = "eager"  # TorchScript at opset 12 has no scaled_dot_product_attention
     (hf_dir / "config.json").write_text(json.dumps(config, indent=1))
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(elx.__file__).resolve().parents[1])  # the folder that holds the elx package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-m", "elx.exporter.bench.peers", str(hf_dir), str(out)], env=env,
                           capture_output=True, text=True)

@@ -36,6 +36,7 @@ import time
 import uuid
 from pathlib import Path
 
+import elx
 from elx.runners.arguments import check_arguments
 from elx.runners.errors import ElxError
 from elx.runners.manifest import FILENAME, Manifest
@@ -88,7 +89,7 @@ def _current_capability() -> str:
 
 def _worker_env(shim: Path | None) -> dict:
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(elx.__file__).resolve().parents[1])  # the folder that holds the elx package
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if shim is not None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join([str(shim)] + ([env["LD_LIBRARY_PATH"]]

@@ -33,7 +33,7 @@ from elx.exporter.onnx_export import save_model
 from elx.exporter.tensorrt.verify import with_files
 from elx.exporter.verify import require_within_tolerance, verify_rewrite
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # a source checkout's root (installed: elx/, which has no tools/)
 BUILD_SCRIPT = REPO / "tools" / "build_plugin.py"
 PLUGIN_LIBRARY = "libelx_ngram_plugin.so"
 

@@ -23,7 +23,7 @@ from .model import Model
 from .hooks import CallArguments, check_family_options, decoder_prefix, graph_may_block, processor_inputs, search_hooks
 from .processors import build_processors
 from .search import beam_search, greedy_search
-from .search_device import host_reason, search_mode
+from .search_device import for_search_path
 from .settings import GenerationSettings, resolve_settings
 from .text import Text, pad_rows
 from .validation import check_encoder_inputs, check_memory
@@ -151,7 +151,7 @@ class Generator:
                                       inputs=processor_inputs(self.manifest, inputs, args))
         text = self.text if settings.stop_strings and args.tokenizer is None else None
         hooks = search_hooks(settings, args, text, int(prompt.shape[0]), self._stop_strings)
-        model = model.on_device(host_reason(model, processors, hooks, search_mode()) is None)  # search_device.py
+        model = for_search_path(model, processors, hooks)  # a device search keeps a prompt's scores there
         state = model.encode(inputs)
         search = greedy_search if settings.num_beams == 1 else beam_search
         result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt, hooks=hooks)

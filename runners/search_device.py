@@ -104,27 +104,31 @@ class _NoRepeatNGram:
 
 
 class _SetColumns:
-    """Ban (-inf) ``ids`` while ``applies(length)``; with ``force``, everything else -inf and ``ids`` 0."""
+    """Ban (-inf) ``ids`` while ``applies(length)``; with ``force``, everything else -inf and ``ids`` 0.
+
+    The ids go to the device once, with the scorer; ids outside the vocabulary are ignored without a host
+    round trip: a scatter of ``amin`` (bans) or ``amax`` (forced zeros) whose out-of-range entries are no-ops."""
 
     uses_history = False
 
     def __init__(self, ids, upload, applies, force: bool = False):
-        self.ids, self.upload, self.applies, self.force = np.asarray(ids, dtype=np.int64), upload, applies, force
-        self.on_device = {}  # vocab → the ids below it, uploaded once
+        self.ids, self.applies, self.force = upload(np.asarray(ids, dtype=np.int64).reshape(1, -1)), applies, force
 
     def __call__(self, torch, history, scores):
         if not self.applies(history.shape[1]):
             return scores
-        vocab = scores.shape[1]
-        if vocab not in self.on_device:
-            self.on_device[vocab] = self.upload(self.ids[self.ids < vocab])
-        ids = self.on_device[vocab]
+        rows, vocab = scores.shape
+        valid = (self.ids >= 0) & (self.ids < vocab)
+        index = self.ids.clamp(0, vocab - 1).expand(rows, -1)
         if self.force:
             scores.fill_(float("-inf"))
-            scores[:, ids] = 0.0
-        else:
-            scores[:, ids] = float("-inf")
-        return scores
+            src = torch.where(valid, 0.0, float("-inf")).to(scores.dtype).expand(rows, -1)
+            return scores.scatter_reduce_(1, index, src, reduce="amax")
+        src = torch.where(valid, float("-inf"), float("inf")).to(scores.dtype).expand(rows, -1)
+        return scores.scatter_reduce_(1, index, src, reduce="amin")
+
+
+DEVICE_PROCESSORS = (NoRepeatNGram, BanUntilLength, ForceTokenAt, Suppress)  # the host processors ported below
 
 
 def _on_device(processor, upload):
@@ -225,7 +229,7 @@ def host_reason(model, processors: list, hooks, mode: str) -> str | None:
     if hooks.repeats != 1:
         return "sampled return sequences"
     for p in processors:
-        if _on_device(p, None) is None:
+        if not isinstance(p, DEVICE_PROCESSORS):
             return f"{getattr(p, 'hf', type(p).__name__)} has no device version"
     return None
 
@@ -239,3 +243,11 @@ def device_scorer(model, processors: list, hooks, prompt: np.ndarray, per_row: i
     transfers = backend if getattr(backend, "device_tensors", False) else HostTensors()
     return DeviceScorer(transfers, [_on_device(p, transfers.tensor_from_host) for p in processors], bool(model.returns_log_probs),
                         prompt, per_row)
+
+
+def for_search_path(model, processors: list, hooks):
+    """``model`` for this run's search path: on the device path a decoder-only prompt's first scores stay on
+    the device (``Model.on_device``); models without that choice (the tests' HF-logits models) as they are."""
+    if not hasattr(model, "on_device"):
+        return model
+    return model.on_device(host_reason(model, processors, hooks, search_mode()) is None)

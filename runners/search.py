@@ -91,6 +91,11 @@ def _prompt_rows(settings: GenerationSettings, batch: int, prompt: np.ndarray | 
     return np.asarray(prompt, dtype=np.int64)
 
 
+def _on_device(device) -> dict:
+    """``Model.step``'s argument that leaves the scores on the device, where the device path reads them there."""
+    return {"device": True} if device is not None and device.reads_device_values else {}
+
+
 def _record(memory: list, model, state: EncoderState, cache, track: bool) -> None:
     if track:
         memory.append({"state_bytes": model.state_bytes(state), "cache_bytes": model.cache_bytes(cache),
@@ -125,7 +130,7 @@ def greedy_search(model, state: EncoderState, settings: GenerationSettings, proc
     while cur_len < max_len and active.size:
         history = out[active, :cur_len]
         logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None,
-                                   device=device is not None)
+                                   **_on_device(device))
         _record(memory, model, state, cache, track_memory)
         if device is not None:
             next_tokens = device.greedy_tokens(logits, cur_len)
@@ -220,7 +225,7 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
         n = active.size
         history = running[active, :, :cur_len].reshape(n * k, cur_len)
         logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None,
-                                   device=device is not None)
+                                   **_on_device(device))
         _record(memory, model, state, cache, track_memory)
         if device is not None:
             top_lp, top_idx, vocab = device.beam_candidates(logits, cur_len, running_scores[active], keep_k)

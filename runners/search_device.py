@@ -154,6 +154,7 @@ class DeviceScorer:
         self.transfers = transfers
         self.returns_log_probs = returns_log_probs
         self.processors = processors
+        self.reads_device_values = not isinstance(transfers, HostTensors)  # the model's step may leave its scores there
         self.history = None
         if any(p.uses_history for p in processors):  # the prompt of each row, once, before the first step
             self.history = transfers.tensor_from_host(np.repeat(np.asarray(prompt, dtype=np.int64), per_row, axis=0))

@@ -48,6 +48,7 @@ import numpy as np
 
 from .errors import ElxError
 from .log_softmax import _torch, kernel
+from .topk import topk
 from .processors.masks import BanUntilLength, ForceTokenAt, NoRepeatNGram, Suppress
 
 ENV = "ELX_SEARCH"
@@ -149,6 +150,8 @@ def _on_device(processor, upload):
 class DeviceScorer:
     """The vocabulary-wide part of greedy and beam search steps on the device (see the module doc)."""
 
+    hf_ops_on_cpu = False  # tests: run the CUDA branch (HF's operators as HF calls them) on CPU tensors
+
     def __init__(self, transfers, processors: list, returns_log_probs: bool, prompt: np.ndarray, per_row: int):
         self.torch = _torch()
         self.transfers = transfers
@@ -175,16 +178,32 @@ class DeviceScorer:
     def beam_candidates(self, logits, length: int, running_scores: np.ndarray, keep: int):
         """HF's ``_beam_search`` candidates: log-softmax, processors, + running scores [n, k], top ``keep`` of
         each item's k · vocab scores.  Returns host (scores [n, keep] float32, flat indices [n, keep] int64)
-        and the vocabulary size."""
+        and the vocabulary size.
+
+        On CUDA: HF's operators as HF calls them.  On the CPU (tests, CI, a CPU-only run with ``ELX_SEARCH``):
+        the log-softmax and the sum in place (PyTorch's CPU kernel either way: the same values bit for bit,
+        without fresh [rows, vocab] buffers), and the top-k of ``runners.topk`` on the tensor's memory:
+        ``torch.topk``'s CPU order, ties included (``tests/test_topk.py``), several times faster than its CPU
+        kernel on [items, k · 32128] rows here."""
         torch = self.torch
         logits = self._float32(logits)
-        log_probs = logits if self.returns_log_probs else torch.nn.functional.log_softmax(logits, dim=-1)
+        on_cpu = logits.device.type == "cpu" and logits.is_contiguous() and not self.hf_ops_on_cpu
+        if self.returns_log_probs:
+            log_probs = logits
+        elif on_cpu:
+            log_probs = torch.log_softmax(logits, dim=-1, out=logits)
+        else:
+            log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
         log_probs = self._processed(log_probs, length)
         n, k = running_scores.shape
         vocab = log_probs.shape[1]
         running = self.transfers.tensor_from_host(np.ascontiguousarray(running_scores, dtype=np.float32))
-        scores = (log_probs.view(n, k, vocab) + running[:, :, None]).view(n, k * vocab)
-        values, indices = torch.topk(scores, keep)
+        if on_cpu:
+            scores = log_probs.view(n, k, vocab).add_(running[:, :, None]).view(n, k * vocab)
+            values, indices = (torch.from_numpy(a) for a in topk(scores.numpy(), keep))
+        else:
+            scores = (log_probs.view(n, k, vocab) + running[:, :, None]).view(n, k * vocab)
+            values, indices = torch.topk(scores, keep)
         return self.transfers.tensor_to_host(values), self.transfers.tensor_to_host(indices), vocab
 
     def advance(self, rows: np.ndarray | None, tokens: np.ndarray) -> None:

@@ -33,7 +33,7 @@ from tests.test_differential import _draw_run, _info, _run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SEARCH_EXAMPLES = int(os.environ.get("ELX_DIFF_SEARCH_EXAMPLES") or 0) or 40
+SEARCH_EXAMPLES = int(os.environ.get("ELX_DIFF_SEARCH_EXAMPLES") or 0) or 20
 DEVICE_EXAMPLES = int(os.environ.get("ELX_DEVICE_EXAMPLES") or 0) or 8
 QUICK = settings(max_examples=60, deadline=None, database=None, derandomize=True,
                  suppress_health_check=list(HealthCheck))
@@ -94,11 +94,16 @@ def test_search_path_choice(monkeypatch):
     assert "ELX_LOG_SOFTMAX=numpy" in host_reason(HostModel(), [], NO_HOOKS, "device")
 
 
-def test_differential_search_on_the_device(capsys, monkeypatch):
-    """The search-only differential on the device path (torch tensors on the CPU): HF's tokens, scores and
-    extras, nothing excused beyond the differential's own rule."""
+@pytest.mark.parametrize("hf_ops", [False, True], ids=["cpu-kernels", "hf-ops"])
+def test_differential_search_on_the_device(capsys, monkeypatch, hf_ops):
+    """The search-only differential on the device path (torch tensors on the CPU; with ``hf_ops``, the branch
+    CUDA runs: HF's operators, ``torch.topk``): HF's tokens, scores and extras, nothing excused beyond the
+    differential's own rule."""
+    from runners.search_device import DeviceScorer
+
     monkeypatch.setenv("ELX_SEARCH", "device")
-    stats = Stats("search-device")
+    monkeypatch.setattr(DeviceScorer, "hf_ops_on_cpu", hf_ops)
+    stats = Stats("search-device" + ("-hf-ops" if hf_ops else ""))
     taken = []
     scorer = search.device_scorer
 

@@ -49,12 +49,15 @@ PINNED = [dict(num_beams=3, num_return_sequences=2, max_new_tokens=14),
           dict(num_beams=3, no_repeat_ngram_size=2, max_new_tokens=14)]
 
 
-@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("path", ["host", "device", "device-hf-ops"])
 @pytest.mark.parametrize("options", PINNED, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_search_on_hf_logits_is_hf(peaked_t5, options, path, monkeypatch):
-    """Both search paths (``ELX_SEARCH``: numpy with the emulated tie order, torch tensors on the CPU with HF's
-    own top-k) give HF's tokens where the tie order decides them."""
-    monkeypatch.setenv("ELX_SEARCH", path)
+    """Every search path gives HF's tokens where the tie order decides them: the host path (numpy), the device
+    path on CPU tensors (its CPU kernels) and its CUDA branch run on the CPU (HF's operators: ``torch.topk``)."""
+    from runners.search_device import DeviceScorer
+
+    monkeypatch.setenv("ELX_SEARCH", path.partition("-")[0])
+    monkeypatch.setattr(DeviceScorer, "hf_ops_on_cpu", path == "device-hf-ops")
     model, inputs = peaked_t5
     np.testing.assert_array_equal(_elx(model, inputs, **options), _hf(model, inputs, **options))
 

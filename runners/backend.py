@@ -60,7 +60,9 @@ class Backend(ABC):
     # -- PyTorch tensors on this backend's device (the device search path) --------------------------------
     @property
     def torch_device(self) -> str:
-        return "cpu" if self.device == "cpu" else f"{self.device}:{self.device_id}"
+        if self.device == "cpu" or ":" in self.device:  # TensorRT names its device "cuda:N"
+            return self.device
+        return f"{self.device}:{self.device_id}"
 
     def as_tensor(self, value):
         """A torch tensor sharing the memory of device value ``value`` (one of ``run``'s outputs); torch tensors

@@ -12,7 +12,9 @@ The device search path (``runners/search_device.py``) reads the step's logits wh
 ``as_tensor`` hands an output ``OrtValue`` to PyTorch through DLPack (no copy, CPU EP and CUDA alike; the
 tensor keeps the ``OrtValue`` alive, as DLPack requires).  DLPack rather than binding the output to a
 preallocated torch buffer: the output's shape (rows, a vocabulary the export may pad) need not be known
-before the run.
+before the run.  ORT's run returns with its outputs written; the search's host copy of the candidates waits for the
+torch kernels that read the logits, before the tensor (and with it the ``OrtValue``) is dropped and ORT
+may reuse the memory.
 """
 from __future__ import annotations
 

@@ -33,8 +33,9 @@ through the backend seam (``Backend.tensor_to_host`` / ``tensor_from_host``), so
 (``tests/counting_backend.py``) sees what a GPU run moves.
 
 Which processors run on the device: no-repeat n-gram (HF's ``NoRepeatNGramLogitsProcessor`` semantics on a
-token history kept on the device: each step appends the tokens and follows the beam reorder), min length /
-min new tokens, forced BOS / EOS, suppress tokens (always, at the beginning).  A run that needs anything
+token history kept on the device: each step appends the tokens and follows the beam reorder), repetition
+penalty (without a left-padded prompt), min length / min new tokens, forced BOS / EOS, suppress tokens
+(always, at the beginning).  A run that needs anything
 else (another processor, sampling, output_scores / output_logits, a graph that reads the token history,
 ``ELX_LOG_SOFTMAX=numpy``) runs the host path: ``device_scorer`` returns None and says why
 (``host_reason``), never different tokens.
@@ -53,6 +54,7 @@ from .errors import ElxError
 from .log_softmax import _torch, kernel
 from .topk import topk
 from .processors.masks import BanUntilLength, ForceTokenAt, NoRepeatNGram, Suppress
+from .processors.penalties import RepetitionPenalty
 
 ENV = "ELX_SEARCH"
 MODES = ("auto", "host", "device")
@@ -132,13 +134,39 @@ class _SetColumns:
         return scores.scatter_reduce_(1, index, src, reduce="amin")
 
 
-DEVICE_PROCESSORS = (NoRepeatNGram, BanUntilLength, ForceTokenAt, Suppress)  # the host processors ported below
+class _RepetitionPenalty:
+    """HF's ``RepetitionPenaltyLogitsProcessor`` without prompt padding, HF's operators in HF's order: ids
+    clamped to a spare column, gather, ``where(score < 0, score * p, score / p)``, scatter, the column dropped."""
+
+    uses_history = True
+
+    def __init__(self, penalty: float):
+        self.penalty = float(penalty)  # PyTorch rounds it to float32, as HF's Python float
+
+    def __call__(self, torch, history, scores):
+        vocab = scores.shape[1]
+        ids = history.clamp(max=vocab)
+        padded = torch.nn.functional.pad(scores, (0, 1))
+        score = torch.gather(padded, 1, ids)
+        score = torch.where(score < 0, score * self.penalty, score / self.penalty)
+        return padded.scatter(1, ids, score)[..., :vocab]
+
+
+def _portable(processor) -> bool:
+    """Whether ``_on_device`` has a device version of this host processor."""
+    if isinstance(processor, RepetitionPenalty):
+        return processor.padding is None  # a left-padded prompt's positions are per item: the host path
+    return isinstance(processor, (NoRepeatNGram, BanUntilLength, ForceTokenAt, Suppress))
 
 
 def _on_device(processor, upload):
     """The device version of a host processor (``upload``: host int64 ids → device), or None where there is none."""
+    if not _portable(processor):
+        return None
     if isinstance(processor, NoRepeatNGram):
         return _NoRepeatNGram(processor.n)
+    if isinstance(processor, RepetitionPenalty):
+        return _RepetitionPenalty(processor.penalty)
     if isinstance(processor, BanUntilLength):
         return _SetColumns(processor.eos, upload, lambda length, m=processor.min_total_length: length < m)
     if isinstance(processor, ForceTokenAt):
@@ -197,7 +225,7 @@ class DeviceScorer:
             log_probs = torch.log_softmax(logits, dim=-1, out=logits)
         else:
             log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
-        log_probs = self._processed(log_probs, length)
+        log_probs = self._processed(log_probs, length).contiguous()  # the repetition penalty returns a slice
         n, k = running_scores.shape
         vocab = log_probs.shape[1]
         running = self.transfers.tensor_from_host(np.ascontiguousarray(running_scores, dtype=np.float32))
@@ -252,7 +280,7 @@ def host_reason(model, processors: list, hooks, mode: str) -> str | None:
     if hooks.repeats != 1:
         return "sampled return sequences"
     for p in processors:
-        if not isinstance(p, DEVICE_PROCESSORS):
+        if not _portable(p):
             return f"{getattr(p, 'hf', type(p).__name__)} has no device version"
     return None
 

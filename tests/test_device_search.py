@@ -55,6 +55,21 @@ def test_ngram_blocking_on_the_device_is_the_reference(n, rows, length, vocab, s
 
 
 @QUICK
+@given(st.sampled_from([0.5, 1.3, 2.0, 1.05]), st.integers(1, 4), st.integers(1, 7), st.integers(0, 2**31))
+def test_repetition_penalty_on_the_device_is_the_host_one(penalty, rows, length, seed):
+    """HF's operators on the device, the host processor's numpy (``tests/test_processors.py`` holds it to HF):
+    the same scores bit for bit, repeated tokens and ids past the vocabulary (8) included."""
+    from runners.processors.penalties import RepetitionPenalty
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 10, size=(rows, length))
+    scores = (rng.standard_normal((rows, 8)) * 3).astype(np.float32)
+    expected = RepetitionPenalty(penalty)(tokens, scores.copy())
+    got = _device(RepetitionPenalty(penalty))(torch, torch.from_numpy(tokens), torch.from_numpy(scores.copy()))
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@QUICK
 @given(st.sampled_from(["ban", "force", "suppress", "suppress_at"]), st.lists(st.integers(0, 12), min_size=1,
                                                                               max_size=4),
        st.integers(1, 6), st.integers(0, 2**31))
@@ -87,9 +102,13 @@ def test_search_path_choice(monkeypatch):
     assert host_reason(HostModel(), [], NO_HOOKS, "host") == "ELX_SEARCH=host"
     assert "sampling" in host_reason(HostModel(), [], SearchHooks(sampler=object()), "device")
     assert "output_scores" in host_reason(HostModel(), [], SearchHooks(record_scores=True), "device")
-    from runners.processors.penalties import RepetitionPenalty
+    from runners.processors.penalties import EncoderRepetitionPenalty, RepetitionPenalty
 
-    assert "RepetitionPenalty" in host_reason(HostModel(), [RepetitionPenalty(1.2)], NO_HOOKS, "device")
+    assert host_reason(HostModel(), [RepetitionPenalty(1.2)], NO_HOOKS, "device") is None
+    padded = RepetitionPenalty(1.2, padding=np.array([0, 2]))  # a left-padded decoder-only prompt
+    assert "RepetitionPenalty" in host_reason(HostModel(), [padded], NO_HOOKS, "device")
+    encoder = EncoderRepetitionPenalty(1.2, np.zeros((1, 3), dtype=np.int64))
+    assert "EncoderRepetitionPenalty" in host_reason(HostModel(), [encoder], NO_HOOKS, "device")
     monkeypatch.setenv("ELX_LOG_SOFTMAX", "numpy")
     assert "ELX_LOG_SOFTMAX=numpy" in host_reason(HostModel(), [], NO_HOOKS, "device")
 
@@ -145,6 +164,8 @@ def _device_options(draw, eos: int) -> dict:
     if draw(st.booleans(), label="use_min"):
         options["min_new_tokens"] = draw(st.integers(0, options["max_new_tokens"]), label="min")
     options["no_repeat_ngram_size"] = draw(st.integers(0, 3), label="ngram")
+    if draw(st.booleans(), label="use_repetition_penalty"):
+        options["repetition_penalty"] = draw(st.sampled_from([0.7, 1.2, 1.5]), label="repetition_penalty")
     if draw(st.booleans(), label="eos_list"):  # several EOS ids: HF keeps more candidates per item
         options["eos_token_id"] = [eos, draw(st.integers(3, 60), label="eos2")]
     if draw(st.booleans(), label="suppress"):

@@ -140,6 +140,6 @@ def test_device_beam_step_moves_the_candidates_down(exported, model_folders, aut
 
 
 def test_device_path_needs_a_vocab_row_where_a_processor_has_no_device_version(exported, model_folders, auto_path):
-    """A run the device path does not cover (repetition penalty) takes the host path: the logits come down."""
-    counting, out, plan, vocab = _counted(exported, model_folders, num_beams=2, repetition_penalty=1.3)
+    """A run the device path does not cover (encoder repetition penalty) takes the host path: the logits come down."""
+    counting, out, plan, vocab = _counted(exported, model_folders, num_beams=2, encoder_repetition_penalty=1.3)
     assert all(step.bytes(D2H) == 2 * BATCH * vocab * 4 for step in counting.steps)

@@ -1,4 +1,4 @@
-"""The device search path (``runners/search_device.py``, issue 26): HF's tokens and scores, where the logits are.
+"""The device search path (``runners/search/device.py``, issue 26): HF's tokens and scores, where the logits are.
 
 * The device processors against their host versions and the n-gram reference (hypothesis-drawn).
 * ``test_differential_search_on_the_device``: the search-only differential (random tiny configs and settings,
@@ -21,12 +21,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import runners.search as search
-from runners.errors import ElxError
-from runners.ngram_reference import block_ngrams
-from runners.processors.masks import BanUntilLength, ForceTokenAt, NoRepeatNGram, Suppress
-from runners.search_device import HostTensors, _on_device, host_reason, search_mode
-from runners.search_hooks import NO_HOOKS, SearchHooks
+import elx.runners.search.search as search
+from elx.runners.errors import ElxError
+from elx.runners.search.ngram_reference import block_ngrams
+from elx.runners.search.processors.masks import BanUntilLength, ForceTokenAt, NoRepeatNGram, Suppress
+from elx.runners.search.device import HostTensors, _on_device, host_reason, search_mode
+from elx.runners.search.search_hooks import NO_HOOKS, SearchHooks
 from tests.counting_backend import D2H, count_crossings
 from tests.differential import Stats, batches, issue25_options, random_configs, run_search_example
 from tests.test_differential import _draw_run, _info, _run
@@ -59,7 +59,7 @@ def test_ngram_blocking_on_the_device_is_the_reference(n, rows, length, vocab, s
 def test_repetition_penalty_on_the_device_is_the_host_one(penalty, rows, length, seed):
     """HF's operators on the device, the host processor's numpy (``tests/test_processors.py`` holds it to HF):
     the same scores bit for bit, repeated tokens and ids past the vocabulary (8) included."""
-    from runners.processors.penalties import RepetitionPenalty
+    from elx.runners.search.processors.penalties import RepetitionPenalty
 
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 10, size=(rows, length))
@@ -102,7 +102,7 @@ def test_search_path_choice(monkeypatch):
     assert host_reason(HostModel(), [], NO_HOOKS, "host") == "ELX_SEARCH=host"
     assert "sampling" in host_reason(HostModel(), [], SearchHooks(sampler=object()), "device")
     assert "output_scores" in host_reason(HostModel(), [], SearchHooks(record_scores=True), "device")
-    from runners.processors.penalties import EncoderRepetitionPenalty, RepetitionPenalty
+    from elx.runners.search.processors.penalties import EncoderRepetitionPenalty, RepetitionPenalty
 
     assert host_reason(HostModel(), [RepetitionPenalty(1.2)], NO_HOOKS, "device") is None
     padded = RepetitionPenalty(1.2, padding=np.array([0, 2]))  # a left-padded decoder-only prompt
@@ -118,7 +118,7 @@ def test_differential_search_on_the_device(capsys, monkeypatch, hf_ops):
     """The search-only differential on the device path (torch tensors on the CPU; with ``hf_ops``, the branch
     CUDA runs: HF's operators, ``torch.topk``): HF's tokens, scores and extras, nothing excused beyond the
     differential's own rule."""
-    from runners.search_device import DeviceScorer
+    from elx.runners.search.device import DeviceScorer
 
     monkeypatch.setenv("ELX_SEARCH", "device")
     monkeypatch.setattr(DeviceScorer, "hf_ops_on_cpu", hf_ops)
@@ -179,7 +179,7 @@ def _device_options(draw, eos: int) -> dict:
 def test_device_path_is_the_host_path(exported, model_folders, family, monkeypatch):
     """ort-io on the CPU EP: the device path's sequences and scores are the host path's, bit for bit (the host
     path is the one the differential tests hold to HF), and its steps copy no logits row down."""
-    from runners.generate import Generator
+    from elx.runners.generate import Generator
 
     generator = Generator.from_folder(exported(family), backend="ort-io", device="cpu", threads=1)
     counting = count_crossings(generator)

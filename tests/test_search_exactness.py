@@ -3,7 +3,7 @@
 Pinned from issue 10: on a peaked random T5 (gated-gelu FFN, untied LM head, 300 tokens) beam
 counts 3 and 5 diverged from HF while 2, 4 and 6 agreed, even on HF's own logits.  The cause was
 top-k tie order: many candidate scores are exactly equal there (log-probs of 0.0), and
-``torch.topk`` does not break ties by index.  ``runners/topk.py`` now mirrors its CPU order.
+``torch.topk`` does not break ties by index.  ``runners/search/topk.py`` now mirrors its CPU order.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import runners.search as search
-from runners.processors import build_processors
-from runners.settings import GenerationSettings
+import elx.runners.search.search as search
+from elx.runners.search.processors import build_processors
+from elx.runners.search.settings import GenerationSettings
 from tests.hf_reference import HfLogitsBackend
 
 
@@ -54,7 +54,7 @@ PINNED = [dict(num_beams=3, num_return_sequences=2, max_new_tokens=14),
 def test_search_on_hf_logits_is_hf(peaked_t5, options, path, monkeypatch):
     """Every search path gives HF's tokens where the tie order decides them: the host path (numpy), the device
     path on CPU tensors (its CPU kernels) and its CUDA branch run on the CPU (HF's operators: ``torch.topk``)."""
-    from runners.search_device import DeviceScorer
+    from elx.runners.search.device import DeviceScorer
 
     monkeypatch.setenv("ELX_SEARCH", path.partition("-")[0])
     monkeypatch.setattr(DeviceScorer, "hf_ops_on_cpu", path == "device-hf-ops")

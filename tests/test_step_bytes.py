@@ -6,7 +6,7 @@ sends the step's token ids [rows, 1] int64 and, after a beam step, the parent ro
 entry for the reorder.  The cache and the per-input state stay on the device.  These tests pin that
 traffic exactly (tests/counting_backend.py counts it).
 
-The device path (the default for ort-io, ``runners/search_device.py``) runs the vocabulary-wide part of the
+The device path (the default for ort-io, ``runners/search/device.py``) runs the vocabulary-wide part of the
 step where the logits are: per step the host receives the candidates (greedy: one token per row; beam search:
 ``2·beams`` scores and flat indices per item) and sends the token ids, the running scores and the parent rows.
 Its tests pin that traffic, and fail if any step moves O(vocab) values per row in either direction.
@@ -18,7 +18,7 @@ import json
 import numpy as np
 import pytest
 
-from runners.generate import Generator
+from elx.runners.generate import Generator
 from tests.counting_backend import D2H, H2D, count_crossings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,7 +11,7 @@ top-k, candidate bookkeeping, processors (none by default), row gathers.  ``--mi
 (run the two interleaved, more than once: the machine's load moves single runs).  ``--calls`` counts the Python
 function calls per step instead (cProfile), which no load moves.
 
-``--path device`` runs the device search path (``runners/search_device.py``) with torch tensors on the CPU,
+``--path device`` runs the device search path (``runners/search/device.py``) with torch tensors on the CPU,
 and splits each step's time into the device part (the scorer: log-softmax, processors, top-k, which a GPU
 would run) and the host part (the bookkeeping that stays on the host whatever the device); ``--path both``
 interleaves the two paths, ``--repeats`` rounds.
@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 
-from runners import search_device
-from runners.backend import DecoderCache, EncoderState
-from runners.processors import build_processors
-from runners.search import beam_search
-from runners.settings import GenerationSettings
+from elx.runners.search import device as search_device
+from elx.runners.backends.base import DecoderCache, EncoderState
+from elx.runners.search.processors import build_processors
+from elx.runners.search.search import beam_search
+from elx.runners.search.settings import GenerationSettings
 
 
 class ScorerClock:

@@ -34,7 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runners.generate import Generator  # noqa: E402
+from elx.runners.generate import Generator  # noqa: E402
 from tools.measure_step_bytes import export_folder  # noqa: E402
 
 WAYS = (("ort", "host"), ("ort-io", "host"), ("ort-io", "device"))

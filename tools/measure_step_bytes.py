@@ -11,7 +11,7 @@ the device code path, with every crossing of the backend seam counted by ``tests
 EOS is suppressed until ``--new-tokens`` (min = max new tokens), so every step has batch · beams rows.
 Prints, per step, the bytes device→host and host→device, and the same for the encoding before the first
 step, for the host search path (``ELX_SEARCH=host``: the logits [rows, vocab] float32 come down; token ids and
-the parent rows of each cache entry's reorder go up) and the device path (``runners/search_device.py``: the
+the parent rows of each cache entry's reorder go up) and the device path (``runners/search/device.py``: the
 candidates come down; token ids, running scores and parent rows go up).
 """
 from __future__ import annotations
@@ -27,12 +27,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runners.generate import Generator  # noqa: E402
+from elx.runners.generate import Generator  # noqa: E402
 from tests.counting_backend import D2H, H2D, count_crossings  # noqa: E402
 
 
 def export_folder(model: str, work: Path) -> Path:
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     folder = work / Path(model).name
     if (folder / "manifest.json").is_file():

@@ -23,6 +23,7 @@ from elx.runners.model import Model
 from elx.runners.hooks import CallArguments, check_family_options, decoder_prefix, graph_may_block, processor_inputs, search_hooks
 from elx.runners.search.processors import build_processors
 from elx.runners.search.search import beam_search, greedy_search
+from elx.runners.search.device import for_search_path
 from elx.runners.search.settings import GenerationSettings, resolve_settings
 from elx.runners.inputs.text import Text, pad_rows
 from elx.runners.inputs.validation import check_encoder_inputs, check_memory
@@ -150,6 +151,7 @@ class Generator:
                                       inputs=processor_inputs(self.manifest, inputs, args))
         text = self.text if settings.stop_strings and args.tokenizer is None else None
         hooks = search_hooks(settings, args, text, int(prompt.shape[0]), self._stop_strings)
+        model = for_search_path(model, processors, hooks)  # a device search keeps a prompt's scores there
         state = model.encode(inputs)
         search = greedy_search if settings.num_beams == 1 else beam_search
         result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt, hooks=hooks)

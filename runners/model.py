@@ -36,6 +36,7 @@ class Model:
         self.plan = backend.adapt(plan or RunPlan.from_manifest(manifest))
         self._scores = self.plan.logits
         self.returns_log_probs = False  # the scores read are log-softmaxed with n-grams blocked (ngram pass)
+        self.device_scores = False  # a decoder-only prompt's first scores stay on the device (``on_device``)
 
     # -- per run -----------------------------------------------------------------------------
     def for_run(self, no_repeat_ngram_size: int | None) -> "Model":
@@ -44,6 +45,13 @@ class Model:
         blocked = self.plan.reads_blocked(no_repeat_ngram_size)
         view._scores = self.plan.blocked if blocked else self.plan.logits
         view.returns_log_probs = blocked
+        return view
+
+    def on_device(self, device: bool) -> "Model":
+        """This model for a run whose search reads the scores on the device (``runners/search/device.py``):
+        a decoder-only prompt's first-step scores are then kept on the device rather than copied down."""
+        view = copy.copy(self)
+        view.device_scores = bool(device and self.backend.device_tensors)
         return view
 
     @property
@@ -69,7 +77,8 @@ class Model:
         kept = {key: backend.to_host(available[key]) for key in self.plan.kept if key in available}
         batch = int(next(iter(inputs.values())).shape[0])
         if prompt is not None and self.plan.first_scores is not None:
-            prompt.scores = backend.to_host(available[self.plan.first_scores])
+            first = available[self.plan.first_scores]
+            prompt.scores = first if self.device_scores else backend.to_host(first)
             prompt.initial = {slot.input: available[slot.init] for slot in self.plan.cache if slot.init}
         return EncoderState(feeds, batch, kept, prompt)
 
@@ -78,10 +87,11 @@ class Model:
         return DecoderCache({s.input: self.backend.zeros(s.empty_shape(rows), s.dtype) for s in self.plan.cache}, rows, 0)
 
     def step(self, input_ids: np.ndarray, state: EncoderState, cache: DecoderCache,
-             history: np.ndarray | None = None) -> tuple[np.ndarray, DecoderCache]:
+             history: np.ndarray | None = None, device: bool = False) -> tuple[np.ndarray, DecoderCache]:
         """One step: tokens [rows, t] → (host scores [rows, vocab] of the last position, the new cache).
 
-        ``history`` [rows, cur_len] is the token history, needed when ``needs_history``."""
+        ``history`` [rows, cur_len] is the token history, needed when ``needs_history``.  ``device``: the
+        scores may stay a device value (the device search path reads them with ``backend.as_tensor``)."""
         plan = self.plan
         count = int(input_ids.shape[1])
         if plan.first_scores is not None and cache.length == 0:
@@ -98,7 +108,8 @@ class Model:
                 raise ElxError("this decoder graph reads the token history (n-gram blocking); pass it")
             feeds[plan.history_input] = np.ascontiguousarray(history, dtype=np.int64)
         outputs = [self._scores, *(slot.output for slot in plan.cache)]
-        scores, *presents = self.backend.run(plan.step.name, feeds, outputs, host_outputs=(self._scores,))
+        on_host = () if device and self.backend.device_tensors else (self._scores,)
+        scores, *presents = self.backend.run(plan.step.name, feeds, outputs, host_outputs=on_host)
         return scores, DecoderCache({slot.input: v for slot, v in zip(plan.cache, presents)}, cache.rows,
                                     cache.length + count)
 
@@ -112,7 +123,10 @@ class Model:
         if count != prompt.width:
             raise ElxError(f"the first step of a decoder-only model takes the {prompt.width} prompt tokens, got {count}")
         items = prompt.items_of_rows(cache.rows)
-        scores = prompt.scores[items]
+        if isinstance(prompt.scores, np.ndarray):
+            scores = prompt.scores[items]
+        else:  # kept on the device (``on_device``): copied to the rows there
+            scores = self.backend.take(prompt.scores, items)
         arrays = dict(cache.arrays)
         for slot in self.plan.cache:
             if slot.init:

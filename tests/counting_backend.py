@@ -10,6 +10,11 @@ backend seam (``runners/backends/base.py``):
 * device → host: each output ``run`` is asked to return on the host (the step's scores), and ``to_host``
   of a device value.
 
+The device search path (``runners/search/device.py``) crosses the same seam with torch tensors:
+``tensor_from_host`` (host → device: running scores, row indices, token ids for the device history, a
+processor's token ids once) and ``tensor_to_host`` (device → host: the candidates, greedy's tokens);
+``as_tensor`` (a step output read where it lies) moves nothing.
+
 Crossings are grouped per decoder step: a step starts with each run of the step graph and holds what
 follows it until the next one (its beam reorder, items leaving); ``phases[0]`` is everything before the
 first step (the encoder, the empty cache).  With ``device="cpu"`` nothing is copied on the CPU EP,
@@ -55,6 +60,7 @@ class CountingBackend(Backend):
                              "(ort-io, tensorrt)")
         self.inner, self.step_graph = inner, step_graph
         self.name, self.device = inner.name, inner.device
+        self.device_id, self.device_tensors = getattr(inner, "device_id", 0), inner.device_tensors
         self.phases = [Phase()]
 
     @property
@@ -94,6 +100,20 @@ class CountingBackend(Backend):
     def permute_rows(self, value, rows: np.ndarray):
         self._count(H2D, "rows", np.asarray(rows, dtype=np.int64).nbytes)
         return self.inner.permute_rows(value, rows)
+
+    def as_tensor(self, value):
+        if isinstance(value, np.ndarray):  # a host array becomes a device tensor: an upload
+            self._count(H2D, "tensor_from_host", value.nbytes)
+        return self.inner.as_tensor(value)
+
+    def tensor_to_host(self, tensor) -> np.ndarray:
+        host = self.inner.tensor_to_host(tensor)
+        self._count(D2H, "tensor_to_host", host.nbytes)
+        return host
+
+    def tensor_from_host(self, array: np.ndarray):
+        self._count(H2D, "tensor_from_host", np.asarray(array).nbytes)
+        return self.inner.tensor_from_host(array)
 
     def nbytes(self, value) -> int:
         return self.inner.nbytes(value)

@@ -49,8 +49,15 @@ PINNED = [dict(num_beams=3, num_return_sequences=2, max_new_tokens=14),
           dict(num_beams=3, no_repeat_ngram_size=2, max_new_tokens=14)]
 
 
+@pytest.mark.parametrize("path", ["host", "device", "device-hf-ops"])
 @pytest.mark.parametrize("options", PINNED, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_search_on_hf_logits_is_hf(peaked_t5, options):
+def test_search_on_hf_logits_is_hf(peaked_t5, options, path, monkeypatch):
+    """Every search path gives HF's tokens where the tie order decides them: the host path (numpy), the device
+    path on CPU tensors (its CPU kernels) and its CUDA branch run on the CPU (HF's operators: ``torch.topk``)."""
+    from elx.runners.search.device import DeviceScorer
+
+    monkeypatch.setenv("ELX_SEARCH", path.partition("-")[0])
+    monkeypatch.setattr(DeviceScorer, "hf_ops_on_cpu", path == "device-hf-ops")
     model, inputs = peaked_t5
     np.testing.assert_array_equal(_elx(model, inputs, **options), _hf(model, inputs, **options))
 
@@ -58,6 +65,7 @@ def test_search_on_hf_logits_is_hf(peaked_t5, options):
 def test_index_tie_order_would_diverge(peaked_t5, monkeypatch):
     """The pinned cases really hinge on tie order: ties broken by index give other tokens."""
     model, inputs = peaked_t5
+    monkeypatch.setenv("ELX_SEARCH", "host")  # the numpy path's top-k
 
     def by_index(x, k):
         idx = np.argsort(-x, axis=1, kind="stable")[:, :k]

@@ -1,11 +1,15 @@
-"""Bytes each decoder step moves between host and device today (issue 26, item 2's "before").
+"""Bytes each decoder step moves between host and device, on the host search path and on the device path (issue 26).
 
-The runner's search runs on the host: every step the device backend (ort-io, here on the CPU EP through
+The host path (``ELX_SEARCH=host``; the only one before issue 26): every step the device backend (ort-io, here on the CPU EP through
 the code that runs on CUDA) returns the whole logits tensor [rows, vocab] float32 to the host, and the host
 sends the step's token ids [rows, 1] int64 and, after a beam step, the parent rows (int64) once per cache
 entry for the reorder.  The cache and the per-input state stay on the device.  These tests pin that
-traffic exactly (tests/counting_backend.py counts it); a device-resident search changes the d2h term to
-O(rows · k), and these numbers with it.
+traffic exactly (tests/counting_backend.py counts it).
+
+The device path (the default for ort-io, ``runners/search/device.py``) runs the vocabulary-wide part of the
+step where the logits are: per step the host receives the candidates (greedy: one token per row; beam search:
+``2·beams`` scores and flat indices per item) and sends the token ids, the running scores and the parent rows.
+Its tests pin that traffic, and fail if any step moves O(vocab) values per row in either direction.
 """
 from __future__ import annotations
 
@@ -29,6 +33,16 @@ def _inputs():
     return {"input_ids": rng.integers(2, 128, size=(BATCH, 7)), "attention_mask": np.ones((BATCH, 7), np.int64)}
 
 
+@pytest.fixture
+def host_path(monkeypatch):
+    monkeypatch.setenv("ELX_SEARCH", "host")
+
+
+@pytest.fixture
+def auto_path(monkeypatch):
+    monkeypatch.delenv("ELX_SEARCH", raising=False)
+
+
 def _counted(exported, model_folders, **options):
     generator = Generator.from_folder(exported("t5"), backend="ort-io", device="cpu", threads=1)
     counting = count_crossings(generator)
@@ -37,7 +51,7 @@ def _counted(exported, model_folders, **options):
     return counting, out, generator.model.plan, vocab
 
 
-def test_greedy_step_moves_the_logits_down_and_the_tokens_up(exported, model_folders):
+def test_greedy_step_moves_the_logits_down_and_the_tokens_up(exported, model_folders, host_path):
     counting, out, plan, vocab = _counted(exported, model_folders, num_beams=1)
     assert len(counting.steps) == out.steps == NEW
     for step, memory in zip(counting.steps, out.memory):
@@ -54,7 +68,7 @@ def test_greedy_step_moves_the_logits_down_and_the_tokens_up(exported, model_fol
         ("to_host", inputs["input_ids"].size * config["d_model"] * 4)]
 
 
-def test_beam_step_moves_the_logits_down_and_tokens_and_parent_rows_up(exported, model_folders):
+def test_beam_step_moves_the_logits_down_and_tokens_and_parent_rows_up(exported, model_folders, host_path):
     beams = 4
     counting, out, plan, vocab = _counted(exported, model_folders, num_beams=beams)
     entries = len(plan.cache)
@@ -84,3 +98,48 @@ def test_the_host_backend_cannot_be_counted(exported):
     generator = Generator.from_folder(exported("t5"), backend="ort", device="cpu", threads=1)
     with pytest.raises(ValueError, match="host arrays"):
         CountingBackend(generator.model.backend, generator.model.plan.step.name)
+
+
+# -- the device path ------------------------------------------------------------------------------------
+def _no_step_moves_vocab_per_row(counting, out, vocab: int) -> None:
+    """The issue's bound: no step moves O(vocab) values per row, in either direction (here: under 1/4 of a
+    row of float32 logits; the candidates are a few dozen bytes a row)."""
+    for step, memory in zip(counting.steps, out.memory):
+        for direction in (D2H, H2D):
+            assert step.bytes(direction) < memory["rows"] * vocab, (direction, step.of(direction))
+
+
+def test_device_greedy_step_moves_one_token_per_row_each_way(exported, model_folders, auto_path):
+    counting, out, plan, vocab = _counted(exported, model_folders, num_beams=1)
+    assert len(counting.steps) == out.steps == NEW
+    for step in counting.steps:
+        assert [(c.what, c.nbytes) for c in step.of(D2H)] == [("tensor_to_host", BATCH * 8)]  # argmax, int64
+        assert [(c.what, c.nbytes) for c in step.of(H2D)] == [(f"feed:{plan.token_input}", BATCH * 8)]
+    _no_step_moves_vocab_per_row(counting, out, vocab)
+
+
+@pytest.mark.parametrize("ngram", [0, 2])
+def test_device_beam_step_moves_the_candidates_down(exported, model_folders, auto_path, ngram):
+    beams = 4
+    counting, out, plan, vocab = _counted(exported, model_folders, num_beams=beams, no_repeat_ngram_size=ngram)
+    rows, keep = BATCH * beams, 2 * beams  # HF's candidates: max(2, 1 + EOS ids) · beams per item
+    entries = len(plan.cache)
+    assert len(counting.steps) == out.steps == NEW
+    for i, step in enumerate(counting.steps):
+        # HF's top-k scores (float32) and flat indices (int64) of each item's beams · vocab scores
+        assert [(c.what, c.nbytes) for c in step.of(D2H)] == [("tensor_to_host", BATCH * keep * 4),
+                                                               ("tensor_to_host", BATCH * keep * 8)]
+        up = [(c.what, c.nbytes) for c in step.of(H2D)]
+        assert up[:2] == [(f"feed:{plan.token_input}", rows * 8), ("tensor_from_host", rows * 4)]  # + running scores
+        # then the cache's beam reorder (parent rows once per entry; none where it is the identity) and, with
+        # n-gram blocking, the device history's reorder and new tokens; the last step stops before both
+        reorder = [("rows", rows * 8)] * entries
+        history = [("tensor_from_host", rows * 8)] * 2 if ngram else []
+        assert up[2:] == [] if i == NEW - 1 else up[2:] in (reorder + history, history), up
+    _no_step_moves_vocab_per_row(counting, out, vocab)
+
+
+def test_device_path_needs_a_vocab_row_where_a_processor_has_no_device_version(exported, model_folders, auto_path):
+    """A run the device path does not cover (encoder repetition penalty) takes the host path: the logits come down."""
+    counting, out, plan, vocab = _counted(exported, model_folders, num_beams=2, encoder_repetition_penalty=1.3)
+    assert all(step.bytes(D2H) == 2 * BATCH * vocab * 4 for step in counting.steps)

@@ -1,4 +1,4 @@
-"""Host time per step of elx's default beam search (no graphs): what the search itself costs, before and after a change.
+"""Host time per step of elx's beam search (no graphs): what the search itself costs, before and after a change.
 
 A stand-in model returns the same logits every step ([batch·beams, vocab] float32, t5-small's vocabulary by
 default) and keeps no cache, so the time measured is the search's own host work: log-softmax, running scores,
@@ -10,21 +10,48 @@ top-k, candidate bookkeeping, processors (none by default), row gathers.  ``--mi
 
 (run the two interleaved, more than once: the machine's load moves single runs).  ``--calls`` counts the Python
 function calls per step instead (cProfile), which no load moves.
+
+``--path device`` runs the device search path (``runners/search/device.py``) with torch tensors on the CPU,
+and splits each step's time into the device part (the scorer: log-softmax, processors, top-k, which a GPU
+would run) and the host part (the bookkeeping that stays on the host whatever the device); ``--path both``
+interleaves the two paths, ``--repeats`` rounds.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import time
 
 import numpy as np
 
+from elx.runners.search import device as search_device
 from elx.runners.backends.base import DecoderCache, EncoderState
 from elx.runners.search.processors import build_processors
 from elx.runners.search.search import beam_search
 from elx.runners.search.settings import GenerationSettings
+
+
+class ScorerClock:
+    """Seconds spent in the device scorer's calls (torch on the CPU is synchronous: the call's time is its work)."""
+
+    def __init__(self, clock):
+        self.clock, self.seconds = clock, 0.0
+        original = search_device.DeviceScorer
+
+        outer = self
+
+        class Timed(original):
+            def beam_candidates(self, *args, **kwargs):
+                started = outer.clock()
+                try:
+                    return super().beam_candidates(*args, **kwargs)
+                finally:
+                    outer.seconds += outer.clock() - started
+
+        search_device.DeviceScorer = Timed
 
 
 class StandIn:
@@ -66,7 +93,15 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (less moved by other processes on a shared machine)")
     parser.add_argument("--calls", action="store_true", help="count Python function calls per step (cProfile)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="PyTorch's intra-op threads (both paths' log-softmax; default 1: on a loaded machine "
+                             "two threads wait for each other tens of ms per call)")
+    parser.add_argument("--path", choices=("host", "device", "both"), default="host",
+                        help="the search path (ELX_SEARCH); device: torch tensors on the CPU")
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     rows = args.batch_size * args.num_beams
     logits = (np.random.default_rng(0).standard_normal((rows, args.vocab)) * 4).astype(np.float32)
@@ -84,15 +119,29 @@ def main() -> None:
         label = args.label or "search"
         print(f"{label}: {calls} Python calls in {result.steps} steps: {calls / result.steps:.1f} per step")
         return
-    times = []
-    for _ in range(args.repeats + 1):  # the first run warms up (imports torch, faults in buffers)
-        started = clock()
-        result = beam_search(model, EncoderState({}, args.batch_size), settings, build_processors(settings, 1))
-        times.append((clock() - started) / result.steps * 1e3)
-    runs = times[1:]
-    print(f"{args.label or 'search'}: batch {args.batch_size} x beams {args.num_beams}, vocab {args.vocab}: "
-          f"host {args.clock} "
-          f"{statistics.median(runs):.2f} ms/step (median of {len(runs)}; min {min(runs):.2f}, max {max(runs):.2f})")
+    paths = ("host", "device") if args.path == "both" else (args.path,)
+    scorer = ScorerClock(clock)
+    times = {p: [] for p in paths}
+    device_part = []
+    for _ in range(args.repeats + 1):  # the first round warms up (imports torch, faults in buffers)
+        for path in paths:
+            os.environ["ELX_SEARCH"] = path
+            scorer.seconds = 0.0
+            started = clock()
+            result = beam_search(model, EncoderState({}, args.batch_size), settings, build_processors(settings, 1))
+            times[path].append((clock() - started) / result.steps * 1e3)
+            if path == "device":
+                device_part.append(scorer.seconds / result.steps * 1e3)
+    for path in paths:
+        runs = times[path][1:]
+        line = (f"{args.label or 'search'} [{path} path]: batch {args.batch_size} x beams {args.num_beams}, vocab "
+                f"{args.vocab}: {args.clock} {statistics.median(runs):.2f} ms/step (median of {len(runs)}; min "
+                f"{min(runs):.2f}, max {max(runs):.2f})")
+        if path == "device":
+            dev = statistics.median(device_part[1:])
+            host = statistics.median(t - d for t, d in zip(runs, device_part[1:]))
+            line += f"; of which the scorer (device work) {dev:.2f} ms, host bookkeeping {host:.2f} ms"
+        print(line)
 
 
 if __name__ == "__main__":

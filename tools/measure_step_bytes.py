@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
-"""Bytes moved between host and device per decoder step of a generate (issue 26's "before" number).
+"""Bytes moved between host and device per decoder step of a generate, on each search path (issue 26).
 
     python tools/measure_step_bytes.py [--model t5-small] [--batch-size 32] [--num-beams 4] [--new-tokens 8]
                                        [--input-length 32] [--folder EXPORT] [--work out/step_bytes] [--json FILE]
+                                       [--search host|device|both]
 
 Exports ``--model`` with random weights into ``--work`` (reused when already there; ``--folder`` takes an
 existing export instead), then runs one beam search on the ort-io backend on the CPU execution provider:
 the device code path, with every crossing of the backend seam counted by ``tests/counting_backend.py``.
 EOS is suppressed until ``--new-tokens`` (min = max new tokens), so every step has batch · beams rows.
-Prints, per step, the bytes device→host (the logits [rows, vocab] float32) and host→device (token ids,
-the parent rows of each cache entry's reorder), and the same for the encoding before the first step.
+Prints, per step, the bytes device→host and host→device, and the same for the encoding before the first
+step, for the host search path (``ELX_SEARCH=host``: the logits [rows, vocab] float32 come down; token ids and
+the parent rows of each cache entry's reorder go up) and the device path (``runners/search/device.py``: the
+candidates come down; token ids, running scores and parent rows go up).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +40,9 @@ def export_folder(model: str, work: Path) -> Path:
     return export_model(model, folder, random_init=not Path(model).is_dir(), force=True, quiet=True)
 
 
-def measure(folder: Path, batch: int, beams: int, new_tokens: int, input_length: int, threads: int | None) -> dict:
+def measure(folder: Path, batch: int, beams: int, new_tokens: int, input_length: int, threads: int | None,
+            search: str = "host") -> dict:
+    os.environ["ELX_SEARCH"] = search
     generator = Generator.from_folder(folder, backend="ort-io", device="cpu", threads=threads)
     counting = count_crossings(generator)
     vocab = int(generator.manifest.dims["vocab_size"])
@@ -50,7 +56,7 @@ def measure(folder: Path, batch: int, beams: int, new_tokens: int, input_length:
                       "d2h_items": [(c.what, c.nbytes) for c in phase.of(D2H)],
                       "h2d_items": [(c.what, c.nbytes) for c in phase.of(H2D)]})
     encode = counting.phases[0]
-    return {"folder": str(folder), "batch": batch, "beams": beams, "new_tokens": new_tokens,
+    return {"folder": str(folder), "search": search, "batch": batch, "beams": beams, "new_tokens": new_tokens,
             "input_length": input_length, "vocab": vocab, "cache_entries": len(generator.model.plan.cache),
             "encode": {"d2h": encode.bytes(D2H), "h2d": encode.bytes(H2D)}, "steps": steps}
 
@@ -62,7 +68,8 @@ def _b(n: int) -> str:
 def table(result: dict) -> str:
     lines = [f"{Path(result['folder']).name}: batch {result['batch']}, beams {result['beams']}, input "
              f"{result['input_length']}, {result['new_tokens']} new tokens, vocab {result['vocab']}, "
-             f"{result['cache_entries']} cache entries; ort-io on the CPU EP (the device path)",
+             f"{result['cache_entries']} cache entries; ort-io on the CPU EP (the code that runs on CUDA); "
+             f"{result['search']} search path",
              "", "| step | rows | device→host bytes | host→device bytes | total bytes | device→host per row |",
              "|---:|---:|---:|---:|---:|---:|",
              f"| encode | | {_b(result['encode']['d2h'])} | {_b(result['encode']['h2d'])} | "
@@ -71,6 +78,12 @@ def table(result: dict) -> str:
         lines.append(f"| {s['step']} | {s['rows']} | {_b(s['d2h'])} | {_b(s['h2d'])} | {_b(s['d2h'] + s['h2d'])} "
                      f"| {s['d2h'] // s['rows']} |")
     rows = result["batch"] * result["beams"]
+    if result["search"] == "device":
+        keep = 2 * result["beams"]
+        return "\n".join(lines + ["", f"candidates per step: items · {keep} · (4 + 8) = {result['batch']} · {keep} · 12 = "
+                                       f"{result['batch'] * keep * 12:,} bytes; host→device: rows · 8 (token ids) + rows "
+                                       f"· 4 (running scores) + {result['cache_entries']} · rows · 8 (parent rows) after "
+                                       f"a step that reorders = {rows * (12 + 8 * result['cache_entries']):,} bytes"])
     lines += ["", f"logits per step: rows · vocab · 4 = {rows} · {result['vocab']} · 4 = "
                   f"{rows * result['vocab'] * 4:,} bytes; host→device: rows · 8 (token ids) + {result['cache_entries']} · rows · 8 (parent rows "
                   f"of each cache entry) after a step that reorders = {rows * 8 * (1 + result['cache_entries']):,} "
@@ -88,13 +101,21 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--input-length", type=int, default=32)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--search", choices=("host", "device", "both"), default="both", help="which search path(s)")
     ap.add_argument("--json", help="also write the measurement as JSON here")
     args = ap.parse_args(argv)
     folder = Path(args.folder) if args.folder else export_folder(args.model, Path(args.work))
-    result = measure(folder, args.batch_size, args.num_beams, args.new_tokens, args.input_length, args.threads)
-    print(table(result))
+    results = []
+    for search in (("host", "device") if args.search == "both" else (args.search,)):
+        results.append(measure(folder, args.batch_size, args.num_beams, args.new_tokens, args.input_length,
+                               args.threads, search))
+        print(table(results[-1]) + "\n")
+    if len(results) == 2:
+        before, after = (sum(s["d2h"] + s["h2d"] for s in r["steps"]) / len(r["steps"]) for r in results)
+        print(f"mean bytes per step, both directions: host path {before:,.0f}, device path {after:,.0f} "
+              f"({before / after:,.0f}x fewer)")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=1) + "\n")
     return 0
 
 

@@ -26,6 +26,10 @@ DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16"
 class Backend(ABC):
     name: str = "abstract"
     device: str = "cpu"
+    device_id: int = 0
+    # whether ``as_tensor`` hands the values ``run`` returns to PyTorch on their device, without a copy: the
+    # searches then run their vocabulary-wide part there (``runners/search/device.py``)
+    device_tensors: bool = False
 
     @abstractmethod
     def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
@@ -52,6 +56,32 @@ class Backend(ABC):
     @abstractmethod
     def nbytes(self, value) -> int:
         """Bytes ``value`` occupies on its device."""
+
+    # -- PyTorch tensors on this backend's device (the device search path) --------------------------------
+    @property
+    def torch_device(self) -> str:
+        if self.device == "cpu" or ":" in self.device:  # TensorRT names its device "cuda:N"
+            return self.device
+        return f"{self.device}:{self.device_id}"
+
+    def as_tensor(self, value):
+        """A torch tensor sharing the memory of device value ``value`` (one of ``run``'s outputs); torch tensors
+        and host arrays (a first step's scores kept on the host) pass as they are / are moved up."""
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value
+        return self.tensor_from_host(value)
+
+    def tensor_to_host(self, tensor) -> np.ndarray:
+        """A host copy of torch tensor ``tensor`` (the search's candidates, tokens)."""
+        return tensor.cpu().numpy()
+
+    def tensor_from_host(self, array: np.ndarray):
+        """A torch tensor on this backend's device holding host ``array`` (running scores, row indices, ids)."""
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.torch_device)
 
     def zeros(self, shape: list[int], dtype: str):
         return self.to_device(np.zeros(shape, dtype=DTYPES[dtype]))

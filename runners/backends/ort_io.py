@@ -7,6 +7,14 @@ device.  Only what a caller asks for on the host (the step's scores) is copied d
 
 With ``device="cpu"`` the very same code path runs on the CPU execution provider, which is how
 the tests exercise it on machines without a GPU.
+
+The device search path (``runners/search/device.py``) reads the step's logits where ORT wrote them:
+``as_tensor`` hands an output ``OrtValue`` to PyTorch through DLPack (no copy, CPU EP and CUDA alike; the
+tensor keeps the ``OrtValue`` alive, as DLPack requires).  DLPack rather than binding the output to a
+preallocated torch buffer: the output's shape (rows, a vocabulary the export may pad) need not be known
+before the run.  ORT's run returns with its outputs written; the search's host copy of the candidates waits for the
+torch kernels that read the logits, before the tensor (and with it the ``OrtValue``) is dropped and ORT
+may reuse the memory.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ def _gather_model(onnx_type: str) -> bytes:
 
 class OrtIoBackend(Backend):
     name = "ort-io"
+    device_tensors = True
 
     def __init__(self, manifest: Manifest, device: str = "cuda", device_id: int = 0, threads: int | None = None):
         import onnxruntime as ort
@@ -82,6 +91,15 @@ class OrtIoBackend(Backend):
 
     def to_host(self, value) -> np.ndarray:
         return value if isinstance(value, np.ndarray) else value.numpy()
+
+    def as_tensor(self, value):
+        if not isinstance(value, self._ortvalue):
+            return super().as_tensor(value)
+        import torch
+
+        tensor = torch.from_dlpack(value)
+        tensor.elx_owner = value  # DLPack: the OrtValue must outlive the tensor that shares its memory
+        return tensor
 
     def take(self, value, rows: np.ndarray):
         session = self._gather(value.data_type())

@@ -52,6 +52,7 @@ def _torch():
 
 class TensorRTBackend(Backend):
     name = "tensorrt"
+    device_tensors = True  # its values are torch CUDA tensors: the device search path reads them there
 
     def __init__(self, manifest, *, device: str = "cuda", device_id: int = 0, threads: int | None = None):
         if device != "cuda":

@@ -17,6 +17,12 @@ Two things differ, neither changes a token:
 * Host work is numpy on arrays owned by the search (processors in place); the log-softmax is
   PyTorch's CPU kernel where PyTorch is installed, HF's rounding bit for bit (``elx.runners.search.log_softmax``).
 
+Where the logits are: for a device backend (``ort-io``, ``tensorrt``) the vocabulary-wide part of each step
+(float32 cast, log-softmax, processors, running scores, the candidates' top-k; greedy's argmax) runs on the
+device with PyTorch, HF's own operators, and only the candidates come to the host
+(``runners/search/device.py``: the mechanism, what it covers, ``ELX_SEARCH``).  The bookkeeping below is
+the same on both paths.
+
 The decoder prompt is per item (``prompt`` [B, P]): the start token for every item of an
 encoder-decoder model (the default, from the settings), the left-padded input ids of a
 decoder-only model.  Lengths, the length penalty and the processors count it, as in HF.
@@ -36,6 +42,7 @@ from elx.runners.backends.base import EncoderState
 from elx.runners.search.log_softmax import log_softmax_function
 from elx.runners.search.topk import topk
 from elx.runners.search.processors import apply_processors
+from elx.runners.search.device import device_scorer
 from elx.runners.search.search_hooks import NO_HOOKS, SearchHooks
 from elx.runners.search.settings import GenerationSettings
 
@@ -84,6 +91,11 @@ def _prompt_rows(settings: GenerationSettings, batch: int, prompt: np.ndarray | 
     return np.asarray(prompt, dtype=np.int64)
 
 
+def _on_device(device) -> dict:
+    """``Model.step``'s argument that leaves the scores on the device, where the device path reads them there."""
+    return {"device": True} if device is not None and device.reads_device_values else {}
+
+
 def _record(memory: list, model, state: EncoderState, cache, track: bool) -> None:
     if track:
         memory.append({"state_bytes": model.state_bytes(state), "cache_bytes": model.cache_bytes(cache),
@@ -112,16 +124,21 @@ def greedy_search(model, state: EncoderState, settings: GenerationSettings, proc
     step_tokens = out[:, :p_len].copy()
     cur_len, memory = p_len, []
     recorded = _Recorder(hooks)
+    device = device_scorer(model, processors, hooks, prompt, 1)
     if hooks.streamer is not None:
         hooks.streamer.put(prompt.copy())
     while cur_len < max_len and active.size:
         history = out[active, :cur_len]
-        logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None)
+        logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None,
+                                   **_on_device(device))
         _record(memory, model, state, cache, track_memory)
-        logits = recorded.logits(as_float32(logits))
-        items = active if hooks.repeats == 1 else active // hooks.repeats  # each row's input
-        scores = recorded.scores(apply_processors(processors, history, logits, items))
-        next_tokens = hooks.sampler.tokens(scores, active) if hooks.sampler is not None else scores.argmax(axis=1)
+        if device is not None:
+            next_tokens = device.greedy_tokens(logits, cur_len)
+        else:
+            logits = recorded.logits(as_float32(logits))
+            items = active if hooks.repeats == 1 else active // hooks.repeats  # each row's input
+            scores = recorded.scores(apply_processors(processors, history, logits, items))
+            next_tokens = hooks.sampler.tokens(scores, active) if hooks.sampler is not None else scores.argmax(axis=1)
         if hooks.keep_rows and eos.size:  # HF: finished rows get the pad token (when EOS can finish them)
             next_tokens = np.where(unfinished, next_tokens, pad)
         out[active, cur_len] = next_tokens
@@ -131,6 +148,7 @@ def greedy_search(model, state: EncoderState, settings: GenerationSettings, proc
             done |= hooks.stopping(out[active, :cur_len], recorded.step_scores)
         if hooks.streamer is not None:
             hooks.streamer.put(out[:, cur_len - 1].copy())
+        keep = None
         if hooks.keep_rows:
             unfinished &= ~done
             if not unfinished.any():
@@ -142,6 +160,8 @@ def greedy_search(model, state: EncoderState, settings: GenerationSettings, proc
                 state, cache = model.select(state, keep), model.reorder(cache, keep)
             next_tokens = next_tokens[keep]
         step_tokens = next_tokens[:, None]
+        if device is not None and active.size:
+            device.advance(keep, next_tokens)
     if hooks.streamer is not None:
         hooks.streamer.end()
     return SearchResult(out[:, :cur_len], cur_len - p_len, memory, step_scores=recorded.step_scores,
@@ -197,25 +217,29 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
     origins = _BeamOrigins(batch, k, max_len - p_len) if hooks.beam_indices else None
     active = np.arange(batch)  # rows of the per-item arrays still in the model's batch
     log_softmax = log_softmax_function()  # resolved once, not per step
+    device = device_scorer(model, processors, hooks, prompt, k)
     cache = model.empty_cache(batch * k)
     step_tokens = running[:, :, :p_len].reshape(batch * k, p_len).copy()
     cur_len, memory = p_len, []
     while True:
         n = active.size
         history = running[active, :, :cur_len].reshape(n * k, cur_len)
-        logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None)
+        logits, cache = model.step(step_tokens, state, cache, history if model.needs_history else None,
+                                   **_on_device(device))
         _record(memory, model, state, cache, track_memory)
-        vocab = logits.shape[1]
-        logits = recorded.logits(as_float32(logits))
-        log_probs = logits if model.returns_log_probs else log_softmax(logits)
-        if processors:
-            log_probs = apply_processors(processors, history, log_probs, np.repeat(active, k))
-        scores = add_beam_scores(recorded.scores(log_probs), running_scores[active])
-
-        if hooks.sampler is not None:
-            top_lp, top_idx = hooks.sampler.candidates(scores, active, keep_k)
+        if device is not None:
+            top_lp, top_idx, vocab = device.beam_candidates(logits, cur_len, running_scores[active], keep_k)
         else:
-            top_lp, top_idx = topk(scores, keep_k)
+            vocab = logits.shape[1]
+            logits = recorded.logits(as_float32(logits))
+            log_probs = logits if model.returns_log_probs else log_softmax(logits)
+            if processors:
+                log_probs = apply_processors(processors, history, log_probs, np.repeat(active, k))
+            scores = add_beam_scores(recorded.scores(log_probs), running_scores[active])
+            if hooks.sampler is not None:
+                top_lp, top_idx = hooks.sampler.candidates(scores, active, keep_k)
+            else:
+                top_lp, top_idx = topk(scores, keep_k)
         top_beam, top_tok = top_idx // vocab, top_idx % vocab
         top_seq = np.take_along_axis(running[active], top_beam[:, :, None], axis=1)
         top_seq[:, :, cur_len] = top_tok
@@ -279,6 +303,8 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
             active = active[keep]
         cache = model.reorder(cache, rows)
         step_tokens = running[active, :, cur_len - 1].reshape(-1, 1)
+        if device is not None:
+            device.advance(rows, step_tokens)
 
     r = s.num_return_sequences
     seqs = finished_seq[:, :r].reshape(batch * r, max_len)

@@ -64,6 +64,11 @@ class EncoderDecoderRules:
             return {**values, "decoder_start_token_id": manifest.tokens.get("bos_token_id")}
         return values
 
+    def generate_loop(self, generator, options: dict, **given):
+        """A family's own loop around the search, when the call needs it (Whisper): its ``GenerationOutput``, or
+        None for the plain search."""
+        return None
+
     def prepare_inputs(self, inputs: dict, settings) -> dict:
         """The encoder inputs the search runs on (Whisper repeats them for num_return_sequences)."""
         return inputs
@@ -95,6 +100,14 @@ class EncoderDecoderRules:
 
 class WhisperRules(EncoderDecoderRules):
     options = ("language", "task", "return_timestamps")
+    # HF Whisper generate's own arguments, run by runners/whisper_longform.py (implemented or refused there)
+    loop_options = ("return_segments", "compression_ratio_threshold", "logprob_threshold", "no_speech_threshold",
+                    "condition_on_prev_tokens", "prompt_ids", "prompt_condition_type", "return_token_timestamps")
+
+    def generate_loop(self, generator, options, **given):
+        from .whisper_longform import run_loop
+
+        return run_loop(generator, options, **given)
 
     def resolve(self, manifest, values, extra):
         from .whisper import apply_rules

@@ -94,22 +94,29 @@ def _forced_language(defaults: dict) -> bool:
     return any(int(pair[0]) == 1 and pair[1] is not None for pair in (defaults.get("forced_decoder_ids") or []))
 
 
-def effective_language(manifest: Manifest, language: str | None, task: str | None) -> str | None:
-    """``language``, or ``DEFAULT_LANGUAGE`` where HF would run its language detection instead."""
-    defaults = manifest.data.get("generation_defaults", {})
+def detects_language(defaults: dict, language: str | None, task: str | None) -> bool:
+    """Whether HF detects the language (``_retrieve_init_tokens``): the config has ``lang_to_id``, no language is
+    given, and ``forced_decoder_ids`` (read only without language and task) put none at position 1."""
     if language is not None or not defaults.get("lang_to_id") or defaults.get("is_multilingual") is False:
-        return language
-    if task is None and _forced_language(defaults):
-        return None  # the config fixes the language; HF does not detect
-    return DEFAULT_LANGUAGE
+        return False
+    return task is not None or not _forced_language(defaults)
+
+
+def effective_language(manifest: Manifest, language: str | None, task: str | None) -> str | None:
+    """``language``, or ``DEFAULT_LANGUAGE`` where HF would detect it: the prompt of a plain search
+    (``settings()``, ``elx compare``); ``Generator.generate`` detects as HF does (``runners/whisper_longform.py``)."""
+    defaults = manifest.data.get("generation_defaults", {})
+    return DEFAULT_LANGUAGE if detects_language(defaults, language, task) else language
 
 
 def init_tokens(manifest: Manifest, language: str | None = None, task: str | None = None,
-                return_timestamps: bool = False) -> list[int]:
-    """The decoder prompt (start token included) HF builds for one batch item (``_retrieve_init_tokens``)."""
+                return_timestamps: bool = False, detected: int | None = None) -> list[int]:
+    """The decoder prompt (start token included) HF builds for one batch item (``_retrieve_init_tokens``).
+
+    ``detected``: the language token HF's detection picked (where it detects); None: ``effective_language``."""
     defaults = manifest.data.get("generation_defaults", {})
     check_language_task(defaults, language, task)
-    language = effective_language(manifest, language, task)
+    language = None if detected is not None else effective_language(manifest, language, task)
     tokens = [manifest.tokens.get("decoder_start_token_id")]
     if tokens[0] is None:
         raise ElxError("no decoder_start_token_id in the manifest; re-run 'elx export'")
@@ -123,8 +130,8 @@ def init_tokens(manifest: Manifest, language: str | None = None, task: str | Non
             if forced:
                 raise ElxError(f"forced_decoder_ids {defaults['forced_decoder_ids']} do not follow Whisper's prompt "
                                "pattern (positions 1, 2, ... without gaps)")
-    if language is not None:  # HF also lands here after detect_language(), which elx replaces by English
-        lang = language_id(defaults, language)
+    if language is not None or detected is not None:
+        lang = int(detected) if detected is not None else language_id(defaults, language)
         if len(tokens) > 1:
             tokens[1] = lang
         else:
@@ -137,6 +144,8 @@ def init_tokens(manifest: Manifest, language: str | None = None, task: str | Non
     no_timestamps = defaults.get("no_timestamps_token_id")
     if not return_timestamps and no_timestamps is not None and tokens[-1] != no_timestamps:
         tokens.append(int(no_timestamps))
+    elif return_timestamps and tokens[-1] == no_timestamps:  # e.g. tiny.en's forced_decoder_ids end with it
+        tokens.pop()
     return [int(t) for t in tokens if t is not None]  # HF drops None placeholders too
 
 
@@ -159,7 +168,8 @@ def apply_rules(manifest: Manifest, values: dict, language=None, task=None, retu
     defaults = manifest.data.get("generation_defaults", {})
     timestamps = defaults.get("return_timestamps") if return_timestamps is None else return_timestamps
     if timestamps:
-        raise ElxError("Whisper timestamps (return_timestamps) are not supported by elx runners; unset them")
+        raise ElxError("Whisper timestamps run HF's segment loop, which Generator.generate runs (return_timestamps="
+                       "True there, or --return-timestamps); settings() describe one plain search: unset them here")
     if not values.get("decoder_prompt"):
         prompt = init_tokens(manifest, language, task)
         values["decoder_start_token_id"], values["decoder_prompt"] = prompt[0], prompt[1:]

@@ -64,6 +64,10 @@ class EncoderDecoderRules:
             return {**values, "decoder_start_token_id": manifest.tokens.get("bos_token_id")}
         return values
 
+    def settings_options(self, options: dict) -> dict:
+        """The options a plain search's settings take (``elx generate`` checks them before loading graphs)."""
+        return options
+
     def generate_loop(self, generator, options: dict, **given):
         """A family's own loop around the search, when the call needs it (Whisper): its ``GenerationOutput``, or
         None for the plain search."""
@@ -99,10 +103,16 @@ class EncoderDecoderRules:
 
 
 class WhisperRules(EncoderDecoderRules):
-    options = ("language", "task", "return_timestamps")
-    # HF Whisper generate's own arguments, run by runners/whisper_longform.py (implemented or refused there)
-    loop_options = ("return_segments", "compression_ratio_threshold", "logprob_threshold", "no_speech_threshold",
-                    "condition_on_prev_tokens", "prompt_ids", "prompt_condition_type", "return_token_timestamps")
+    # language/task/return_timestamps, and HF Whisper generate's own arguments, which runners/whisper_longform.py
+    # runs or refuses (a plain search gets them unset)
+    options = ("language", "task", "return_timestamps", "return_segments", "compression_ratio_threshold",
+               "logprob_threshold", "no_speech_threshold", "condition_on_prev_tokens", "prompt_ids",
+               "prompt_condition_type", "return_token_timestamps")
+
+    def settings_options(self, options):
+        from .whisper_longform import plain_options
+
+        return plain_options(options)
 
     def generate_loop(self, generator, options, **given):
         from .whisper_longform import run_loop

@@ -163,8 +163,16 @@ def total_max_length(manifest: Manifest, prompt_len: int, max_length: int | None
     return min(int(max_length) + min(limit // 2 - 1, prompt_len), limit)
 
 
-def apply_rules(manifest: Manifest, values: dict, language=None, task=None, return_timestamps=None) -> dict:
-    """Turn resolved generation ``values`` (defaults + overrides) into Whisper's: prompt, length, repeats."""
+def apply_rules(manifest: Manifest, values: dict, language=None, task=None, return_timestamps=None,
+                **loop_options) -> dict:
+    """Turn resolved generation ``values`` (defaults + overrides) into Whisper's: prompt, length, repeats.
+
+    ``loop_options`` (``return_segments``, the fallback thresholds, ...) belong to HF's Whisper loop
+    (``runners/whisper_longform.py``), which runs whenever one is set; a plain search gets them unset."""
+    set_ = sorted(k for k, v in loop_options.items() if v not in (None, False))
+    if set_:
+        raise ElxError(f"{', '.join(set_)}: HF's Whisper loop options, which Generator.generate runs; settings() "
+                       "describe one plain search: unset them here")
     defaults = manifest.data.get("generation_defaults", {})
     timestamps = defaults.get("return_timestamps") if return_timestamps is None else return_timestamps
     if timestamps:

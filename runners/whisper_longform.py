@@ -48,7 +48,7 @@ from .processors import ProcessorInputs, build_processors
 from .search import beam_search, greedy_search
 from .search_hooks import SearchHooks
 from .settings import config_values
-from .whisper import check_language_task, detects_language, init_tokens, max_target_positions, total_max_length
+from .whisper import detects_language, init_tokens, max_target_positions, total_max_length
 from .whisper_timestamps import TimestampRules, cut_segments
 
 # Whisper generate's own arguments (beside GenerationConfig's fields) this loop reads
@@ -83,6 +83,13 @@ def timestamps_wanted(manifest, options: dict, frames: int) -> bool:
                            "generation, which needs timestamps: drop return_timestamps=False")
         return True
     return bool(value)
+
+
+def plain_options(options: dict) -> dict:
+    """The options of the loop's searches' settings: the loop's own left out (the temperature, which decides
+    sampling per try, and ``do_sample``, which HF's loop overrides), timestamps off (the loop builds the prompt)."""
+    plain = {k: v for k, v in options.items() if k not in (*OPTIONS, "temperature", "do_sample")}
+    return {**plain, "return_timestamps": False}
 
 
 def needs_loop(manifest, options: dict, frames: int) -> bool:
@@ -256,12 +263,10 @@ def generate_loop(generator, features: np.ndarray, attention_mask, options: dict
     for t in temperatures:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0):
             raise ElxError(f"temperature must be >= 0 or a list of them (Whisper's fallback), got {temperature!r}")
-    plain = {k: v for k, v in options.items() if k not in (*OPTIONS, "temperature", "do_sample", "return_timestamps",
-                                                            "language", "task")}
+    plain = plain_options(options)
     language, task = options.get("language"), options.get("task")
     defaults = manifest.data.get("generation_defaults", {})
-    check_language_task(defaults, language, task)
-    settings = generator.settings(**plain, language=language, task=task, return_timestamps=False)
+    settings = generator.settings(**plain)
     _check_options(manifest, options, settings)
     if timestamps and settings.eos_listed and len(settings.eos_token_id) > 1:
         raise ElxError("timestamps need one eos_token_id (HF's timestamp processor bans the ids below it); pass one")
@@ -279,7 +284,7 @@ def generate_loop(generator, features: np.ndarray, attention_mask, options: dict
     repeats = settings.input_repeats
     if repeats > 1:
         features, prompts, max_frames = (np.repeat(a, repeats, axis=0) for a in (features, prompts, max_frames))
-    settings = replace(settings, input_repeats=1, num_return_sequences=1)
+    resolved, settings = settings, replace(settings, input_repeats=1, num_return_sequences=1)
     seek = np.zeros(features.shape[0], dtype=np.int64)
     segments = [[] for _ in range(features.shape[0])]
     given = {**config_values(options.get("generation_config")), **{k: v for k, v in plain.items() if v is not None}}
@@ -309,7 +314,7 @@ def generate_loop(generator, features: np.ndarray, attention_mask, options: dict
     sequences = np.full((len(rows), width), pad, dtype=np.int64)
     for i, r in enumerate(rows):
         sequences[i, : r.size] = r
-    return sequences, segments, settings
+    return sequences, segments, resolved
 
 
 def run_loop(generator, options: dict, *, inputs=None, audio=None, input_features=None, attention_mask=None,
@@ -333,5 +338,5 @@ def run_loop(generator, options: dict, *, inputs=None, audio=None, input_feature
         return None  # the plain search (audio files: read again, short clips give the same features)
     sequences, segments, settings = generate_loop(generator, features, attention_mask, options)
     text = generator.text.decode(sequences) if decode and generator.text is not None else None
-    return GenerationOutput(sequences, None, text, sequences, settings,
-                            segments=segments if options.get("return_segments") else None)
+    wanted = options.get("return_segments") or timestamps_wanted(generator.manifest, options, frames)
+    return GenerationOutput(sequences, None, text, sequences, settings, segments=segments if wanted else None)

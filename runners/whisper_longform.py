@@ -128,7 +128,7 @@ class _Run:
         manifest, begin = self.manifest, prompt.shape[1]
         user = list(self.args.logits_processor)
         if self.timestamps:
-            eos = settings.eos_token_id[0] if settings.eos_token_id else settings.bos_token_id
+            eos = (settings.eos_token_id[0] if settings.eos_token_id else None) or settings.bos_token_id  # HF's `or`
             stamps = TimestampRules(manifest.data["generation_defaults"]["no_timestamps_token_id"], eos, begin,
                                     manifest.data["generation_defaults"].get("max_initial_timestamp_index"))
             user.insert(0, stamps)  # HF: [begin-suppress, suppress, timestamps, *the caller's]

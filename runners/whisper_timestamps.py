@@ -31,11 +31,13 @@ NEG_INF = np.float32(-np.inf)
 class TimestampRules:
     """HF's ``WhisperTimeStampLogitsProcessor`` (numpy in, numpy out: a caller-style logits processor)."""
 
-    def __init__(self, no_timestamps_token_id: int, eos_token_id: int, begin_index: int,
+    def __init__(self, no_timestamps_token_id: int, eos_token_id: int | None, begin_index: int,
                  max_initial_timestamp_index: int | None):
+        """``eos_token_id``: HF's ``eos_token_id or bos_token_id`` (an EOS of 0 gives the BOS; None bans every
+        token after a single timestamp, as HF's slice ``[:None]`` does)."""
         self.no_timestamps = int(no_timestamps_token_id)
         self.timestamp_begin = self.no_timestamps + 1
-        self.eos = int(eos_token_id)
+        self.eos = None if eos_token_id is None else int(eos_token_id)
         self.begin_index = int(begin_index)
         self.max_initial = None if max_initial_timestamp_index is None else int(max_initial_timestamp_index)
 

@@ -273,7 +273,7 @@ def test_timestamp_processor_matches_hf(case):
     config = GenerationConfig(eos_token_id=eos, no_timestamps_token_id=no_ts, max_initial_timestamp_index=max_initial)
     expected = WhisperTimeStampLogitsProcessor(config, begin_index=begin)(torch.from_numpy(tokens),
                                                                           torch.from_numpy(scores.copy())).numpy()
-    got = TimestampRules(no_ts, eos or 0, begin, max_initial)(tokens, scores.copy())
+    got = TimestampRules(no_ts, eos or None, begin, max_initial)(tokens, scores.copy())  # HF: eos or bos (None)
     np.testing.assert_array_equal(got, expected)
 
 

@@ -80,7 +80,8 @@ def timestamps_wanted(manifest, options: dict, frames: int) -> bool:
     if frames > window_frames(manifest):
         if value is False:
             raise ElxError(f"input features of {frames} frames (> {window_frames(manifest)}, 30 s) run HF's long-form "
-                           "generation, which needs timestamps: drop return_timestamps=False")
+                           "generation, which needs timestamps (this model's generation config sets them off): pass "
+                           "return_timestamps=True (--return-timestamps)")
         return True
     return bool(value)
 
@@ -325,7 +326,7 @@ def run_loop(generator, options: dict, *, inputs=None, audio=None, input_feature
     if audio is not None:
         from .audio import features_from_files
 
-        given = features_from_files(generator.manifest.folder, audio)
+        given = features_from_files(generator.manifest.folder, audio, long_form=True)
         features, attention_mask = given["input_features"], given.get("attention_mask")
     elif input_features is not None:
         features = input_features

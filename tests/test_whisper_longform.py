@@ -297,3 +297,55 @@ def test_segment_cut_matches_hf(tokens, seek, frames, prompt_len):
     assert moved == int(advance)
     assert [(float(s["start"]), float(s["end"]), s["tokens"].tolist(), tuple(s["idxs"])) for s in expected] == \
         [(s["start"], s["end"], s["tokens"].tolist(), tuple(s["idxs"])) for s in got]
+
+
+def test_timestamp_processor_eos_zero_pinned():
+    """Found by hypothesis: HF's processor bans ``[:eos or bos]`` after a single timestamp; an EOS of 0 without a
+    BOS bans the whole row (a slice to None)."""
+    from runners.whisper_timestamps import TimestampRules
+
+    scores = np.zeros((1, 7), dtype=np.float32)
+    out = TimestampRules(4, None, 1, None)(np.array([[0, 0, 5]]), scores)
+    assert np.isneginf(out).all()
+
+
+def test_long_audio_files(exported, model_folders, tmp_path, capsys):
+    """A WAV over 30 s: HF's long-form features and attention_mask (truncation=False, padding="longest"), then
+    ``elx generate --audio ... --return-timestamps`` prints the loop's rows and segments."""
+    import shutil
+
+    from transformers import WhisperFeatureExtractor
+
+    from runners.audio import features_from_files
+
+    write_wav = __import__("tests.tools_loader", fromlist=["load_tool"]).load_tool("speech").write_wav
+    folder = tmp_path / "export"
+    shutil.copytree(exported("whisper"), folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["generation_defaults"].update(_generation_config(127))  # no timestamp tokens: one window per 30 s
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    extractor = WhisperFeatureExtractor(feature_size=80)
+    extractor.save_pretrained(folder / "tokenizer")
+    rng = np.random.default_rng(0)
+    clips = [rng.standard_normal(16000 * 33 + 77).astype(np.float32) * 0.1,
+             rng.standard_normal(16000 * 4).astype(np.float32) * 0.1]
+    paths = [tmp_path / "long.wav", tmp_path / "short.wav"]
+    for path, clip in zip(paths, clips):
+        write_wav(path, clip, 16000)
+    ours = features_from_files(folder, paths, long_form=True)
+    theirs = extractor([np.asarray(c, np.float64) for c in clips], sampling_rate=16000, truncation=False,
+                       padding="longest", return_attention_mask=True, return_tensors="np")
+    assert ours["attention_mask"].tolist() == theirs["attention_mask"].tolist()
+    assert np.abs(ours["input_features"] - theirs["input_features"]).max() < 1e-4
+    argv = ["generate", str(folder), "--audio", str(paths[0]), "--audio", str(paths[1]), "--language", "fr",
+            "--max-new-tokens", "4"]
+    assert elx_main(argv) == 2 and "--return-timestamps" in capsys.readouterr().err  # long-form needs timestamps
+    assert elx_main([*argv, "--return-timestamps"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    expected = Generator.from_folder(folder).generate(audio=[str(p) for p in paths], language="fr", max_new_tokens=4,
+                                                      return_timestamps=True)
+    rows = [line for line in printed if line.startswith("input ")]
+    assert [[int(t) for t in row.split(": ", 1)[1].split()] for row in rows] == \
+        [[int(t) for t in r if t != EOS] for r in expected.sequences.tolist()]
+    assert sum(line.startswith("  [") for line in printed) == sum(len(item) for item in expected.segments)
+    assert expected.segments[0][-1]["start"] >= 30.0  # the long clip's second window

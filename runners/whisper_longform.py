@@ -275,7 +275,8 @@ def generate_loop(generator, features: np.ndarray, attention_mask, options: dict
         raise ElxError("batched long-form audio needs attention_mask [batch, frames] (1 on each clip's frames), as "
                        "in HF; pass it (features_from_files and the CLI build it)")
     if frames < window:
-        raise ElxError(f"input_features have {frames} frames; this model takes {window} per window: pad them")
+        raise ElxError(f"input_features has shape {list(features.shape)}; this model takes [batch, "
+                       f"{features.shape[1]}, {window}] per window: pad shorter audio to {window} frames")
     run = _Run(generator, settings, options, timestamps)
     detected = detect_language(run, features) if detects_language(defaults, language, task) else [None] * batch
     prompts = np.asarray([init_tokens(manifest, language, task, timestamps, detected=d) for d in detected],

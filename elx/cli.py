@@ -296,8 +296,12 @@ def cmd_generate(args) -> int:
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
     _note_random_weights(generator.manifest)
     streamer = _stream_printer(generator) if args.stream else None
-    inputs = generator.encoder_inputs(**source)
-    out = generator.generate(inputs, **options, streamer=streamer)
+    if "audio" in source:  # Generator.generate reads the files: over 30 s, HF's long-form features and loop
+        out = generator.generate(audio=source["audio"], **options, streamer=streamer)
+        inputs = {"input_features": out.sequences[:: generator.rules.rows_per_input(out.settings)]}  # the batch
+    else:
+        inputs = generator.encoder_inputs(**source)
+        out = generator.generate(inputs, **options, streamer=streamer)
     _print_rows(generator, inputs, out, args.format, with_text=streamer is None)
     return 0
 

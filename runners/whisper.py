@@ -1,5 +1,6 @@
-"""Whisper's decoding rules, as transformers' ``WhisperGenerationMixin.generate`` applies them to
-short-form audio (≤ 30 s, one 3000-frame segment), without timestamps.
+"""Whisper's decoding rules, as transformers' ``WhisperGenerationMixin.generate`` applies them to one plain
+search: short-form audio (≤ 30 s, one 3000-frame segment), without timestamps.  Timestamps, long-form audio,
+language detection and temperature fallback run HF's loop around such searches: ``runners/whisper_longform.py``.
 
 Read from ``transformers/models/whisper/generation_whisper.py`` (transformers 5.23):
 
@@ -11,15 +12,16 @@ Read from ``transformers/models/whisper/generation_whisper.py`` (transformers 5.
   appends its id; a language without a task id in the prompt appends ``<|transcribe|>``; then
   ``<|notimestamps|>`` is appended unless it is already last.  English-only configs
   (``is_multilingual: false``) refuse ``language``/``task``.
-  elx does not run HF's language detection: where HF would detect (multilingual config, no
-  ``language``, no language in ``forced_decoder_ids``), elx proceeds as if ``language="en"``
-  (``DEFAULT_LANGUAGE``) had been passed; pass ``language`` to choose.  ``hf_language`` gives
-  the language to pass to HF so that both build the same prompt.
+  Where HF detects the language (``detects_language``: multilingual config, no ``language``, no language
+  in ``forced_decoder_ids``), ``Generator.generate`` detects it as HF does (``runners/whisper_longform.py``)
+  and ``init_tokens(detected=...)`` builds that prompt; the settings of a plain search (``settings()``,
+  ``elx compare``) take ``language="en"`` (``DEFAULT_LANGUAGE``) there, and ``hf_language`` gives the
+  language to pass to HF so that both build the same prompt.
 * **Processors** (``_retrieve_logit_processors``): ``SuppressTokens(suppress_tokens)`` at every
   step and ``SuppressTokensAtBegin(begin_suppress_tokens)`` when the sequence length equals the
   prompt length (``begin_index = init_tokens.shape[1]``, reset by ``set_begin_index`` to
   ``decoder_input_ids.shape[-1]``, the same for short-form without ``prompt_ids``); the
-  timestamp processor only with ``return_timestamps`` (refused here), the no-speech detector
+  timestamp processor only with ``return_timestamps`` (the loop's), the no-speech detector
   only with ``no_speech_threshold`` (not part of the exported defaults).  The common processors
   of ``GenerationMixin`` (no-repeat n-gram, min length) work as for other families.
 * **Length** (``_set_max_new_tokens_and_length``): ``max_new_tokens`` + prompt must not exceed

@@ -97,7 +97,7 @@ def needs_loop(manifest, options: dict, frames: int) -> bool:
     """Whether a Whisper run needs HF's loop rather than one plain search."""
     defaults = manifest.data.get("generation_defaults", {})
     return (timestamps_wanted(manifest, options, frames) or options.get("temperature") is not None
-            or options.get("do_sample") is not None
+            or options.get("do_sample") is True  # HF's loop ignores it: greedy/beam unless a temperature > 0
             or any(options.get(name) not in (None, False) for name in OPTIONS)
             or detects_language(defaults, options.get("language"), options.get("task")))
 
@@ -235,7 +235,7 @@ def _with_fallback(run: _Run, features, prompts, settings, temperatures) -> list
     return out
 
 
-def _check_options(manifest, options: dict, settings) -> None:
+def _check_options(manifest, options: dict, settings, timestamps: bool) -> None:
     for name, why in REFUSED.items():
         if options.get(name) not in (None, False):
             raise ElxError(f"{name}: {why}; drop it")
@@ -245,7 +245,7 @@ def _check_options(manifest, options: dict, settings) -> None:
     if options.get("streamer") is not None or options.get("decoder_input_ids") is not None:
         raise ElxError("streamer / decoder_input_ids are not supported with Whisper timestamps, long-form audio, "
                        "language detection or temperature fallback; drop them")
-    if "no_timestamps_token_id" not in manifest.data.get("generation_defaults", {}):
+    if timestamps and "no_timestamps_token_id" not in manifest.data.get("generation_defaults", {}):
         raise ElxError("this Whisper export's generation config has no no_timestamps_token_id: timestamps and "
                        "long-form audio are not available (HF refuses them too)")
 
@@ -268,7 +268,7 @@ def generate_loop(generator, features: np.ndarray, attention_mask, options: dict
     language, task = options.get("language"), options.get("task")
     defaults = manifest.data.get("generation_defaults", {})
     settings = generator.settings(**plain)
-    _check_options(manifest, options, settings)
+    _check_options(manifest, options, settings, timestamps)
     if timestamps and settings.eos_listed and len(settings.eos_token_id) > 1:
         raise ElxError("timestamps need one eos_token_id (HF's timestamp processor bans the ids below it); pass one")
     if frames > window and batch > 1 and attention_mask is None:

@@ -211,7 +211,7 @@ def test_single_temperature_samples(unstamped):
     _run(unstamped, _features(2, WINDOW, 4), seed=5, temperature=0.7, language="de")
 
 
-@pytest.mark.parametrize("options", [dict(return_timestamps=True), dict(language="fr", num_beams=3),
+@pytest.mark.parametrize("options", [dict(), dict(language="fr", num_beams=3),
                                      dict(language="de", temperature=(0.0, 0.4, 0.8), compression_ratio_threshold=1.5,
                                           logprob_threshold=-2.0, num_beams=1)],
                          ids=["detect", "beam3", "fallback"])
@@ -222,7 +222,7 @@ def test_openai_range_long_form(openai_range, options):
     mask[1, WINDOW + 1700:] = 0
     features = (_features(2, frames, 5) * mask[:, None, :]).astype(np.float32)
     _run(openai_range, features, seed=3, attention_mask=mask, return_timestamps=True, **options)
-    _run(openai_range, features[:1, :, :WINDOW], return_timestamps=True, **options)  # short-form, timestamps
+    _run(openai_range, features[:1, :, :WINDOW], seed=3, **{**options, "return_timestamps": True})  # short-form
 
 
 def test_loop_refusals(stamped):

@@ -55,11 +55,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
-from .onnx_export import save_model
-from .passes.rewrite import pass_file
-from .precision import _exact_projections, boundaries
+from elx.exporter.onnx_export import save_model
+from elx.exporter.passes.rewrite import pass_file
+from elx.exporter.precision import _exact_projections, boundaries
 
 SUFFIX = "int8"
 KEEP_LM_HEAD_FP32 = False  # measured: see the module doc
@@ -210,9 +210,9 @@ def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_L
 def finish(torch_model, folder: Path, manifest: Manifest, progress) -> dict:
     """Convert the verified fp32 export in ``folder`` to int8 in place (``manifest`` updated, fp32 graph files
     removed), then measure and record what int8 changes (``verification.int8``); one progress stage each."""
-    from .passes.rewrite import drop_unused_files
-    from .precision_int8_check import record
-    from .progress import WEIGHTS
+    from elx.exporter.passes.rewrite import drop_unused_files
+    from elx.exporter.precision_int8_check import record
+    from elx.exporter.progress import WEIGHTS
 
     with progress.stage("int8 conversion", WEIGHTS["fp16"]) as stage:
         before = manifest.copy()

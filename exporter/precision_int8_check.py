@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
 DRAW = {"seed": 0, "batch_size": 8, "input_length": 32, "max_new_tokens": 16}
 SEARCHES = {"greedy": 1, "beam4": 4}
@@ -48,7 +48,7 @@ def search_name(num_beams: int) -> str:
 
 
 def summarize(report) -> dict:
-    """The recorded figures of one ``exporter.compare.CompareReport``."""
+    """The recorded figures of one ``elx.exporter.compare.CompareReport``."""
     rows = report.rows
     top1 = np.array([s for r in rows for s in r.step_top1], dtype=bool)
     steps = max((len(r.step_top1) for r in rows), default=0)
@@ -64,10 +64,10 @@ def summarize(report) -> dict:
 
 def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:
     """``verification.int8`` for the int8 export ``manifest`` describes (see the module doc)."""
-    from runners.generate import Generator, Model, make_backend
+    from elx.runners.generate import Generator, Model, make_backend
 
-    from .compare import compare_loaded
-    from .verify import verify_export
+    from elx.exporter.compare import compare_loaded
+    from elx.exporter.verify import verify_export
 
     draw = dict(draw or DRAW)
     random_inputs = verify_export(torch_model, manifest)

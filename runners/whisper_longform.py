@@ -41,15 +41,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from .errors import ElxError
-from .hooks import CallArguments, graph_may_block, search_hooks
-from .log_softmax import log_softmax, torch_module
-from .processors import ProcessorInputs, build_processors
-from .search import beam_search, greedy_search
-from .search_hooks import SearchHooks
-from .settings import config_values
-from .whisper import detects_language, init_tokens, max_target_positions, total_max_length
-from .whisper_timestamps import TimestampRules, cut_segments
+from elx.runners.errors import ElxError
+from elx.runners.hooks import CallArguments, graph_may_block, search_hooks
+from elx.runners.search.log_softmax import log_softmax, torch_module
+from elx.runners.search.processors import ProcessorInputs, build_processors
+from elx.runners.search.search import beam_search, greedy_search
+from elx.runners.search.search_hooks import SearchHooks
+from elx.runners.search.settings import config_values
+from elx.runners.whisper import detects_language, init_tokens, max_target_positions, total_max_length
+from elx.runners.whisper_timestamps import TimestampRules, cut_segments
 
 # Whisper generate's own arguments (beside GenerationConfig's fields) this loop reads
 IMPLEMENTED = ("return_segments", "compression_ratio_threshold", "logprob_threshold")
@@ -124,7 +124,7 @@ class _Run:
 
     def search(self, features: np.ndarray, prompt: np.ndarray, settings) -> tuple[np.ndarray, tuple | None]:
         """One plain search over ``features`` with per-row ``prompt``s: (sequences with prompt, step scores)."""
-        from .generate import _check_inputs
+        from elx.runners.generate import _check_inputs
 
         manifest, begin = self.manifest, prompt.shape[1]
         user = list(self.args.logits_processor)
@@ -154,7 +154,7 @@ def detect_language(run: _Run, features: np.ndarray) -> np.ndarray:
                        do_sample=False, num_return_sequences=1, input_repeats=1)
     window = features[:, :, : window_frames(run.manifest)]
     model = run.generator.model.for_run(None)
-    from .generate import _check_inputs
+    from elx.runners.generate import _check_inputs
 
     state = model.encode(_check_inputs(run.manifest, {"input_features": window}))
     prompt = np.full((features.shape[0], 1), settings.decoder_start_token_id, dtype=np.int64)
@@ -322,10 +322,10 @@ def generate_loop(generator, features: np.ndarray, attention_mask, options: dict
 def run_loop(generator, options: dict, *, inputs=None, audio=None, input_features=None, attention_mask=None,
              decode: bool = True):
     """``Generator.generate``'s Whisper branch: HF's loop when the call needs it (``needs_loop``), else None."""
-    from .generate import GenerationOutput
+    from elx.runners.generate import GenerationOutput
 
     if audio is not None:
-        from .audio import features_from_files
+        from elx.runners.inputs.audio import features_from_files
 
         given = features_from_files(generator.manifest.folder, audio, long_form=True)
         features, attention_mask = given["input_features"], given.get("attention_mask")

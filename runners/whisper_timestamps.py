@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .log_softmax import log_softmax, torch_module
+from elx.runners.search.log_softmax import log_softmax, torch_module
 
 NEG_INF = np.float32(-np.inf)
 

@@ -1,4 +1,4 @@
-"""Decoder-only peers of ``elx bench`` (exporter/bench_peers.py) on a tiny Llama (head width 16: GenAI's
+"""Decoder-only peers of ``elx bench`` (exporter/bench/peers.py) on a tiny Llama (head width 16: GenAI's
 GroupQueryAttention kernel needs a multiple of 16).  Each skips with the reason when its package is missing."""
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.bench import BenchSettings
-from exporter.bench_peers import make_peer
+from elx.exporter.bench.bench import BenchSettings
+from elx.exporter.bench.peers import make_peer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from exporter.sources import resolve_model
+    from elx.exporter.sources import resolve_model
     from tests.conftest import make_model_folder
 
     root = tmp_path_factory.mktemp("peers")

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elx.cli import main as elx_main
-from runners.errors import ElxError
-from runners.generate import Generator
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
 
 SOT, EOS = 3, 2
 LANGS = {"<|en|>": 10, "<|fr|>": 11, "<|de|>": 12}
@@ -43,9 +43,9 @@ def _session_whisper(exported, model_folders, no_timestamps: int):
     the manifest, edited here as HF's is."""
     from transformers import WhisperForConditionalGeneration
 
-    from runners.generate import make_backend
-    from runners.manifest import Manifest
-    from runners.model import Model
+    from elx.runners.generate import make_backend
+    from elx.runners.manifest import Manifest
+    from elx.runners.model import Model
 
     config = _generation_config(no_timestamps)
     manifest = Manifest.load(exported("whisper")).copy()
@@ -76,7 +76,7 @@ def openai_range(tmp_path_factory):
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     if not LONG:
         pytest.skip("exports a model of its own (~90 s): set ELX_LONG_TESTS=1")
@@ -128,7 +128,7 @@ def _same(hf, elx):
 @pytest.fixture
 def sampled_tries(monkeypatch):
     """Counts the loop's searches that sampled (the fallback's tries above temperature 0)."""
-    from runners import whisper_longform
+    from elx.runners import whisper_longform
 
     counted = []
     search = whisper_longform._Run.search
@@ -181,7 +181,7 @@ def test_language_detection(unstamped):
     features = _features(4, WINDOW, 2)
     with torch.no_grad():
         expected = model.detect_language(torch.from_numpy(features)).tolist()
-    from runners.whisper_longform import _Run, detect_language
+    from elx.runners.whisper_longform import _Run, detect_language
 
     run = _Run(generator, generator.settings(), {}, False)
     assert detect_language(run, features).tolist() == expected
@@ -267,7 +267,7 @@ def test_timestamp_processor_matches_hf(case):
     from transformers import GenerationConfig
     from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
 
-    from runners.whisper_timestamps import TimestampRules
+    from elx.runners.whisper_timestamps import TimestampRules
 
     no_ts, begin, tokens, scores, max_initial, eos = case
     config = GenerationConfig(eos_token_id=eos, no_timestamps_token_id=no_ts, max_initial_timestamp_index=max_initial)
@@ -284,7 +284,7 @@ def test_segment_cut_matches_hf(tokens, seek, frames, prompt_len):
     import torch
     from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
-    from runners.whisper_timestamps import cut_segments
+    from elx.runners.whisper_timestamps import cut_segments
 
     begin = 10
     sequence = torch.tensor(tokens)
@@ -302,7 +302,7 @@ def test_segment_cut_matches_hf(tokens, seek, frames, prompt_len):
 def test_timestamp_processor_eos_zero_pinned():
     """Found by hypothesis: HF's processor bans ``[:eos or bos]`` after a single timestamp; an EOS of 0 without a
     BOS bans the whole row (a slice to None)."""
-    from runners.whisper_timestamps import TimestampRules
+    from elx.runners.whisper_timestamps import TimestampRules
 
     scores = np.zeros((1, 7), dtype=np.float32)
     out = TimestampRules(4, None, 1, None)(np.array([[0, 0, 5]]), scores)
@@ -316,7 +316,7 @@ def test_long_audio_files(exported, model_folders, tmp_path, capsys):
 
     from transformers import WhisperFeatureExtractor
 
-    from runners.audio import features_from_files
+    from elx.runners.inputs.audio import features_from_files
 
     from tests.hf_reference import hf_numpy_features
     from tests.tools_loader import load_tool

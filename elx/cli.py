@@ -117,12 +117,21 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-start-token-id", type=int, metavar="ID",
                    help="the token the decoder starts with (mBART-cc25: the target language's id)")
     g.add_argument("--language", help="Whisper: spoken language, e.g. en or english (multilingual models; "
-                                      "default en where HF would detect it)")
+                                      "default: detected, as HF does)")
     g.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe (default) or translate")
+    g.add_argument("--return-timestamps", action="store_true", default=None,
+                   help="Whisper: timestamp tokens and segments (printed as [start -> end] lines); audio over 30 s "
+                        "always gets them")
+    g.add_argument("--compression-ratio-threshold", type=float, metavar="X",
+                   help="Whisper: retry a window at the next --temperature when its tokens compress by more than X")
+    g.add_argument("--logprob-threshold", type=float, metavar="X",
+                   help="Whisper: retry a window at the next --temperature when its mean log-probability is below X")
     g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
                    help="sample instead of greedy/beam search (--no-do-sample: greedy even where the model's "
                         "generation config samples)")
-    g.add_argument("--temperature", type=float, metavar="X", help="sampling: logits divided by X (HF's default 1.0)")
+    g.add_argument("--temperature", type=_temperatures, metavar="X",
+                   help="sampling: logits divided by X (HF's default 1.0); Whisper: X1,X2,... the temperature "
+                        "fallback's tries (0: greedy/beam, > 0: sampling)")
     g.add_argument("--top-k", type=int, metavar="N", help="sampling: keep the N most likely tokens (HF's default 50; "
                                                           "0: off)")
     g.add_argument("--top-p", type=float, metavar="X", help="sampling: keep the most likely tokens up to probability X")
@@ -164,7 +173,17 @@ GENERATION_KEYS = ("num_beams", "num_return_sequences", "max_new_tokens", "min_n
                    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
                    "repetition_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
                    "renormalize_logits", "max_time", "stop_strings", "seed", "forced_bos_token_id",
-                   "decoder_start_token_id")
+                   "decoder_start_token_id", "return_timestamps", "compression_ratio_threshold",
+                   "logprob_threshold")
+
+
+def _temperatures(text: str):
+    """``--temperature``: one number, or Whisper's fallback list ``0.0,0.2,0.4`` (a tuple)."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or a comma-separated list of numbers: {text!r}")
+    return values[0] if len(values) == 1 else values
 
 
 def _generation_config(text: str) -> dict:
@@ -277,8 +296,12 @@ def cmd_generate(args) -> int:
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
     _note_random_weights(generator.manifest)
     streamer = _stream_printer(generator) if args.stream else None
-    inputs = generator.encoder_inputs(**source)
-    out = generator.generate(inputs, **options, streamer=streamer)
+    if "audio" in source:  # Generator.generate reads the files: over 30 s, HF's long-form features and loop
+        out = generator.generate(audio=source["audio"], **options, streamer=streamer)
+        inputs = {"input_features": out.sequences[:: generator.rules.rows_per_input(out.settings)]}  # the batch
+    else:
+        inputs = generator.encoder_inputs(**source)
+        out = generator.generate(inputs, **options, streamer=streamer)
     _print_rows(generator, inputs, out, args.format, with_text=streamer is None)
     return 0
 
@@ -296,8 +319,12 @@ def _print_rows(generator, inputs: dict, out, form: str, with_text: bool) -> Non
     rules = generator.rules
     padding = left_padding(inputs, prompt_in_sequences=rules.prompt_length(out.settings) is None)
     decode = generator.text.decode if generator.text is not None else None
-    for row in output_rows(out, rules.rows_per_input(out.settings), padding, decode):
+    for i, row in enumerate(output_rows(out, rules.rows_per_input(out.settings), padding, decode)):
         print(json_line(row) if form == "jsonl" else human_line(row, with_text))
+        if out.segments is not None and form != "jsonl":  # Whisper with timestamps: one line per segment
+            for segment in out.segments[i]:
+                words = f" {decode(segment['tokens'][None])[0].strip()}" if decode is not None else ""
+                print(f"  [{segment['start']:.2f} -> {segment['end']:.2f}]{words}")
 
 
 def _check_input_kind(manifest, source: dict) -> None:

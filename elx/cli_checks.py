@@ -47,7 +47,9 @@ def check_generation(folder, options: dict):
 
     manifest = Manifest.load(folder)
     check_generation_options(options, manifest.dims.get("vocab_size"))
-    resolve_settings(manifest, **options)
+    from elx.runners.families import rules_for
+
+    resolve_settings(manifest, **rules_for(manifest).settings_options(options))  # Whisper: its loop's own go aside
     return manifest
 
 

@@ -331,8 +331,11 @@ def check_inputs(inputs, roles) -> None:
 def check_encoder_arguments(roles, *, inputs=None, input_ids=None, attention_mask=None, text=None, audio=None,
                             input_features=None) -> None:
     """``Generator.generate``'s input forms (``roles``: the encoder inputs the model takes)."""
-    if attention_mask is not None and input_ids is None:
-        raise ElxError("attention_mask goes with input_ids; pass input_ids too (or inputs={...} with both)")
+    if attention_mask is not None and input_ids is None and input_features is None:
+        raise ElxError("attention_mask goes with input_ids (or, for Whisper's long-form audio, input_features); pass "
+                       "them too (or inputs={...} with both)")
+    if attention_mask is not None and input_features is not None:
+        check_frame_mask(attention_mask, input_features)
     if inputs is not None:
         check_inputs(inputs, roles)
     if input_ids is not None:
@@ -343,3 +346,13 @@ def check_encoder_arguments(roles, *, inputs=None, input_ids=None, attention_mas
         check_audio(audio)
     if input_features is not None:
         check_features("input_features", input_features)
+
+
+def check_frame_mask(mask, features) -> None:
+    """Whisper's long-form ``attention_mask``: [batch, frames] of 0/1 beside ``input_features`` [batch, mel, frames]."""
+    array, shape = np.asarray(mask), np.shape(features)
+    if array.ndim != 2 or len(shape) != 3 or array.shape != (shape[0], shape[2]):
+        raise ElxError(f"attention_mask must be [batch, frames] = {[shape[0], shape[-1]]} beside input_features, got "
+                       f"shape {list(array.shape)}")
+    if array.dtype.kind not in "biu" or not np.isin(array, (0, 1)).all():
+        raise ElxError("attention_mask must hold 0 and 1 (1 on each clip's frames)")

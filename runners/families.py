@@ -64,6 +64,15 @@ class EncoderDecoderRules:
             return {**values, "decoder_start_token_id": manifest.tokens.get("bos_token_id")}
         return values
 
+    def settings_options(self, options: dict) -> dict:
+        """The options a plain search's settings take (``elx generate`` checks them before loading graphs)."""
+        return options
+
+    def generate_loop(self, generator, options: dict, **given):
+        """A family's own loop around the search, when the call needs it (Whisper): its ``GenerationOutput``, or
+        None for the plain search."""
+        return None
+
     def prepare_inputs(self, inputs: dict, settings) -> dict:
         """The encoder inputs the search runs on (Whisper repeats them for num_return_sequences)."""
         return inputs
@@ -94,7 +103,21 @@ class EncoderDecoderRules:
 
 
 class WhisperRules(EncoderDecoderRules):
-    options = ("language", "task", "return_timestamps")
+    # language/task/return_timestamps, and HF Whisper generate's own arguments, which runners/whisper_longform.py
+    # runs or refuses (a plain search gets them unset)
+    options = ("language", "task", "return_timestamps", "return_segments", "compression_ratio_threshold",
+               "logprob_threshold", "no_speech_threshold", "condition_on_prev_tokens", "prompt_ids",
+               "prompt_condition_type", "return_token_timestamps")
+
+    def settings_options(self, options):
+        from elx.runners.whisper_longform import plain_options
+
+        return plain_options(options)
+
+    def generate_loop(self, generator, options, **given):
+        from elx.runners.whisper_longform import run_loop
+
+        return run_loop(generator, options, **given)
 
     def resolve(self, manifest, values, extra):
         from elx.runners.whisper import apply_rules

@@ -45,6 +45,8 @@ class GenerationOutput:
     scores: tuple | None = None
     logits: tuple | None = None
     beam_indices: np.ndarray | None = None  # beam search with return_dict_in_generate: HF's [rows, generated] int32
+    # Whisper's loop (runners/whisper_longform.py): per item, HF's segments (start, end, tokens, idxs)
+    segments: list | None = None
 
 
 def make_backend(manifest: Manifest, backend: str = "ort", device: str = "cpu", device_id: int = 0,
@@ -134,6 +136,11 @@ class Generator:
         ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
         writer thread)."""
         check_generate_call(self.manifest, locals())  # runners/arguments.py: types and shapes of every argument
+        if settings is None:  # Whisper: timestamps, long-form, detection, fallback run HF's loop (runners/families.py)
+            looped = self.rules.generate_loop(self, dict(options), inputs=inputs, audio=audio, decode=decode,
+                                              input_features=input_features, attention_mask=attention_mask)
+            if looped is not None:
+                return looped
         settings = settings or self.settings(**options)
         inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
                                      audio=audio, input_features=input_features)

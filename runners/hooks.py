@@ -60,13 +60,14 @@ class CallArguments:
 
 
 def check_family_options(manifest, options: dict, settings) -> None:
-    """What audio (Whisper) runs do not support yet: HF's Whisper generate decides sampling from ``temperature``
-    (its fallback list) and returns its own output structure."""
+    """What a plain audio (Whisper) search does not run: HF's Whisper generate decides sampling from ``temperature``
+    (its fallback list, ``runners/whisper_longform.py``, which ``generate``'s options reach) and returns its own
+    output structure."""
     if AUDIO not in manifest.encoder_inputs():
         return
     if settings.do_sample or options.get("temperature") is not None:
-        raise ElxError("Whisper samples when temperature > 0 (HF's temperature fallback), which elx does not run yet; "
-                       "drop do_sample / temperature")
+        raise ElxError("Whisper samples through HF's temperature fallback loop, which Generator.generate runs from its "
+                       "options (temperature=...), not from settings=: pass the options instead")
     if settings.return_dict_in_generate:
         raise ElxError("HF's Whisper generate returns its own output structure; return_dict_in_generate is not "
                        "supported for Whisper yet: drop it")

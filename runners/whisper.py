@@ -1,5 +1,6 @@
-"""Whisper's decoding rules, as transformers' ``WhisperGenerationMixin.generate`` applies them to
-short-form audio (≤ 30 s, one 3000-frame segment), without timestamps.
+"""Whisper's decoding rules, as transformers' ``WhisperGenerationMixin.generate`` applies them to one plain
+search: short-form audio (≤ 30 s, one 3000-frame segment), without timestamps.  Timestamps, long-form audio,
+language detection and temperature fallback run HF's loop around such searches: ``runners/whisper_longform.py``.
 
 Read from ``transformers/models/whisper/generation_whisper.py`` (transformers 5.23):
 
@@ -11,15 +12,16 @@ Read from ``transformers/models/whisper/generation_whisper.py`` (transformers 5.
   appends its id; a language without a task id in the prompt appends ``<|transcribe|>``; then
   ``<|notimestamps|>`` is appended unless it is already last.  English-only configs
   (``is_multilingual: false``) refuse ``language``/``task``.
-  elx does not run HF's language detection: where HF would detect (multilingual config, no
-  ``language``, no language in ``forced_decoder_ids``), elx proceeds as if ``language="en"``
-  (``DEFAULT_LANGUAGE``) had been passed; pass ``language`` to choose.  ``hf_language`` gives
-  the language to pass to HF so that both build the same prompt.
+  Where HF detects the language (``detects_language``: multilingual config, no ``language``, no language
+  in ``forced_decoder_ids``), ``Generator.generate`` detects it as HF does (``runners/whisper_longform.py``)
+  and ``init_tokens(detected=...)`` builds that prompt; the settings of a plain search (``settings()``,
+  ``elx compare``) take ``language="en"`` (``DEFAULT_LANGUAGE``) there, and ``hf_language`` gives the
+  language to pass to HF so that both build the same prompt.
 * **Processors** (``_retrieve_logit_processors``): ``SuppressTokens(suppress_tokens)`` at every
   step and ``SuppressTokensAtBegin(begin_suppress_tokens)`` when the sequence length equals the
   prompt length (``begin_index = init_tokens.shape[1]``, reset by ``set_begin_index`` to
   ``decoder_input_ids.shape[-1]``, the same for short-form without ``prompt_ids``); the
-  timestamp processor only with ``return_timestamps`` (refused here), the no-speech detector
+  timestamp processor only with ``return_timestamps`` (the loop's), the no-speech detector
   only with ``no_speech_threshold`` (not part of the exported defaults).  The common processors
   of ``GenerationMixin`` (no-repeat n-gram, min length) work as for other families.
 * **Length** (``_set_max_new_tokens_and_length``): ``max_new_tokens`` + prompt must not exceed
@@ -94,22 +96,29 @@ def _forced_language(defaults: dict) -> bool:
     return any(int(pair[0]) == 1 and pair[1] is not None for pair in (defaults.get("forced_decoder_ids") or []))
 
 
-def effective_language(manifest: Manifest, language: str | None, task: str | None) -> str | None:
-    """``language``, or ``DEFAULT_LANGUAGE`` where HF would run its language detection instead."""
-    defaults = manifest.data.get("generation_defaults", {})
+def detects_language(defaults: dict, language: str | None, task: str | None) -> bool:
+    """Whether HF detects the language (``_retrieve_init_tokens``): the config has ``lang_to_id``, no language is
+    given, and ``forced_decoder_ids`` (read only without language and task) put none at position 1."""
     if language is not None or not defaults.get("lang_to_id") or defaults.get("is_multilingual") is False:
-        return language
-    if task is None and _forced_language(defaults):
-        return None  # the config fixes the language; HF does not detect
-    return DEFAULT_LANGUAGE
+        return False
+    return task is not None or not _forced_language(defaults)
+
+
+def effective_language(manifest: Manifest, language: str | None, task: str | None) -> str | None:
+    """``language``, or ``DEFAULT_LANGUAGE`` where HF would detect it: the prompt of a plain search
+    (``settings()``, ``elx compare``); ``Generator.generate`` detects as HF does (``runners/whisper_longform.py``)."""
+    defaults = manifest.data.get("generation_defaults", {})
+    return DEFAULT_LANGUAGE if detects_language(defaults, language, task) else language
 
 
 def init_tokens(manifest: Manifest, language: str | None = None, task: str | None = None,
-                return_timestamps: bool = False) -> list[int]:
-    """The decoder prompt (start token included) HF builds for one batch item (``_retrieve_init_tokens``)."""
+                return_timestamps: bool = False, detected: int | None = None) -> list[int]:
+    """The decoder prompt (start token included) HF builds for one batch item (``_retrieve_init_tokens``).
+
+    ``detected``: the language token HF's detection picked (where it detects); None: ``effective_language``."""
     defaults = manifest.data.get("generation_defaults", {})
     check_language_task(defaults, language, task)
-    language = effective_language(manifest, language, task)
+    language = None if detected is not None else effective_language(manifest, language, task)
     tokens = [manifest.tokens.get("decoder_start_token_id")]
     if tokens[0] is None:
         raise ElxError("no decoder_start_token_id in the manifest; re-run 'elx export'")
@@ -123,8 +132,8 @@ def init_tokens(manifest: Manifest, language: str | None = None, task: str | Non
             if forced:
                 raise ElxError(f"forced_decoder_ids {defaults['forced_decoder_ids']} do not follow Whisper's prompt "
                                "pattern (positions 1, 2, ... without gaps)")
-    if language is not None:  # HF also lands here after detect_language(), which elx replaces by English
-        lang = language_id(defaults, language)
+    if language is not None or detected is not None:
+        lang = int(detected) if detected is not None else language_id(defaults, language)
         if len(tokens) > 1:
             tokens[1] = lang
         else:
@@ -137,6 +146,8 @@ def init_tokens(manifest: Manifest, language: str | None = None, task: str | Non
     no_timestamps = defaults.get("no_timestamps_token_id")
     if not return_timestamps and no_timestamps is not None and tokens[-1] != no_timestamps:
         tokens.append(int(no_timestamps))
+    elif return_timestamps and tokens[-1] == no_timestamps:  # e.g. tiny.en's forced_decoder_ids end with it
+        tokens.pop()
     return [int(t) for t in tokens if t is not None]  # HF drops None placeholders too
 
 
@@ -154,12 +165,21 @@ def total_max_length(manifest: Manifest, prompt_len: int, max_length: int | None
     return min(int(max_length) + min(limit // 2 - 1, prompt_len), limit)
 
 
-def apply_rules(manifest: Manifest, values: dict, language=None, task=None, return_timestamps=None) -> dict:
-    """Turn resolved generation ``values`` (defaults + overrides) into Whisper's: prompt, length, repeats."""
+def apply_rules(manifest: Manifest, values: dict, language=None, task=None, return_timestamps=None,
+                **loop_options) -> dict:
+    """Turn resolved generation ``values`` (defaults + overrides) into Whisper's: prompt, length, repeats.
+
+    ``loop_options`` (``return_segments``, the fallback thresholds, ...) belong to HF's Whisper loop
+    (``runners/whisper_longform.py``), which runs whenever one is set; a plain search gets them unset."""
+    set_ = sorted(k for k, v in loop_options.items() if v not in (None, False))
+    if set_:
+        raise ElxError(f"{', '.join(set_)}: HF's Whisper loop options, which Generator.generate runs; settings() "
+                       "describe one plain search: unset them here")
     defaults = manifest.data.get("generation_defaults", {})
     timestamps = defaults.get("return_timestamps") if return_timestamps is None else return_timestamps
     if timestamps:
-        raise ElxError("Whisper timestamps (return_timestamps) are not supported by elx runners; unset them")
+        raise ElxError("Whisper timestamps run HF's segment loop, which Generator.generate runs (return_timestamps="
+                       "True there, or --return-timestamps); settings() describe one plain search: unset them here")
     if not values.get("decoder_prompt"):
         prompt = init_tokens(manifest, language, task)
         values["decoder_start_token_id"], values["decoder_prompt"] = prompt[0], prompt[1:]

@@ -11,8 +11,11 @@ return_tensors="np")`` on its numpy path (the one it takes without torch; with t
 HF computes the STFT, mel product and log in float32 through ``torch.stft`` instead, which differs
 by up to ~3e-5), so elx and HF ``generate`` see the same features.  Neither torch nor transformers is imported here.
 
-Whisper transcribes 30 s per segment; elx runs short-form only and refuses longer audio rather
-than cutting it (HF switches to its long-form algorithm there).
+Whisper transcribes 30 s per window.  A batch whose clips all fit one window gets the short-form features
+(each clip padded to 30 s); a batch with a longer clip gets HF's long-form features (``long_form``:
+``WhisperFeatureExtractor(..., truncation=False, padding="longest", return_attention_mask=True)``, every clip
+padded to the longest, with the per-frame ``attention_mask`` HF's long-form ``generate`` reads each clip's
+length from), which ``runners/whisper_longform.py`` transcribes window by window as HF does.
 """
 from __future__ import annotations
 
@@ -350,6 +353,20 @@ class LogMelExtractor:
         ``padding="max_length"``, ``truncation=True``."""
         return np.stack([self.features(self.pad_or_trim(samples)) for samples in audio])
 
+    def long_form(self, audio: list) -> dict:
+        """Clips of which one lasts over ``n_samples`` → ``input_features`` float32 [B, feature_size, frames] and
+        ``attention_mask`` int64 [B, frames], as HF's extractor with ``truncation=False, padding="longest",
+        return_attention_mask=True``: every clip right-padded to the longest (L samples, L // hop_length frames);
+        a frame is 1 where it starts on a real sample."""
+        longest = max(len(samples) for samples in audio)
+        padded = np.full((len(audio), longest), self.padding_value, dtype=np.float32)
+        for row, samples in zip(padded, audio):
+            row[: len(samples)] = np.asarray(samples, dtype=np.float32)
+        features = np.stack([self.features(row) for row in padded])
+        starts = np.arange(features.shape[-1]) * self.hop_length
+        mask = np.stack([starts < len(samples) for samples in audio]).astype(np.int64)
+        return {"input_features": np.ascontiguousarray(features, dtype=np.float32), "attention_mask": mask}
+
     def attention_mask(self, lengths) -> np.ndarray:
         """int32 [B, nb_max_frames]: 1 where a frame starts on a real sample, as HF's ``return_attention_mask=True``.
 
@@ -385,15 +402,19 @@ def load_feature_extractor(folder) -> LogMelExtractor:
     return LogMelExtractor.from_folder(path)
 
 
-def features_from_audio(extractor: LogMelExtractor, audio: list, names: list | None = None) -> dict:
+def features_from_audio(extractor: LogMelExtractor, audio: list, names: list | None = None,
+                        long_form: bool = False) -> dict:
     """Clips at the extractor's rate (16 kHz) → ``{"input_features": float32 [B, mel bins, frames]}``.
 
-    Short-form only: a clip longer than ``n_samples`` (30 s) is refused, not cut.
+    Without ``long_form`` a clip longer than ``n_samples`` (30 s) is refused, not cut; with it, a batch with
+    such a clip gets HF's long-form features and ``attention_mask`` (``LogMelExtractor.long_form``).
     """
     if not len(audio):
         raise ElxError("no audio given")
     names = names or [f"audio {i}" for i in range(len(audio))]
     limit = extractor.n_samples
+    if long_form and max(len(samples) for samples in audio) > limit:
+        return extractor.long_form(audio)
     for samples, name in zip(audio, names):
         if len(samples) > limit:
             raise ElxError(f"{name} lasts {len(samples) / extractor.sampling_rate:.1f} s; elx transcribes up to "
@@ -401,22 +422,28 @@ def features_from_audio(extractor: LogMelExtractor, audio: list, names: list | N
     return {"input_features": np.ascontiguousarray(extractor(audio), dtype=np.float32)}
 
 
-def load_clip(path, extractor: LogMelExtractor) -> np.ndarray:
-    """A sound file as float32 mono samples at the extractor's rate; one that lasts longer than a segment (30 s) is
-    refused before it is resampled (a long file, or a header with a tiny sampling rate, would take without bound)."""
+LONG_FORM_LIMIT = 4 * 3600  # seconds: a longer file (or a header with a tiny rate) is refused before resampling
+
+
+def load_clip(path, extractor: LogMelExtractor, long_form: bool = False) -> np.ndarray:
+    """A sound file as float32 mono samples at the extractor's rate; one that lasts longer than a segment (30 s;
+    ``long_form``: ``LONG_FORM_LIMIT``) is refused before it is resampled (a long file, or a header with a tiny
+    sampling rate, would take without bound)."""
     samples, rate = read_audio(path)
     seconds = samples.size / rate
-    if seconds > extractor.chunk_length:
-        raise ElxError(f"{path} lasts {seconds:.1f} s; elx transcribes up to {extractor.chunk_length} s per file "
-                       "(Whisper short-form): split it")
+    limit = LONG_FORM_LIMIT if long_form else extractor.chunk_length
+    if seconds > limit:
+        how = "split it" if long_form else "transcribe it with timestamps (HF's long-form algorithm)"
+        raise ElxError(f"{path} lasts {seconds:.1f} s; elx transcribes up to {limit} s per file here: {how}")
     return resample(samples, rate, extractor.sampling_rate)
 
 
-def features_from_files(folder, files) -> dict:
-    """Sound files → Whisper ``input_features`` [B, mel bins, 3000] with the export's feature extractor."""
+def features_from_files(folder, files, long_form: bool = False) -> dict:
+    """Sound files → Whisper ``input_features`` [B, mel bins, 3000] with the export's feature extractor; with
+    ``long_form`` and a file over 30 s, HF's long-form features and ``attention_mask`` (``features_from_audio``)."""
     files = [files] if isinstance(files, (str, Path)) else list(files)
     if not files:
         raise ElxError("no audio files given")
     extractor = load_feature_extractor(folder)
-    audio = [load_clip(file, extractor) for file in files]
-    return features_from_audio(extractor, audio, [str(f) for f in files])
+    audio = [load_clip(file, extractor, long_form) for file in files]
+    return features_from_audio(extractor, audio, [str(f) for f in files], long_form)

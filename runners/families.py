@@ -68,10 +68,10 @@ class EncoderDecoderRules:
         """The options a plain search's settings take (``elx generate`` checks them before loading graphs)."""
         return options
 
-    def generate_loop(self, generator, options: dict, **given):
-        """A family's own loop around the search, when the call needs it (Whisper): its ``GenerationOutput``, or
-        None for the plain search."""
-        return None
+    # a family's own loop around the search (Whisper): the module whose ``run_loop(generator, options, **given)``
+    # returns its ``GenerationOutput``, or None where the call needs the plain search (named, not imported: the
+    # loop runs searches, which read these rules)
+    loop: str | None = None
 
     def prepare_inputs(self, inputs: dict, settings) -> dict:
         """The encoder inputs the search runs on (Whisper repeats them for num_return_sequences)."""
@@ -109,15 +109,12 @@ class WhisperRules(EncoderDecoderRules):
                "logprob_threshold", "no_speech_threshold", "condition_on_prev_tokens", "prompt_ids",
                "prompt_condition_type", "return_token_timestamps")
 
+    loop = "elx.runners.whisper_longform"
+
     def settings_options(self, options):
-        from elx.runners.whisper_longform import plain_options
+        from elx.runners.whisper import plain_options
 
         return plain_options(options)
-
-    def generate_loop(self, generator, options, **given):
-        from elx.runners.whisper_longform import run_loop
-
-        return run_loop(generator, options, **given)
 
     def resolve(self, manifest, values, extra):
         from elx.runners.whisper import apply_rules

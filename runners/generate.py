@@ -8,7 +8,8 @@ and returns the sequences in the layout HF returns them for the model's family, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+
 from functools import cached_property
 
 import numpy as np
@@ -17,6 +18,7 @@ from elx.runners.arguments import check_arguments, check_generate_call
 from elx.runners.backends.base import Backend
 from elx.runners.errors import ElxError
 from elx.runners.families import rules_for
+from elx.runners.generation_output import GenerationOutput
 from elx.runners.search.log_softmax import kernel as log_softmax_kernel
 from elx.runners.manifest import Manifest
 from elx.runners.model import Model
@@ -26,27 +28,9 @@ from elx.runners.search.search import beam_search, greedy_search
 from elx.runners.search.device import for_search_path
 from elx.runners.search.settings import GenerationSettings, resolve_settings
 from elx.runners.inputs.text import Text, pad_rows
-from elx.runners.inputs.validation import check_encoder_inputs, check_memory
+from elx.runners.inputs.validation import check_memory, typed_encoder_inputs
 
 BACKENDS = ("ort", "ort-io", "tensorrt")
-
-
-@dataclass
-class GenerationOutput:
-    sequences: np.ndarray  # [rows, length] int64 in HF generate's layout for the family
-    sequences_scores: np.ndarray | None  # beam search: HF's length-penalized scores per returned row; greedy: None
-    text: list | None  # decoded ``sequences`` when the folder has a tokenizer
-    raw_sequences: np.ndarray  # [rows, length] with the decoder prompt (the search's own layout)
-    settings: GenerationSettings
-    steps: int = 0
-    memory: list = field(default_factory=list)  # per step {"state_bytes", "cache_bytes", "rows"} (track_memory)
-    # return_dict_in_generate with output_scores / output_logits: HF's per-step ``scores`` (processed; beam search:
-    # log-probs) and ``logits`` (raw), each a tuple of [rows, vocab] float32, rows = batch · max(beams, sequences)
-    scores: tuple | None = None
-    logits: tuple | None = None
-    beam_indices: np.ndarray | None = None  # beam search with return_dict_in_generate: HF's [rows, generated] int32
-    # Whisper's loop (runners/whisper_longform.py): per item, HF's segments (start, end, tokens, idxs)
-    segments: list | None = None
 
 
 def make_backend(manifest: Manifest, backend: str = "ort", device: str = "cpu", device_id: int = 0,
@@ -136,15 +120,17 @@ class Generator:
         ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
         writer thread)."""
         check_generate_call(self.manifest, locals())  # runners/arguments.py: types and shapes of every argument
-        if settings is None:  # Whisper: timestamps, long-form, detection, fallback run HF's loop (runners/families.py)
-            looped = self.rules.generate_loop(self, dict(options), inputs=inputs, audio=audio, decode=decode,
-                                              input_features=input_features, attention_mask=attention_mask)
+        if settings is None and self.rules.loop:  # a family's own loop (Whisper: timestamps, long-form, detection,
+            # fallback run HF's loop, runners/whisper_longform.py), when the call needs it (else None)
+            looped = importlib.import_module(self.rules.loop).run_loop(
+                self, dict(options), inputs=inputs, audio=audio, decode=decode, input_features=input_features,
+                attention_mask=attention_mask)
             if looped is not None:
                 return looped
         settings = settings or self.settings(**options)
         inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
                                      audio=audio, input_features=input_features)
-        inputs = self.rules.prepare_inputs(_check_inputs(self.manifest, inputs), settings)
+        inputs = self.rules.prepare_inputs(typed_encoder_inputs(self.manifest, inputs), settings)
         self.rules.check_lengths(self.manifest, inputs, settings)
         prompt = self.rules.prompt(inputs, settings)
         args = CallArguments.of(options)
@@ -168,21 +154,3 @@ class Generator:
                                 result.memory, result.step_scores, result.step_logits, result.beam_indices)
 
 
-def _check_inputs(manifest: Manifest, inputs: dict) -> dict:
-    expected = manifest.encoder_inputs()
-    out = {}
-    for role, spec in expected.items():
-        if role not in inputs or inputs[role] is None:
-            if role == "attention_mask" and "input_ids" in inputs:
-                out[role] = np.ones_like(np.asarray(inputs["input_ids"]), dtype=np.int64)
-                continue
-            raise ElxError(f"this model needs encoder input {role!r}; provide it")
-        dtype = np.int64 if spec["dtype"] == "int64" else np.float32
-        out[role] = np.ascontiguousarray(np.asarray(inputs[role], dtype=dtype))
-        shape = spec.get("shape") or []
-        actual = out[role].shape
-        if shape and len(actual) != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, actual)):
-            expected_shape = ", ".join(str(d) for d in shape)
-            raise ElxError(f"encoder input {role!r} has shape {list(actual)}; this model takes [{expected_shape}]")
-    check_encoder_inputs(manifest, out)  # runners/inputs/validation.py: token ids in the vocabulary, lengths, values
-    return out

@@ -45,6 +45,26 @@ from elx.runners.errors import ElxError
 
 from elx.runners.manifest import Manifest
 
+# HF Whisper generate's own arguments: run by runners/whisper_longform.py's loop, or refused there in one line
+IMPLEMENTED = ("return_segments", "compression_ratio_threshold", "logprob_threshold")
+REFUSED = {
+    "condition_on_prev_tokens": "HF feeds the previous window's tokens left-padded under a decoder attention mask, "
+                                "which elx's step graphs do not take",
+    "prompt_ids": "prompting with previous text (prompt_ids) is not supported by elx runners yet",
+    "prompt_condition_type": "it only applies with prompt_ids, which elx runners do not support yet",
+    "no_speech_threshold": "HF's no-speech detector re-runs the model on the window inside a logits processor, "
+                           "which elx does not mirror yet",
+    "return_token_timestamps": "token timestamps come from cross-attention weights; elx's graphs return logits only",
+}
+OPTIONS = (*IMPLEMENTED, *REFUSED)
+
+
+def plain_options(options: dict) -> dict:
+    """The options of the loop's searches' settings: the loop's own left out (the temperature, which decides
+    sampling per try, and ``do_sample``, which HF's loop overrides), timestamps off (the loop builds the prompt)."""
+    plain = {k: v for k, v in options.items() if k not in (*OPTIONS, "temperature", "do_sample")}
+    return {**plain, "return_timestamps": False}
+
 TASKS = ("translate", "transcribe")  # HF's TASK_IDS
 DEFAULT_LANGUAGE = "en"
 HF_GLOBAL_MAX_LENGTH = 20  # GenerationConfig._get_default_generation_params()["max_length"]

@@ -42,27 +42,19 @@ from dataclasses import replace
 import numpy as np
 
 from elx.runners.errors import ElxError
+from elx.runners.generation_output import GenerationOutput
 from elx.runners.hooks import CallArguments, graph_may_block, search_hooks
+from elx.runners.inputs.validation import typed_encoder_inputs
 from elx.runners.search.log_softmax import log_softmax, torch_module
 from elx.runners.search.processors import ProcessorInputs, build_processors
 from elx.runners.search.search import beam_search, greedy_search
 from elx.runners.search.search_hooks import SearchHooks
 from elx.runners.search.settings import config_values
-from elx.runners.whisper import detects_language, init_tokens, max_target_positions, total_max_length
+from elx.runners.whisper import (OPTIONS, REFUSED, detects_language, init_tokens, max_target_positions,
+                                 plain_options, total_max_length)
 from elx.runners.whisper_timestamps import TimestampRules, cut_segments
 
 # Whisper generate's own arguments (beside GenerationConfig's fields) this loop reads
-IMPLEMENTED = ("return_segments", "compression_ratio_threshold", "logprob_threshold")
-REFUSED = {
-    "condition_on_prev_tokens": "HF feeds the previous window's tokens left-padded under a decoder attention mask, "
-                                "which elx's step graphs do not take",
-    "prompt_ids": "prompting with previous text (prompt_ids) is not supported by elx runners yet",
-    "prompt_condition_type": "it only applies with prompt_ids, which elx runners do not support yet",
-    "no_speech_threshold": "HF's no-speech detector re-runs the model on the window inside a logits processor, "
-                           "which elx does not mirror yet",
-    "return_token_timestamps": "token timestamps come from cross-attention weights; elx's graphs return logits only",
-}
-OPTIONS = (*IMPLEMENTED, *REFUSED)
 INPUT_STRIDE = 2  # conv1.stride * conv2.stride of every Whisper encoder
 TIME_PRECISION, TIME_PRECISION_FEATURES = 0.02, 0.01
 
@@ -84,13 +76,6 @@ def timestamps_wanted(manifest, options: dict, frames: int) -> bool:
                            "return_timestamps=True (--return-timestamps)")
         return True
     return bool(value)
-
-
-def plain_options(options: dict) -> dict:
-    """The options of the loop's searches' settings: the loop's own left out (the temperature, which decides
-    sampling per try, and ``do_sample``, which HF's loop overrides), timestamps off (the loop builds the prompt)."""
-    plain = {k: v for k, v in options.items() if k not in (*OPTIONS, "temperature", "do_sample")}
-    return {**plain, "return_timestamps": False}
 
 
 def needs_loop(manifest, options: dict, frames: int) -> bool:
@@ -124,7 +109,6 @@ class _Run:
 
     def search(self, features: np.ndarray, prompt: np.ndarray, settings) -> tuple[np.ndarray, tuple | None]:
         """One plain search over ``features`` with per-row ``prompt``s: (sequences with prompt, step scores)."""
-        from elx.runners.generate import _check_inputs
 
         manifest, begin = self.manifest, prompt.shape[1]
         user = list(self.args.logits_processor)
@@ -134,7 +118,7 @@ class _Run:
                                     manifest.data["generation_defaults"].get("max_initial_timestamp_index"))
             user.insert(0, stamps)  # HF: [begin-suppress, suppress, timestamps, *the caller's]
         args = replace(self.args, logits_processor=tuple(user))
-        inputs = _check_inputs(manifest, {"input_features": features})
+        inputs = typed_encoder_inputs(manifest, {"input_features": features})
         model = self.generator.model.for_run(settings.no_repeat_ngram_size if graph_may_block(settings, args) else None)
         processors = build_processors(settings, begin, graph_blocks_ngrams=model.returns_log_probs,
                                       inputs=ProcessorInputs(None, None, args.logits_processor,
@@ -154,9 +138,8 @@ def detect_language(run: _Run, features: np.ndarray) -> np.ndarray:
                        do_sample=False, num_return_sequences=1, input_repeats=1)
     window = features[:, :, : window_frames(run.manifest)]
     model = run.generator.model.for_run(None)
-    from elx.runners.generate import _check_inputs
 
-    state = model.encode(_check_inputs(run.manifest, {"input_features": window}))
+    state = model.encode(typed_encoder_inputs(run.manifest, {"input_features": window}))
     prompt = np.full((features.shape[0], 1), settings.decoder_start_token_id, dtype=np.int64)
     result = greedy_search(model, state, settings, [], prompt=prompt, hooks=SearchHooks(record_logits=True,
                                                                                        keep_rows=True))
@@ -322,7 +305,6 @@ def generate_loop(generator, features: np.ndarray, attention_mask, options: dict
 def run_loop(generator, options: dict, *, inputs=None, audio=None, input_features=None, attention_mask=None,
              decode: bool = True):
     """``Generator.generate``'s Whisper branch: HF's loop when the call needs it (``needs_loop``), else None."""
-    from elx.runners.generate import GenerationOutput
 
     if audio is not None:
         from elx.runners.inputs.audio import features_from_files

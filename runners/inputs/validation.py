@@ -7,7 +7,7 @@ penalty) or allocate without bound (the search allocates its token buffers for t
 length up front).
 
 ``check_manifest`` is called by ``elx.runners.manifest.Manifest.validate``, ``check_settings`` by
-``elx.runners.search.settings._validate``, ``check_encoder_inputs`` by ``elx.runners.generate._check_inputs``,
+``elx.runners.search.settings._validate``, ``check_encoder_inputs`` by ``typed_encoder_inputs`` (below),
 ``check_memory`` by ``elx.runners.generate.Generator.generate``, ``check_threads`` by the ONNX Runtime backends
 (``elx.runners.backends.ort.load_sessions``) and ``elx.runners.dataset.pipeline.generate_file``.
 """
@@ -358,3 +358,25 @@ def check_memory(manifest, settings, inputs: dict, prompt_len: int) -> None:
         raise ElxError(f"{batch} inputs x {settings.num_beams} beams x {length} tokens need about {needed / gib:.1f} "
                        f"GiB (search buffers and the self-attention cache), more than the {available / gib:.1f} GiB "
                        "of memory available; lower num_beams, the batch or the length")
+
+
+def typed_encoder_inputs(manifest, inputs: dict) -> dict:
+    """The encoder inputs the manifest names, as contiguous arrays of its dtypes (an all-ones mask where only
+    ``input_ids`` came), checked: one ``ElxError`` naming a missing input or a wrong shape or value."""
+    expected = manifest.encoder_inputs()
+    out = {}
+    for role, spec in expected.items():
+        if role not in inputs or inputs[role] is None:
+            if role == "attention_mask" and "input_ids" in inputs:
+                out[role] = np.ones_like(np.asarray(inputs["input_ids"]), dtype=np.int64)
+                continue
+            raise ElxError(f"this model needs encoder input {role!r}; provide it")
+        dtype = np.int64 if spec["dtype"] == "int64" else np.float32
+        out[role] = np.ascontiguousarray(np.asarray(inputs[role], dtype=dtype))
+        shape = spec.get("shape") or []
+        actual = out[role].shape
+        if shape and len(actual) != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, actual)):
+            expected_shape = ", ".join(str(d) for d in shape)
+            raise ElxError(f"encoder input {role!r} has shape {list(actual)}; this model takes [{expected_shape}]")
+    check_encoder_inputs(manifest, out)  # runners/inputs/validation.py: token ids in the vocabulary, lengths, values
+    return out

@@ -228,9 +228,6 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder,
                                  loaded.family.dims(loaded.model.config))
                 form = _check_decoder_only_options(loaded.family, prompt_cache)
-                if form is not None and precision != "fp32":
-                    raise ElxError(f"--precision {precision} is not available for decoder-only exports "
-                                   f"({loaded.family.name}) yet; export in fp32 (drop --precision)")
                 note = ", seeded random weights (--random-init)" if loaded.source["random_init"] else ""
                 stage.detail = f"{type(loaded.model).__name__}, family {loaded.family.name}{note}"
             data = base_manifest(loaded.model, loaded.family, loaded.source)

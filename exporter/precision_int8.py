@@ -59,7 +59,7 @@ from runners.manifest import Manifest
 
 from .onnx_export import save_model
 from .passes.rewrite import pass_file
-from .precision import _exact_projections, boundaries
+from .precision import _exact_projections, boundaries, gemms_to_matmuls
 
 SUFFIX = "int8"
 KEEP_LM_HEAD_FP32 = False  # measured: see the module doc
@@ -166,6 +166,7 @@ def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | Non
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     fold_weight_transposes(model)
+    gemms_to_matmuls(model)  # GPT-2's Conv1D: a Gemm on a constant weight
     _name_nodes(model)
     chosen, counts = choose(model, exact_outputs, logits, keep_lm_head)
     if not chosen:
@@ -181,6 +182,15 @@ def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | Non
     return quantized, counts
 
 
+def _scores_output(manifest: Manifest, name: str) -> str | None:
+    """The output of graph ``name`` holding scores: the step's logits, or a decoder-only prefill's first-step
+    scores (``first_step_scores``); None for other stages."""
+    if name == manifest.step:
+        return manifest.graphs[name].get("logits", "logits")
+    graph, _, output = (manifest.data.get("first_step_scores") or "").partition(":")
+    return output if graph == name else None
+
+
 def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_LM_HEAD_FP32,
                    reduce_range: bool = REDUCE_RANGE) -> Manifest:
     """Write the int8 graphs of the (fp32) export ``manifest`` describes into ``target``; return their manifest.
@@ -190,7 +200,7 @@ def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_L
     counts, sides = {}, boundaries(manifest)
     for name in [*manifest.stages, manifest.step]:
         spec = after.graphs[name]
-        logits = spec.get("logits", "logits") if name == manifest.step else None
+        logits = _scores_output(manifest, name)
         model = onnx.load(str(Path(manifest.folder) / spec["file"]))
         model, counts[name] = to_int8(model, sides[name].exact_outputs, logits, keep_lm_head, reduce_range)
         file = pass_file(spec["file"], SUFFIX)

@@ -1,0 +1,194 @@
+"""fp16 and int8 exports of decoder-only models (GPT-2 and Llama with GQA and Llama 3's rotary scaling).
+
+The precision folders are the session's fp32 exports (``exported``), converted and checked by the same code
+``elx export --precision fp16|int8`` runs after its passes (``Fp16Export``, ``precision_int8.finish``): no
+second trace.  One end-to-end ``elx export --precision fp16`` of GPT-2 runs through the command line.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from exporter.compare import compare, export_tolerance, format_report
+from exporter.precision import gemms_to_matmuls
+from exporter.precision_check import UNIT_ROUNDOFF, fp16_depth
+from exporter.progress import Progress
+from runners.errors import ElxError
+from runners.generate import Generator
+from runners.inputs import random_inputs
+from runners.manifest import Manifest
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+FAMILIES = ("gpt2", "llama")
+ONNX_DTYPES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.INT64: "int64"}
+_FOLDERS = {}
+
+
+def _weight_matmuls_per_layer(family: str) -> int:
+    return {"gpt2": 4, "llama": 7}[family]  # GPT-2: c_attn, c_proj, c_fc, mlp c_proj; Llama: q k v o gate up down
+
+
+def _torch_model(model_folders, family):
+    from exporter.sources import resolve_model
+
+    return resolve_model(str(model_folders[family])).model
+
+
+@pytest.fixture(scope="module")
+def converted(exported, model_folders, tmp_path_factory):
+    """``converted(family, precision)`` → the fp32 export converted as ``elx export --precision`` converts it."""
+    from exporter.export import finish_folder
+    from exporter.precision_export import fp16_checks
+    from exporter.precision_int8 import finish
+
+    def get(family: str, precision: str):
+        key = (family, precision)
+        if key not in _FOLDERS:
+            folder = tmp_path_factory.mktemp(precision) / family
+            shutil.copytree(exported(family), folder)
+            manifest = Manifest.load(folder)
+            model = _torch_model(model_folders, family)
+            progress = Progress("test", progress="none")
+            if precision == "fp16":
+                with fp16_checks("fp16", model, manifest, progress) as fp16:
+                    fp16.finish(folder, manifest)
+            else:
+                finish(model, folder, manifest, progress)
+            finish_folder(folder, manifest, progress)
+            _FOLDERS[key] = folder
+        return _FOLDERS[key]
+
+    return get
+
+
+def _generate(folder, options: dict):
+    generator = Generator.from_folder(folder)
+    inputs = random_inputs(generator.manifest, 2, 7, np.random.default_rng(3))
+    return generator.generate(inputs, track_memory=True, **options)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_only_fp16_export(exported, converted, family):
+    """Every weight MatMul in fp16 (GPT-2's Conv1D Gemms included), the prompt K/V and the cache fp16, both
+    first-step and step scores fp32; checked against PyTorch within D·u in both modes; half the cache bytes."""
+    manifest = Manifest.load(converted(family, "fp16"))
+    data = manifest.data
+    assert data["precision"] == "fp16" and data["stages"] == ["prefill"]
+    layers = manifest.dims["num_decoder_layers"]
+    for name in ("prefill", "decoder"):
+        spec = manifest.graphs[name]
+        model = onnx.load(str(manifest.graph_path(name)), load_external_data=False)
+        for values, declared in ((model.graph.input, spec["inputs"]), (model.graph.output, spec["outputs"])):
+            assert {v.name: ONNX_DTYPES[v.type.tensor_type.elem_type] for v in values} == \
+                {n: s["dtype"] for n, s in declared.items()}
+        assert spec["outputs"]["logits"]["dtype"] == "float32"  # first_step_scores and the step's logits
+        assert all(s["dtype"] == "float16" for n, s in spec["outputs"].items() if n.startswith("present."))
+        # before Gemms were rewritten, GPT-2 had one fp16 MatMul (the LM head) and D = 1
+        assert data["fp16"]["graphs"][name]["fp16: weight MatMul"] == _weight_matmuls_per_layer(family) * layers + 1
+        assert not any(n.op_type == "Gemm" for n in model.graph.node)
+    step = manifest.graphs["decoder"]["inputs"]
+    assert all(step[n]["dtype"] == "float16" for n in step if n.startswith(("prompt_key_values.", "past_key_values.")))
+    assert all(e["dtype"] == "float16" for e in manifest.cache_entries)
+    for mode in ("runtime", "fp16_arithmetic"):
+        check = data["verification"]["fp16"][mode]
+        assert 0 < check["relative_diff"] <= check["relative_tolerance"] == check["fp16_depth"] * UNIT_ROUNDOFF
+        assert [s["past"] for s in check["shapes"]] == [0, 4, 1, 7, 3]  # each side filled its own cache
+    assert data["verification"]["fp16"]["fp16_arithmetic"]["fp16_depth"] == fp16_depth(manifest) >= 2 * layers
+    options = dict(num_beams=3, max_new_tokens=5, min_new_tokens=5)
+    out16, out32 = _generate(manifest.folder, options), _generate(exported(family), options)
+    mask = 2 * 7 * 8  # the shared prompt's attention mask stays int64
+    assert len(out16.memory) == len(out32.memory) == 5
+    for m16, m32 in zip(out16.memory, out32.memory):
+        assert m16["cache_bytes"] * 2 == m32["cache_bytes"] and (m16["state_bytes"] - mask) * 2 == m32["state_bytes"] - mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_only_fp16_compare_uses_the_fp16_rule(converted, family):
+    folder = converted(family, "fp16")
+    report = compare(folder, batch_size=3, input_length=6, num_beams=2, max_new_tokens=5)
+    assert report.atol == export_tolerance(Manifest.load(folder)) > 1e-4 and report.passed, report.problems
+    assert 0 < report.max_logits_diff <= report.atol
+
+
+def test_prefix_torch_side_matches_the_fp32_export(exported, model_folders):
+    """The fp16 checks' PyTorch side (prompt, prefix and token in one forward) against the fp32 export filling
+    its own cache: the fp32 tolerance, so a wrong mask or position in the side would show."""
+    from exporter.precision_decoder_only import DecoderOnlyPrefixTorchSide
+    from exporter.verify import DECODER_ONLY_SHAPES, RuntimeSide, measure
+
+    manifest = Manifest.load(exported("llama"))
+    side = DecoderOnlyPrefixTorchSide(_torch_model(model_folders, "llama"), manifest)
+    report = measure(side, RuntimeSide(manifest, prefill=True), manifest, DECODER_ONLY_SHAPES)
+    assert report["max_abs_logits_diff"] <= report["tolerance"]
+    assert max(s["past"] for s in report["shapes"]) == 7
+
+
+def test_decoder_only_fp16_refuses_a_broken_conversion(exported, model_folders, tmp_path, monkeypatch):
+    """LM head weights off by 2% after conversion: refused by the D·u check, the folder left as it was."""
+    from exporter import precision_export
+    from exporter.precision_export import fp16_checks
+
+    convert = precision_export.to_fp16
+
+    def broken(model, family, dims, boundary):
+        model, counts = convert(model, family, dims, boundary)
+        for tensor in model.graph.initializer:
+            if tensor.data_type == TensorProto.FLOAT16 and tensor.dims[-1] == dims["vocab_size"]:
+                value = numpy_helper.to_array(tensor) * np.float16(1.02)
+                tensor.CopyFrom(numpy_helper.from_array(value.astype(np.float16), tensor.name))
+        return model, counts
+
+    monkeypatch.setattr(precision_export, "to_fp16", broken)
+    manifest = Manifest.load(exported("gpt2"))
+    with pytest.raises(ElxError, match=r"fp16 baseline vs PyTorch .*relative .* > D·u"):
+        with fp16_checks("fp16", _torch_model(model_folders, "gpt2"), manifest, Progress("t", progress="none")):
+            pass
+
+
+def _gemm_model(trans_b: int, alpha: float = 1.0, bias: bool = True) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((5, 3) if trans_b else (3, 5)).astype(np.float32)
+    inputs = ["x", "w"] + (["b"] if bias else [])
+    inits = [numpy_helper.from_array(weight, "w")]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "b"))
+    node = helper.make_node("Gemm", inputs, ["y"], transB=trans_b, alpha=alpha)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("trans_b", "alpha", "bias", "rewritten"),
+                         [(0, 1.0, True, 1), (1, 1.0, True, 1), (0, 1.0, False, 1), (0, 0.5, True, 0)])
+def test_gemms_to_matmuls_computes_the_same(trans_b, alpha, bias, rewritten):
+    import onnxruntime as ort
+
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    model = _gemm_model(trans_b, alpha, bias)
+    before = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    assert gemms_to_matmuls(model) == rewritten
+    ops = [n.op_type for n in model.graph.node]
+    assert ops == (["MatMul", "Add"] if bias else ["MatMul"]) if rewritten else ["Gemm"]
+    after = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(os.environ.get("ELX_LONG_TESTS") != "1", reason="a whole export (~40 s here); the conversion "
+                    "and checks it runs are tested above on the session's exports; set ELX_LONG_TESTS=1")
+def test_cli_exports_gpt2_in_fp16(model_folders, tmp_path):
+    """``elx export --precision fp16`` of a decoder-only model (refused in one line before this change)."""
+    out = tmp_path / "gpt2-fp16"
+    proc = subprocess.run([sys.executable, "-m", "elx", "export", "--model", str(model_folders["gpt2"]), "--output",
+                           str(out), "--precision", "fp16", "--quiet"], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+    data = Manifest.load(out).data
+    assert data["precision"] == "fp16" and "fp16" in data["verification"]

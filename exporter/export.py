@@ -202,7 +202,7 @@ def _check_decoder_only_options(family, prompt_cache) -> str | None:
 def _total_weight(requests: list, precision: str) -> float:
     """The export's stages' weights (``WEIGHTS``), graphs counted as an encoder-decoder export's."""
     graphs = WEIGHTS["encoder"] + WEIGHTS["cross_kv"] + WEIGHTS["decoder"]
-    fp16 = {"fp16": WEIGHTS["fp16"] * (2 + len(requests)), "int8": WEIGHTS["fp16"] * 2}.get(precision, 0)
+    fp16 = {"fp16": WEIGHTS["fp16"] * (2 + len(requests)), "int8": WEIGHTS["fp16"] * 3}.get(precision, 0)
     return (WEIGHTS["load"] + graphs + WEIGHTS["verify"] + WEIGHTS["pass"] * len(requests) + fp16 + WEIGHTS["store"]
             + WEIGHTS["write"])
 

@@ -124,7 +124,9 @@ def gemms_to_matmuls(model: onnx.ModelProto) -> int:
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
         out = node.output[0]
         product = f"{out}/matmul" if bias else out
-        nodes.append(helper.make_node("MatMul", [node.input[0], name], [product], node.name or f"{out}/gemm"))
+        matmul = helper.make_node("MatMul", [node.input[0], name], [product], node.name or f"{out}/gemm")
+        matmul.metadata_props.extend(node.metadata_props)  # the module path (int8's per-layer rule reads it)
+        nodes.append(matmul)
         if bias:
             nodes.append(helper.make_node("Add", [product, bias], [out], f"{out}/gemm_bias"))
         rewritten += 1

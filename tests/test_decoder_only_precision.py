@@ -192,3 +192,134 @@ def test_cli_exports_gpt2_in_fp16(model_folders, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = Manifest.load(out).data
     assert data["precision"] == "fp16" and "fp16" in data["verification"]
+
+
+# -- int8 ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_only_int8_export_records_agreement(exported, converted, family):
+    """Every weight MatMul of both graphs on int8 weights (GPT-2's Gemms included) unless the per-layer
+    measurement kept its layer fp32; graph IO as fp32's; the record has decoder-only top-1 agreement per step,
+    and every layer's error measured alone."""
+    fp32, manifest = Manifest.load(exported(family)), Manifest.load(converted(family, "int8"))
+    data = manifest.data
+    assert data["precision"] == "int8"
+    layers = data["int8"]["layers"]
+    expected = [f"{'h' if family == 'gpt2' else 'layers'}.{i}" for i in range(manifest.dims["num_decoder_layers"])]
+    assert sorted(layers["max_abs_logits_diff"]) == sorted([*expected, "lm_head"])
+    assert all(e > 0 for e in layers["max_abs_logits_diff"].values())
+    kept = layers["kept_fp32"]
+    assert kept == [k for k, e in layers["max_abs_logits_diff"].items()
+                    if e > layers["factor"] * layers["median_max_abs_logits_diff"]]
+    assert data["int8"]["lm_head"] == ("fp32" if "lm_head" in kept else "int8")
+    per_layer = _weight_matmuls_per_layer(family)
+    for name in ("prefill", "decoder"):
+        counts = data["int8"]["graphs"][name]
+        quantized = counts.get("int8: weight MatMul", 0) + counts.get("int8: LM head", 0)
+        kept_here = counts.get("fp32: layer out of line (measured)", 0) + counts.get("fp32: LM head", 0)
+        assert quantized + kept_here == per_layer * len(expected) + 1
+        assert kept_here == per_layer * len([k for k in kept if k != "lm_head"]) + ("lm_head" in kept)
+        assert manifest.graphs[name]["inputs"] == fp32.graphs[name]["inputs"]
+        assert manifest.graphs[name]["outputs"] == fp32.graphs[name]["outputs"]
+    found = data["verification"]["int8"]
+    for name in ("greedy", "beam4"):
+        search = found["searches"][name]
+        assert search["top1_pairs"] == search["rows"] * found["draw"]["max_new_tokens"] > 0
+        assert len(search["top1_agreement_per_step"]) == found["draw"]["max_new_tokens"]
+        assert 0 < search["max_abs_logits_diff"] < 1
+    assert [s["past"] for s in found["random_inputs"]["shapes"]] == [0, 4, 1, 7, 3]
+
+
+def test_decoder_only_int8_compare_reproduces_its_record(converted):
+    folder = converted("llama", "int8")
+    manifest = Manifest.load(folder)
+    found = manifest.data["verification"]["int8"]
+    draw = found["draw"]
+    report = compare(folder, batch_size=draw["batch_size"], input_length=draw["input_length"], seed=draw["seed"],
+                     num_beams=4, max_new_tokens=draw["max_new_tokens"])
+    recorded = found["searches"]["beam4"]
+    assert report.agreement.same_draw and report.passed, report.problems
+    assert report.agreement.measured["rows_identical"] == recorded["rows_identical"]
+    assert report.agreement.measured["top1_agree"] == recorded["top1_agree"]
+    assert format_report(report, []).endswith("PASS")
+
+
+def test_decoder_only_int8_compare_fails_a_damaged_export(converted, tmp_path):
+    """Every int8 weight of the step graph sign-flipped: the logits leave the recorded bound and the top-1
+    agreement falls below the record."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(converted("gpt2", "int8"), folder)
+    manifest = Manifest.load(folder)
+    path = manifest.graph_path(manifest.step)
+    model = onnx.load(str(path))
+    for tensor in model.graph.initializer:
+        if tensor.data_type == TensorProto.INT8:
+            tensor.CopyFrom(numpy_helper.from_array((-numpy_helper.to_array(tensor)).astype(np.int8), tensor.name))
+    onnx.save(model, str(path))
+    draw = manifest.data["verification"]["int8"]["draw"]
+    report = compare(folder, batch_size=draw["batch_size"], input_length=draw["input_length"], seed=draw["seed"],
+                     num_beams=1, max_new_tokens=draw["max_new_tokens"])
+    assert not report.passed and not report.logits_within_tolerance and report.agreement.problems
+
+
+def test_per_layer_rule_keeps_an_out_of_line_layer(exported, model_folders, monkeypatch):
+    """A layer whose measured error is out of line (here: made so by scaling its measured error) stays fp32,
+    and the record says so; the others are quantized."""
+    from exporter import precision_int8_check
+    from exporter.precision_int8_layers import measure_layers
+
+    measure = precision_int8_check.random_inputs_error
+
+    def louder(torch_model, manifest, reference=None):
+        found = measure(torch_model, manifest, reference)
+        if Path(manifest.folder).name == "layers.1":  # the conversion with only layers.1 on int8 weights
+            found["max_abs_logits_diff"] *= 100
+        return found
+
+    monkeypatch.setattr(precision_int8_check, "random_inputs_error", louder)
+    manifest = Manifest.load(exported("llama"))
+    found = measure_layers(_torch_model(model_folders, "llama"), manifest)
+    assert found["kept_fp32"] == ["layers.1"]
+    assert set(found["max_abs_logits_diff"]) == {"layers.0", "layers.1", "lm_head"}
+
+
+# -- elx bench --precision -----------------------------------------------------------------------------------
+
+def test_bench_runs_precision_exports_and_says_what_hf_runs(converted):
+    """fp16 and int8 exports side by side with HF (fp32 on the CPU, said in one line), tokens counted per row."""
+    from exporter.bench import BenchSettings, hf_precision_note, markdown_table, run_bench
+
+    settings = BenchSettings(batch_size=2, input_length=6, num_beams=2, new_tokens=3, repeats=1, precision="fp16")
+    report = run_bench([converted("gpt2", "fp16"), converted("gpt2", "int8")], settings, progress="none")
+    systems = {s["system"]: s for s in report["systems"]}
+    assert set(systems) == {"HF generate (PyTorch)", "elx baseline@fp16 (prompt beam-shared)",
+                            "elx baseline@int8 (prompt beam-shared)"}
+    assert report["hf_precision"] == "fp32" and report["hf_precision_note"] == hf_precision_note(settings)
+    assert "HF generate runs in fp32 on the cpu" in markdown_table(report).splitlines()[2]
+    assert all(s["rows_equal_hf"][1] == 2 and len(s["all_seconds"]) == 1 for s in systems.values())
+
+
+def test_bench_precision_names_the_exports(monkeypatch, tmp_path):
+    """``--precision`` applies to the pass sets that name none; ``baseline@int8`` keeps its own."""
+    from exporter import bench
+    from exporter.bench import BenchSettings, export_precision
+
+    calls = []
+    monkeypatch.setattr("exporter.export.export_model",
+                        lambda model, folder, **kw: calls.append((folder.name, kw["precision"])) or folder)
+    bench.ensure_exports("gpt2", True, ["", "el", "@int8"], tmp_path, precision="fp16")
+    assert calls == [("baseline-fp16", "fp16"), ("el-fp16", "fp16"), ("baseline-int8", "int8")]
+    assert export_precision(BenchSettings(precision="fp16", backend="tensorrt", device="cuda")) == "fp32"
+    assert export_precision(BenchSettings(precision="fp16")) == "fp16"
+
+
+def test_bench_precision_option_and_refusals(tmp_path, capsys):
+    from elx.cli import build_parser, main
+
+    assert build_parser().parse_args(["bench", "--precision", "fp16"]).precision == "fp16"  # tools/gpu_check.py
+    work = tmp_path / "bench"
+    assert main(["bench", "--quick", "--backend", "tensorrt", "--device", "cuda", "--precision", "int8",
+                 "--work", str(work)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elx: error: --precision int8 runs on ONNX Runtime") and "\n" not in err
+    assert not work.exists()

@@ -45,3 +45,15 @@ def test_peer_runs_in_hfs_layout(tiny, peer, package, beams=3):
     np.testing.assert_array_equal(out[:, :9], inputs["input_ids"])
     if peer == "ort-genai":
         np.testing.assert_array_equal(out[0], hf[0])  # no padding in row 0
+
+
+def test_decoder_only_flops_count_the_gated_ffn_and_gqa_projections():
+    """Hand counts: one layer, one prompt token, no decode step.  q/o 2·2·d·i = 4096, k/v with 2 of 4 heads
+    2·2·d·i/2 = 2048, scores and values 2·2·1·i/2 = 64, FFN 2·2·d·f = 8192 (×3/2 gated: 12288), LM head 2·d·V = 640."""
+    from exporter.bench import decoder_only_flops
+
+    dims = dict(d_model=32, num_heads=4, num_kv_heads=2, d_kv=8, num_decoder_layers=1, vocab_size=10)
+    assert decoder_only_flops(dims, 64, 1, 1, 1, 1) == 4096 + 2048 + 64 + 8192 + 640
+    assert decoder_only_flops(dims, 64, 1, 1, 1, 1, gated=True) == 4096 + 2048 + 64 + 12288 + 640
+    mha = {**dims, "num_kv_heads": None}
+    assert decoder_only_flops(mha, 64, 1, 1, 1, 1) == 4096 + 4096 + 64 + 8192 + 640

@@ -323,3 +323,25 @@ def test_bench_precision_option_and_refusals(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("elx: error: --precision int8 runs on ONNX Runtime") and "\n" not in err
     assert not work.exists()
+
+
+def test_int8_composes_with_slim_rope(qwen2_exports, model_folders, tmp_path):
+    """int8 after ``slim`` (Qwen2, MHA with RoPE): the record's random-inputs check fills each side's own cache
+    (the fp32 check's random past has V entries a K-only cache lacks: a KeyError before), the slim key
+    projections and W_KV products stay fp32."""
+    from exporter.export import apply_passes, finish_folder
+    from exporter.precision_int8 import finish
+
+    folder = apply_passes(qwen2_exports["shared"], tmp_path / "slim", "slim")
+    manifest = Manifest.load(folder)
+    progress = Progress("test", progress="none")
+    found = finish(_torch_model(model_folders, "qwen2"), folder, manifest, progress)
+    finish_folder(folder, manifest, progress)
+    counts = manifest.data["int8"]["graphs"]["decoder"]
+    slimmed = len(next(p for p in manifest.passes if p["name"] == "slim")["layers"])
+    assert counts.get("fp32: slim key projection") == slimmed > 0, counts
+    # slim with RoPE stores W_KV per head (3-D): kept fp32 by that rule
+    assert counts.get("fp32: slim W_KV product", 0) + counts.get("fp32: per-head (3-D) weight", 0) >= slimmed
+    assert 0 < found["random_inputs"]["max_abs_logits_diff"] < 1
+    assert Generator.from_folder(folder).generate(input_ids=[[5, 6, 7], [8, 9]], num_beams=2,
+                                                  max_new_tokens=3).sequences.shape[0] == 2

@@ -14,8 +14,8 @@ Errors a user can fix are ``elx.ElxError`` (one line saying what is wrong and wh
 """
 from __future__ import annotations
 
-from runners.arguments import check_arguments
-from runners.errors import ElxError
+from elx.runners.arguments import check_arguments
+from elx.runners.errors import ElxError
 
 __version__ = "0.1.0"
 __all__ = ["ElxError", "Generator", "build_engine", "export", "generate_file", "__version__"]
@@ -34,7 +34,7 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
 
     Needs the export extra (PyTorch, transformers): ``pip install 'elx[export]'``."""
     check_arguments("export", locals())  # runners/arguments.py: one line naming a wrong argument
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     return export_model(model, output, random_init=random_init, passes=passes, seed=seed, force=force, quiet=quiet,
                         precision=precision, prompt_cache=prompt_cache, progress=progress)
@@ -42,15 +42,15 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
 
 def __getattr__(name: str):
     if name == "Generator":
-        from runners.generate import Generator
+        from elx.runners.generate import Generator
 
         return Generator
-    if name == "build_engine":  # TensorRT engines for an export folder (exporter/tensorrt_build.py)
-        from exporter.tensorrt_build import build_engine
+    if name == "build_engine":  # TensorRT engines for an export folder (exporter/tensorrt/build.py)
+        from elx.exporter.tensorrt.build import build_engine
 
         return build_engine
     if name == "generate_file":
-        from runners.dataset import generate_file
+        from elx.runners.dataset.pipeline import generate_file
 
         return generate_file
     raise AttributeError(f"module 'elx' has no attribute {name!r}")

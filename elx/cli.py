@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from elx.cli_checks import check_bench_model, check_export, check_export_folder, check_generation
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
 
 def _quiet_libraries() -> None:
@@ -201,7 +201,7 @@ PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each v
 
 
 def _preset_names() -> str:
-    from exporter.model_source import preset_names
+    from elx.exporter.model_source import preset_names
 
     return ", ".join(preset_names())
 
@@ -234,7 +234,7 @@ def _progress(args) -> str:
 
 def cmd_export(args) -> int:
     check_export(args.model, args.random_init, args.passes, args.output, args.force)  # before any heavy import
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
                  force=args.force, precision=args.precision, prompt_cache=args.prompt_cache,
@@ -243,7 +243,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from runners.text import token_rows
+    from elx.runners.inputs.text import token_rows
 
     if args.input_file and args.stream:
         raise ElxError("--stream prints one generation as it runs; it does not go with --input-file")
@@ -272,7 +272,7 @@ def cmd_generate(args) -> int:
     options = generation_options(args)
     manifest = check_generation(args.folder, options)  # before ONNX Runtime is loaded
     _check_input_kind(manifest, source)
-    from runners.generate import Generator
+    from elx.runners.generate import Generator
 
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
     _note_random_weights(generator.manifest)
@@ -291,7 +291,7 @@ def _note_random_weights(manifest) -> None:
 
 def _print_rows(generator, inputs: dict, out, form: str, with_text: bool) -> None:
     """Each row HF generate returns, less a decoder-only prompt's left padding (runners/output_rows.py)."""
-    from runners.output_rows import human_line, json_line, left_padding, output_rows
+    from elx.runners.output_rows import human_line, json_line, left_padding, output_rows
 
     rules = generator.rules
     padding = left_padding(inputs, prompt_in_sequences=rules.prompt_length(out.settings) is None)
@@ -302,7 +302,7 @@ def _print_rows(generator, inputs: dict, out, form: str, with_text: bool) -> Non
 
 def _check_input_kind(manifest, source: dict) -> None:
     """The input flag fits the model, said in flags (the Python API's messages name its keywords)."""
-    from runners.text import TOKENIZER_DIR
+    from elx.runners.inputs.text import TOKENIZER_DIR
 
     takes_audio = "input_features" in manifest.encoder_inputs()
     flag = {"input_ids": "--input-ids", "text": "--text", "audio": "--audio"}[next(iter(source))]
@@ -318,7 +318,7 @@ def _check_input_kind(manifest, source: dict) -> None:
 
 def _stream_printer(generator):
     """``--stream``: the text goes to stdout while it is generated, then the token line (runners/streaming.py)."""
-    from runners.streaming import TextPrinter
+    from elx.runners.streaming import TextPrinter
 
     if generator.text is None:
         raise ElxError(f"--stream prints text: {generator.manifest.folder} has no tokenizer")
@@ -326,7 +326,7 @@ def _stream_printer(generator):
 
 
 def add_dataset_options(p: argparse.ArgumentParser) -> None:
-    d = p.add_argument_group("datasets (--input-file IN --output-file OUT; see runners/dataset.py)")
+    d = p.add_argument_group("datasets (--input-file IN --output-file OUT; see runners/dataset/pipeline.py)")
     d.add_argument("--output-file", help="JSONL results, one line per input, in input order")
     d.add_argument("--batch-size", type=int, help="inputs per batch (default 16)")
     d.add_argument("--max-tokens-per-batch", type=int, help="at most this many padded input tokens per batch")
@@ -352,10 +352,10 @@ def cmd_generate_file(args) -> int:
         raise ElxError("--input-file needs --output-file OUT (JSONL results)")
     check_generation(args.folder, generation_options(args))  # before ONNX Runtime is loaded
     if not args.quiet:
-        from runners.manifest import Manifest
+        from elx.runners.manifest import Manifest
 
         _note_random_weights(Manifest.load(args.folder))
-    from runners.dataset import DEFAULT_BATCH_SIZE, generate_file
+    from elx.runners.dataset.pipeline import DEFAULT_BATCH_SIZE, generate_file
 
     batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
     try:
@@ -380,8 +380,8 @@ def cmd_generate_file(args) -> int:
 
 def cmd_compare(args) -> int:
     check_generation(args.folder, generation_options(args))  # before PyTorch and transformers are imported
-    from exporter.compare import compare, format_report
-    from runners.manifest import Manifest
+    from elx.exporter.compare import compare, format_report
+    from elx.runners.manifest import Manifest
 
     report = compare(args.folder, batch_size=args.batch_size, input_length=args.input_length, seed=args.seed,
                      threads=args.threads, atol=args.atol, backend=args.backend, device=args.device,
@@ -391,7 +391,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_import_ct2(args) -> int:
-    from exporter.ct2_import import import_ct2
+    from elx.exporter.ct2.import_whisper import import_ct2
 
     path = import_ct2(args.source, args.output)
     print(f"wrote {path}")
@@ -469,11 +469,11 @@ def _check_cuda_bench(backend: str) -> None:
 
 
 def cmd_bench(args) -> int:
-    from exporter.bench_peers import parse_peers
-    from exporter.bench_sweeps import plot_bench, require_matplotlib, sweep_beam, sweep_budget, sweep_input
-    from runners.validation import check_threads
+    from elx.exporter.bench.peers import parse_peers
+    from elx.exporter.bench.sweeps import plot_bench, require_matplotlib, sweep_beam, sweep_budget, sweep_input
+    from elx.runners.inputs.validation import check_threads
 
-    # the arguments first, then the heavy imports (exporter.bench: PyTorch, transformers, ONNX Runtime)
+    # the arguments first, then the heavy imports (elx.exporter.bench.bench: PyTorch, transformers, ONNX Runtime)
     peers = parse_peers(args.peers + (",ct2" if args.ct2 else ""))
     check_threads(args.threads)  # PyTorch's and ONNX Runtime's threads, before any export or model is loaded
     if args.sweep != "none":
@@ -494,7 +494,7 @@ def cmd_bench(args) -> int:
     check_bench_model(model, random_init, _pass_sets(args.pass_sets))
     if args.device == "cuda":
         _check_cuda_bench(args.backend)
-    from exporter.bench import (BenchSettings, ensure_engines, ensure_exports, export_precision, markdown_table,
+    from elx.exporter.bench.bench import (BenchSettings, ensure_engines, ensure_exports, export_precision, markdown_table,
                                 run_bench)
 
     work = Path(args.work) / Path(model).name
@@ -552,7 +552,7 @@ def add_build_engine_parser(sub) -> None:
 
 def cmd_build_engine(args) -> int:
     check_export_folder(args.folder)  # before the TensorRT, onnx and PyTorch imports
-    from exporter.tensorrt_build import build_engine
+    from elx.exporter.tensorrt.build import build_engine
 
     path = build_engine(args.folder, precision=args.precision, max_batch_size=args.max_batch_size,
                         max_beams=args.max_beams, max_input_length=args.max_input_length,

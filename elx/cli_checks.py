@@ -7,18 +7,18 @@ without the model or the runtime is left to the command, which checks it again i
 """
 from __future__ import annotations
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
-BENCH_PRECISIONS = ("fp32", "fp16", "int8")  # what may follow '@' in a bench pass set (exporter.bench.split_precision)
+BENCH_PRECISIONS = ("fp32", "fp16", "int8")  # what may follow '@' in a bench pass set (elx.exporter.bench.bench.split_precision)
 
 
 def check_export(model: str, random_init: bool, passes: str | None, output, force: bool) -> None:
     """``elx export``: the passes (names, arguments, combinations), the model (a folder, a preset, a cached hub id;
     a supported architecture) and whether the passes apply to it, and the output folder."""
-    from exporter.atomic import check_output
-    from exporter.families import family_for_architecture
-    from exporter.model_source import locate_model
-    from exporter.passes import check_model_kind, parse_passes
+    from elx.exporter.atomic import check_output
+    from elx.exporter.families import family_for_architecture
+    from elx.exporter.model_source import locate_model
+    from elx.exporter.passes import check_model_kind, parse_passes
 
     requests = parse_passes(passes)
     where = locate_model(model, random_init)
@@ -41,9 +41,9 @@ def check_generation(folder, options: dict):
     """``elx generate`` / ``elx compare``: the folder is an export, and the generate options resolve against its
     manifest (token ids inside its vocabulary, lengths, beams, sampling knobs) as ``Generator.generate`` resolves
     them.  Returns the manifest."""
-    from runners.arguments import check_generation_options
-    from runners.manifest import Manifest
-    from runners.settings import resolve_settings
+    from elx.runners.arguments import check_generation_options
+    from elx.runners.manifest import Manifest
+    from elx.runners.search.settings import resolve_settings
 
     manifest = Manifest.load(folder)
     check_generation_options(options, manifest.dims.get("vocab_size"))
@@ -53,11 +53,11 @@ def check_generation(folder, options: dict):
 
 def check_bench_model(model: str | None, random_init: bool, pass_sets: list[str]) -> None:
     """``elx bench``: every pass set parses, and the model (when named) is found."""
-    from exporter.model_source import locate_model
-    from exporter.passes import parse_passes
+    from elx.exporter.model_source import locate_model
+    from elx.exporter.passes import parse_passes
 
     for pass_set in pass_sets:
-        passes, _, precision = pass_set.partition("@")  # exporter.bench.split_precision's form, without its imports
+        passes, _, precision = pass_set.partition("@")  # elx.exporter.bench.bench.split_precision's form, without its imports
         if precision and precision not in BENCH_PRECISIONS:
             raise ElxError(f"--pass-sets: unknown precision {precision!r} in {pass_set!r}; after '@' name one of "
                            f"{', '.join(BENCH_PRECISIONS)}")
@@ -68,6 +68,6 @@ def check_bench_model(model: str | None, random_init: bool, pass_sets: list[str]
 
 def check_export_folder(folder) -> None:
     """``elx build-engine``: the folder is an elx export."""
-    from runners.manifest import Manifest
+    from elx.runners.manifest import Manifest
 
     Manifest.load(folder)

@@ -17,10 +17,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
-from .compare import compare
-from .precision_check import arithmetic_twin
+from elx.exporter.compare import compare
+from elx.exporter.precision_check import arithmetic_twin
 
 
 def twin_folder(folder, work: Path) -> Path:

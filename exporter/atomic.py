@@ -23,11 +23,11 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from runners.errors import ElxError
-from runners.manifest import FILENAME, FORMAT
-from runners.output_lock import dead_siblings, output_lock, signals_deferred, temp_sibling, write_failure
+from elx.runners.errors import ElxError
+from elx.runners.manifest import FILENAME, FORMAT
+from elx.runners.output_lock import dead_siblings, output_lock, signals_deferred, temp_sibling, write_failure
 
-TOKENIZER_DIR = "tokenizer"  # runners/text.py reads the tokenizer from there
+TOKENIZER_DIR = "tokenizer"  # runners/inputs/text.py reads the tokenizer from there
 
 
 # -- what may be written ---------------------------------------------------------------------------
@@ -75,7 +75,7 @@ TOKENIZER_FILES = frozenset({
 def _engine_files(section: dict) -> set[str]:
     """The files ``elx build-engine`` writes into its folder, as its manifest section names them."""
     folder = section["folder"]
-    files = {f"{folder}/build.json"}  # runners/tensorrt_engines.py's BUILD_FILE
+    files = {f"{folder}/build.json"}  # runners/backends/tensorrt_engines.py's BUILD_FILE
     graphs = section.get("graphs")
     for graph in graphs.values() if isinstance(graphs, dict) else ():
         if isinstance(graph, dict) and isinstance(graph.get("file"), str):

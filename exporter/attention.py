@@ -26,8 +26,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from .grouped_attention import probs_values, query_key_scores
-from .shared_prompt import PROMPT_KWARG, shared_prompt_attention
+from elx.exporter.grouped_attention import probs_values, query_key_scores
+from elx.exporter.shared_prompt import PROMPT_KWARG, shared_prompt_attention
 
 ATTN_IMPLEMENTATION = "elx"
 _CROSS_FLAG = "_elx_beam_shared_cross"

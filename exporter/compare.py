@@ -31,17 +31,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runners.ngram_reference import block_ngrams
-from exporter.sources import reload_model
+from elx.runners.search.ngram_reference import block_ngrams
+from elx.exporter.sources import reload_model
 
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.validation import check_encoder_inputs
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.inputs.validation import check_encoder_inputs
 
-from .hf_reference import hf_generate as _hf_generate
-from .stability import HF_VARIANTS, HfVariants, RowStability, check_rows, epsilon_of, hf_variant, same_row  # noqa: F401
-from .hf_decoding import hf_decoder_logits
-from .verify import TOLERANCE, logits_tolerance
+from elx.exporter.hf_reference import hf_generate as _hf_generate
+from elx.exporter.stability import HF_VARIANTS, HfVariants, RowStability, check_rows, epsilon_of, hf_variant, same_row  # noqa: F401
+from elx.exporter.hf_decoding import hf_decoder_logits
+from elx.exporter.verify import TOLERANCE, logits_tolerance
 
 
 @dataclass
@@ -85,7 +85,7 @@ class CompareReport:
     atol: float = TOLERANCE
     shape_identical: bool = True  # elx's output array has HF's shape
     hf_variants: tuple = ()  # the HF configurations run for the stability rule (empty: every row identical)
-    agreement: object = None  # an int8 export: exporter.precision_int8_check.Agreement (rows judged together)
+    agreement: object = None  # an int8 export: elx.exporter.precision_int8_check.Agreement (rows judged together)
 
     @property
     def all_identical(self) -> bool:
@@ -215,7 +215,7 @@ def export_tolerance(manifest) -> float:
     if precision == "fp32":
         return logits_tolerance(manifest)
     if precision == "int8":
-        from .precision_int8_check import logits_bound
+        from elx.exporter.precision_int8_check import logits_bound
 
         return logits_bound(manifest)
     check = manifest.data["verification"]["fp16"]["runtime"]
@@ -279,7 +279,7 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
                                                             settings.no_repeat_ngram_size)
         diffs, top1 = step_diffs(ours, expected, forced.shape[0]), step_top1(ours, expected, forced.shape[0])
     else:  # no encoder: the prompt's own logits are the first step's
-        from .compare_decoder_only import decoder_only_teacher_forced
+        from elx.exporter.compare_decoder_only import decoder_only_teacher_forced
 
         diffs, top1, encoder_diff = decoder_only_teacher_forced(generator, model, inputs, forced, per_item)
     fill = rules.output_fill(settings)
@@ -305,7 +305,7 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
                                                               "max_new_tokens", "min_new_tokens")},
                            atol=atol, shape_identical=elx.shape == hf.shape, hf_variants=checked)
     if int8:
-        from .precision_int8_check import judge
+        from elx.exporter.precision_int8_check import judge
 
         drawn = {"seed": seed, "batch_size": batch_size, "input_length": input_length} if own_draw else {}
         report.agreement = judge(generator.manifest, report, {**drawn, "num_beams": settings.num_beams,

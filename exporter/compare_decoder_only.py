@@ -3,7 +3,7 @@
 HF's returned rows hold the left-padded prompt and the generated tokens.  The runner takes the
 prompt as its first step (the prefill, copied to the item's rows), then one token per step;
 PyTorch runs each whole row at once with HF's mask (the prompt mask, then ones) and position ids
-(``runners/prompt.py``).  Step s compares the scores that chose generated token s: their max abs difference
+(``runners/inputs/prompt.py``).  Step s compares the scores that chose generated token s: their max abs difference
 and whether both sides' highest-scoring token is the same (the top-1 agreement an int8 export records).
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runners.generate import Generator
-from runners.prompt import sequence_positions
+from elx.runners.generate import Generator
+from elx.runners.inputs.prompt import sequence_positions
 
 
 def decoder_only_teacher_forced(generator: Generator, model, inputs: dict, sequences: np.ndarray,

@@ -5,7 +5,7 @@ runs through the **step** graph at rows = B·beams.  Names follow Optimum's deco
 (``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.{i}.key|value`` →
 ``logits``, ``present.{i}.key|value``); ``logits`` is the last position's, [rows, vocab].
 Position ids are inputs, fed as HF ``generate`` derives them from the attention mask
-(``runners/prompt.py``).
+(``runners/inputs/prompt.py``).
 
 * ``prefill``: ``input_ids``, ``attention_mask``, ``position_ids`` [B, P] → ``logits`` [B, vocab]
   (the first step's scores), ``present.{i}.key|value`` [B, h, P, d_k] (the prompt's keys/values;
@@ -35,13 +35,13 @@ from torch import nn
 from torch.export import Dim
 from transformers.cache_utils import DynamicCache
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
-from .families import Family
-from .onnx_export import _export
-from .progress import WEIGHTS
-from .shared_prompt import PROMPT_KWARG, SharedPrompt
-from .wrappers import _Graph
+from elx.exporter.families import Family
+from elx.exporter.onnx_export import _export
+from elx.exporter.progress import WEIGHTS
+from elx.exporter.shared_prompt import PROMPT_KWARG, SharedPrompt
+from elx.exporter.wrappers import _Graph
 
 PROMPT_CACHE_FORMS = ("shared", "per-beam")
 EXAMPLE = dict(batch=2, beams=3, prompt=7, past=3)

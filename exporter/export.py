@@ -10,20 +10,20 @@ import shutil
 import time
 from pathlib import Path
 
-from runners import options
-from runners.manifest import FORMAT, VERSION, Manifest
+from elx.runners import options
+from elx.runners.manifest import FORMAT, VERSION, Manifest
 
 from elx import __version__
-from .atomic import check_output, output_path, staged_folder
-from runners.errors import ElxError
-from .decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
-from .onnx_export import export_cross_kv, export_decoder, export_encoder
-from .passes import check_model_kind, check_not_applied, parse_passes
-from .precision_export import check_precision, fp16_checks, refuse_fp16
-from .progress import WEIGHTS, Progress
-from .shared_weights import folder_bytes, store_weights_once
-from .sources import resolve_model
-from .verify import require_within_tolerance, tolerance_record, verify_export
+from elx.exporter.atomic import check_output, output_path, staged_folder
+from elx.runners.errors import ElxError
+from elx.exporter.decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
+from elx.exporter.onnx_export import export_cross_kv, export_decoder, export_encoder
+from elx.exporter.passes import check_model_kind, check_not_applied, parse_passes
+from elx.exporter.precision_export import check_precision, fp16_checks, refuse_fp16
+from elx.exporter.progress import WEIGHTS, Progress
+from elx.exporter.shared_weights import folder_bytes, store_weights_once
+from elx.exporter.sources import resolve_model
+from elx.exporter.verify import require_within_tolerance, tolerance_record, verify_export
 
 
 def _as_list(value):
@@ -59,7 +59,7 @@ def _jsonable(value):
 
 def generation_defaults(gen) -> dict:
     """Every field of the model's ``generation_config`` that differs from a fresh ``GenerationConfig``'s (special
-    tokens aside: the manifest's ``tokens``), JSON-ready; the runners apply each (``runners/settings.py``).
+    tokens aside: the manifest's ``tokens``), JSON-ready; the runners apply each (``runners/search/settings.py``).
 
     A field elx does not know, or one that selects a decoding mode elx refuses (``runners/options.py``), stops
     the export with one line naming it: nothing of the model's configuration is dropped."""
@@ -250,7 +250,7 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 if fp16 is not None:
                     fp16.finish(folder, manifest)
             if precision == "int8":  # exporter/precision_int8.py: converted last, measured and recorded
-                from .precision_int8 import finish as finish_int8
+                from elx.exporter.precision_int8 import finish as finish_int8
 
                 finish_int8(loaded.model, folder, manifest, report)
             data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)

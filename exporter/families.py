@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:  # annotations only: the command line reads families before importing PyTorch
     from torch import nn
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def _fsmt_dims(c) -> dict:
 
 
 def _fsmt_attention_patch(model):
-    from .fsmt_attention import batch_first_attention
+    from elx.exporter.fsmt_attention import batch_first_attention
 
     return batch_first_attention(model)
 
@@ -183,7 +183,7 @@ FSMT = replace(  # fairseq's WMT transformer: BART's module names, its own (time
 FAMILIES = (T5, BART, WHISPER, GPT2, OPT, M2M100, PEGASUS, FSMT)
 
 # -- decoder-only families with rotary positions (issue 24; exporter/rope_families.py) -------------
-from .rope_families import ROPE_FAMILIES  # noqa: E402 - they are built on Family above
+from elx.exporter.rope_families import ROPE_FAMILIES  # noqa: E402 - they are built on Family above
 
 FAMILIES = FAMILIES + ROPE_FAMILIES
 

@@ -9,7 +9,7 @@ queries come per beam (rows = B·beam).  ``batch_first_attention`` swaps each FS
 module's ``forward`` for one that computes the same function of the same weights:
 
     x = queryᵀ (batch-first)       q = x·W_Q + b_Q           K, V: the cache's, or H·W_K + b_K, H·W_V + b_V
-    o = attention(q, K, V, mask, scale d_k^-1/2)   (``exporter.attention.attention_forward``)
+    o = attention(q, K, V, mask, scale d_k^-1/2)   (``elx.exporter.attention.attention_forward``)
     out = (o·W_O + b_O)ᵀ  (time-major again, as FSMT's layers expect)
 
 Masks as HF FSMT applies them: the key padding mask (True at padded keys) becomes an additive
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import attention_forward
+from elx.exporter.attention import attention_forward
 
 
 def _heads(x: torch.Tensor, module) -> torch.Tensor:

@@ -16,7 +16,7 @@ cached ``generate``, which the exported step graphs reproduce.
 """
 from __future__ import annotations
 
-from .families import hf_full_sequence_is_stepwise
+from elx.exporter.families import hf_full_sequence_is_stepwise
 
 
 def hf_decoder_logits(model, encoder_hidden_states, attention_mask, decoder_input_ids, **full_sequence_options):

@@ -1,6 +1,6 @@
 """HF's side of a comparison: HF ``generate`` on numpy inputs, and elx's searches fed HF's own PyTorch logits.
 
-``HfLogitsBackend`` is a stand-in for ``runners.model.Model`` (what the searches drive) built on the HF
+``HfLogitsBackend`` is a stand-in for ``elx.runners.model.Model`` (what the searches drive) built on the HF
 model itself: no cache, the decoder recomputed over the whole history every step (as
 ``generate(use_cache=False)`` does; M2M100 and FSMT, whose uncached forward computes something else:
 replayed token by token through HF's cache, as their cached ``generate`` does, ``exporter/hf_decoding.py``),
@@ -13,18 +13,18 @@ before that cast: the stability rule (``exporter/stability.py``) asks whether HF
 errors as large as an export's.
 
 ``search_backend(model, manifest)`` wraps either backend with a manifest, so that
-``runners.generate.Generator`` runs elx's settings, processors and searches on it.
+``elx.runners.generate.Generator`` runs elx's settings, processors and searches on it.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from runners.backend import DecoderCache, EncoderState
-from runners.manifest import Manifest
+from elx.runners.backends.base import DecoderCache, EncoderState
+from elx.runners.manifest import Manifest
 
-from .families import hf_full_sequence_is_stepwise
-from .hf_decoding import hf_decoder_logits
+from elx.exporter.families import hf_full_sequence_is_stepwise
+from elx.exporter.hf_decoding import hf_decoder_logits
 
 
 def torch_inputs(inputs: dict, dtype=torch.float32) -> dict:
@@ -116,7 +116,7 @@ class HfDecoderOnlyLogitsBackend(HfLogitsBackend):
         return EncoderState({"attention_mask": mask}, int(mask.shape[0]))
 
     def step(self, input_ids, state: EncoderState, cache: DecoderCache, history=None):
-        from runners.prompt import sequence_positions
+        from elx.runners.inputs.prompt import sequence_positions
 
         tokens = np.concatenate([cache.arrays["history"], input_ids], axis=1)
         prompt_mask = np.repeat(state.feeds["attention_mask"], tokens.shape[0] // state.batch, axis=0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,12 @@ def locate_model(spec: str, random_init: bool = False) -> ModelLocation:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files("exporter.presets").iterdir() if p.name.endswith(".json"))
+    return sorted(p.name[:-5] for p in resources.files("elx.exporter.presets").iterdir() if p.name.endswith(".json"))
 
 
 def find_preset(name: str) -> dict | None:
     for preset in preset_names():
-        data = json.loads(resources.files("exporter.presets").joinpath(f"{preset}.json").read_text())
+        data = json.loads(resources.files("elx.exporter.presets").joinpath(f"{preset}.json").read_text())
         if name == preset or name in data["aliases"]:
             return {"name": preset, **data}
     return None

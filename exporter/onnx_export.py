@@ -19,10 +19,10 @@ import onnx
 import torch
 from torch.export import Dim
 
-from .attention import elx_attention
-from .families import Family
-from .last_position import select_before_head
-from .wrappers import CrossKVGraph, DecoderGraph, EncoderGraph
+from elx.exporter.attention import elx_attention
+from elx.exporter.families import Family
+from elx.exporter.last_position import select_before_head
+from elx.exporter.wrappers import CrossKVGraph, DecoderGraph, EncoderGraph
 
 OPSET = 18
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; stay clear of it

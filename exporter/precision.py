@@ -1,7 +1,7 @@
 """fp16: which parts of a graph compute in fp16 and which stay fp32, decided here once.
 
 One rule for ``elx export --precision fp16`` (``exporter/precision_export.py``) and
-``elx build-engine --precision fp16`` (``exporter/tensorrt_precision.py``).  The graphs are exported,
+``elx build-engine --precision fp16`` (``exporter/tensorrt/precision.py``).  The graphs are exported,
 rewritten by passes and verified in fp32 first; the rule then rewrites the finished fp32 graphs:
 
 * **fp16**: MatMuls with a constant weight (attention projections, cross K/V, EL's per-head W_K/W_V,
@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
 PASS_THROUGH = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Concat", "Add", "Cast")
 HALF, FLOAT = TensorProto.FLOAT16, TensorProto.FLOAT

@@ -36,12 +36,12 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from .onnx_export import save_model
-from .precision import half_weight_names
-from .tensorrt_verify import with_files
+from elx.exporter.onnx_export import save_model
+from elx.exporter.precision import half_weight_names
+from elx.exporter.tensorrt.verify import with_files
 
 UNIT_ROUNDOFF = 2.0 ** -11
 MODES = ("runtime", "fp16_arithmetic")

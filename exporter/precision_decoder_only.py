@@ -6,15 +6,15 @@ export the runtime side (``exporter/verify.py``'s ``RuntimeSide`` with ``prefill
 prompt (prefill, copied per beam), then the case's prefix tokens one step each, then the case's token.
 ``DecoderOnlyPrefixTorchSide`` computes the same two scores in HF's own PyTorch forward, the whole row at
 once: the prompt repeated per beam, the prefix and the token, with HF's mask (the prompt's, then ones)
-and position ids (``runners/prompt.py``); the scores of the last position (the token's step) and of the
+and position ids (``runners/inputs/prompt.py``); the scores of the last position (the token's step) and of the
 prompt's last position (the first step's), stacked as ``RuntimeSide`` stacks them.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from runners.manifest import Manifest
-from runners.prompt import sequence_positions
+from elx.runners.manifest import Manifest
+from elx.runners.inputs.prompt import sequence_positions
 
 
 class DecoderOnlyPrefixTorchSide:
@@ -43,7 +43,7 @@ class DecoderOnlyPrefixTorchSide:
 def torch_side(model, manifest: Manifest):
     """The fp16 checks' PyTorch side: the encoder-decoder one (``verify.TorchSide`` with ``prefill``) or the
     decoder-only one above."""
-    from .verify import TorchSide
+    from elx.exporter.verify import TorchSide
 
     if manifest.data.get("is_encoder_decoder", True):
         return TorchSide(model, manifest, prefill=True)

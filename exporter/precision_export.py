@@ -30,17 +30,17 @@ from pathlib import Path
 
 import onnx
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from .onnx_export import save_model
-from .passes.ngram import log_softmax_blocked
-from .passes.rewrite import drop_unused_files, pass_file
-from .precision import boundaries, exact_entries, to_fp16
-from .precision_check import MODES, arithmetic_twin, fp16_depth, judge
-from .progress import WEIGHTS, Progress
-from .precision_decoder_only import torch_side
-from .verify import RuntimeSide, default_shapes, measure
+from elx.exporter.onnx_export import save_model
+from elx.exporter.passes.ngram import log_softmax_blocked
+from elx.exporter.passes.rewrite import drop_unused_files, pass_file
+from elx.exporter.precision import boundaries, exact_entries, to_fp16
+from elx.exporter.precision_check import MODES, arithmetic_twin, fp16_depth, judge
+from elx.exporter.progress import WEIGHTS, Progress
+from elx.exporter.precision_decoder_only import torch_side
+from elx.exporter.verify import RuntimeSide, default_shapes, measure
 
 PRECISIONS = ("fp32", "fp16", "int8")  # int8: exporter/precision_int8.py
 SUFFIX = "fp16"

@@ -63,11 +63,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
-from .onnx_export import save_model
-from .passes.rewrite import pass_file
-from .precision import _exact_projections, boundaries, gemms_to_matmuls
+from elx.exporter.onnx_export import save_model
+from elx.exporter.passes.rewrite import pass_file
+from elx.exporter.precision import _exact_projections, boundaries, gemms_to_matmuls
 
 SUFFIX = "int8"
 KEEP_LM_HEAD_FP32 = False  # measured: see the module doc
@@ -271,10 +271,10 @@ def finish(torch_model, folder: Path, manifest: Manifest, progress) -> dict:
     """Measure each layer's error quantized alone (``exporter/precision_int8_layers.py``: the layers out of line
     stay fp32), convert the verified fp32 export in ``folder`` to int8 in place (``manifest`` updated, fp32 graph
     files removed), then measure and record what int8 changes (``verification.int8``); one progress stage each."""
-    from .passes.rewrite import drop_unused_files
-    from .precision_int8_check import record
-    from .precision_int8_layers import measure_layers
-    from .progress import WEIGHTS
+    from elx.exporter.passes.rewrite import drop_unused_files
+    from elx.exporter.precision_int8_check import record
+    from elx.exporter.precision_int8_layers import measure_layers
+    from elx.exporter.progress import WEIGHTS
 
     with progress.stage("int8 per-layer error (which layers stay fp32)", WEIGHTS["fp16"]) as stage:
         layers = measure_layers(torch_model, manifest)

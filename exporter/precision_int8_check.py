@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
 DRAW = {"seed": 0, "batch_size": 8, "input_length": 32, "max_new_tokens": 16}
 SEARCHES = {"greedy": 1, "beam4": 4}
@@ -50,7 +50,7 @@ def search_name(num_beams: int) -> str:
 
 
 def summarize(report) -> dict:
-    """The recorded figures of one ``exporter.compare.CompareReport``."""
+    """The recorded figures of one ``elx.exporter.compare.CompareReport``."""
     rows = report.rows
     top1 = np.array([s for r in rows for s in r.step_top1], dtype=bool)
     steps = max((len(r.step_top1) for r in rows), default=0)
@@ -66,9 +66,9 @@ def summarize(report) -> dict:
 
 def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:
     """``verification.int8`` for the int8 export ``manifest`` describes (see the module doc)."""
-    from runners.generate import Generator, Model, make_backend
+    from elx.runners.generate import Generator, Model, make_backend
 
-    from .compare import compare_loaded
+    from elx.exporter.compare import compare_loaded
 
     draw = dict(draw or DRAW)
     random_inputs = random_inputs_error(torch_model, manifest)
@@ -85,8 +85,8 @@ def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:
 def random_inputs_error(torch_model, manifest: Manifest, reference=None) -> dict:
     """The teacher-forced logits error of ``manifest``'s graphs against PyTorch fp32 on the seeded random cases
     (prefix-filled caches; ``reference``: the PyTorch side, when the caller has built it)."""
-    from .precision_decoder_only import torch_side
-    from .verify import RuntimeSide, default_shapes, measure
+    from elx.exporter.precision_decoder_only import torch_side
+    from elx.exporter.verify import RuntimeSide, default_shapes, measure
 
     reference = reference or torch_side(torch_model, manifest)
     found = measure(reference, RuntimeSide(manifest, prefill=True), manifest, default_shapes(manifest))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import onnx
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
 OUT_OF_LINE = 4.0
 RULE = (f"a layer stays fp32 when its teacher-forced max abs logits difference, quantized alone, exceeds "
@@ -36,7 +36,7 @@ RULE = (f"a layer stays fp32 when its teacher-forced max abs logits difference, 
 
 def measured_layers(manifest: Manifest) -> list[str]:
     """The layers the rule would quantize in the fp32 export ``manifest`` describes, in graph order."""
-    from .precision_int8 import _scores_output, layers_of, prepare
+    from elx.exporter.precision_int8 import _scores_output, layers_of, prepare
 
     found = []
     for name in [*manifest.stages, manifest.step]:
@@ -47,9 +47,9 @@ def measured_layers(manifest: Manifest) -> list[str]:
 
 def measure_layers(torch_model, manifest: Manifest, progress=None) -> dict:
     """Every layer's error quantized alone, and the layers out of line (see the module doc)."""
-    from .precision_decoder_only import torch_side
-    from .precision_int8 import convert_folder
-    from .precision_int8_check import random_inputs_error
+    from elx.exporter.precision_decoder_only import torch_side
+    from elx.exporter.precision_int8 import convert_folder
+    from elx.exporter.precision_int8_check import random_inputs_error
 
     reference = torch_side(torch_model, manifest)
     errors = {}

@@ -29,7 +29,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
 MODES = ("auto", "bar", "plain", "none")
 REFRESH_SECONDS = 1.0

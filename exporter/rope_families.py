@@ -21,9 +21,9 @@ causal one the graphs apply.
 """
 from __future__ import annotations
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
-from .families import Family
+from elx.exporter.families import Family
 
 # rope types whose frequencies are fixed at load (the traced graph holds them as constants)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

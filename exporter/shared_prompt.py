@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grouped_attention import probs_values, query_key_scores
+from elx.exporter.grouped_attention import probs_values, query_key_scores
 
 PROMPT_KWARG = "elx_prompt"  # the keyword HF's modules pass through to the attention function
 

@@ -15,8 +15,8 @@ with-past and a without-past decoder):
   (which walk one graph's nodes by structure), the fp16 rule and the engine builder, and TensorRT
   builds an engine per graph anyway;
 * ONNX Runtime reads external data relative to the graph's file (``InferenceSession(path)``, as
-  ``runners/ort_backend.py`` loads graphs); TensorRT (for RTX)'s ONNX parser resolves it relative to
-  the parsed file (``parse_from_file``, as ``exporter/tensorrt_worker.py`` calls it); and
+  ``runners/backends/ort.py`` loads graphs); TensorRT (for RTX)'s ONNX parser resolves it relative to
+  the parsed file (``parse_from_file``, as ``exporter/tensorrt/worker.py`` calls it); and
   ``onnx.load`` resolves it too, so each graph file stays usable on its own (with ``weights.data``
   beside it);
 * passes and the fp16 rewrite keep loading a graph with its data and saving the rewrite as a file of
@@ -50,7 +50,7 @@ import onnx
 from onnx import TensorProto
 from onnx.external_data_helper import load_external_data_for_model, set_external_data, uses_external_data
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
 WEIGHTS_FILE = "weights.data"
 MIN_BYTES = 1024  # onnx's own default threshold for external data

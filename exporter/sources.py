@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from runners.errors import ElxError
-from .families import Family, family_for_architecture
-from .model_source import architecture_of, locate_model, preset_names  # noqa: F401 - preset_names: also here
-from .model_source import find_preset as _find_preset  # noqa: F401 - tests read presets through this module
+from elx.runners.errors import ElxError
+from elx.exporter.families import Family, family_for_architecture
+from elx.exporter.model_source import architecture_of, locate_model, preset_names  # noqa: F401 - preset_names: also here
+from elx.exporter.model_source import find_preset as _find_preset  # noqa: F401 - tests read presets through this module
 
 DEFAULT_SEED = 0
 

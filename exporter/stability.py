@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .families import hf_attention_applies
-from .hf_reference import hf_generate, search_backend
+from elx.exporter.families import hf_attention_applies
+from elx.exporter.hf_reference import hf_generate, search_backend
 
 HF_VARIANTS = ("eager-fp32", "sdpa-fp32", "fp64")  # HF configurations whose agreement rule 1 asks for
 SEEDS = 3  # seeded perturbations per amplitude
@@ -183,7 +183,7 @@ def check_rows(generator, variants: HfVariants, inputs: dict, hf: np.ndarray, hf
 def _perturb(generator, variants, inputs, hf_options, settings, found: dict, epsilon: float, fill: int) -> None:
     """Rule 3 and the margin: elx's search on HF's float64 logits, unperturbed (against HF's float64 ``generate``
     without a cache, which computes the same logits), then on the ladder."""
-    from runners.generate import Generator
+    from elx.runners.generate import Generator
 
     model = variants.get("fp64")
     hf64 = hf_generate(model, inputs, dict(hf_options, use_cache=False))

@@ -7,7 +7,7 @@ last-position scores, and the max abs difference must stay within the fp32 toler
 (``logits_tolerance``: 1e-4, or 64 float32 ulps of the largest reference logit where that is more).
 
 * ``verify_export``: HF's own PyTorch forward (per-row caches, the semantics the export must
-  match) against the exported graphs run through the runtime (``runners.model.Model``), so the
+  match) against the exported graphs run through the runtime (``elx.runners.model.Model``), so the
   manifest contract is checked along with the graphs; also compares the encoder output.
 * Decoder-only exports (``DecoderOnlyTorchSide``): the case's inputs are a left-padded prompt;
   both sides run it (the runtime through its prefill stage), then one more token per row over a
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runners.backend import DecoderCache
-from runners.errors import ElxError
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
-from runners.model import Model
-from runners.ort_backend import OrtBackend
+from elx.runners.backends.base import DecoderCache
+from elx.runners.errors import ElxError
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
+from elx.runners.model import Model
+from elx.runners.backends.ort import OrtBackend
 
 # -- the fp32 tolerance -----------------------------------------------------------------------------------
 # Two float32 evaluations of the same network (PyTorch's kernels, ONNX Runtime's; or the graphs before and
@@ -171,7 +171,7 @@ class DecoderOnlyTorchSide:
         import torch
         from transformers.cache_utils import DynamicCache
 
-        from runners.prompt import prompt_positions, sequence_positions
+        from elx.runners.inputs.prompt import prompt_positions, sequence_positions
 
         beams, generated = case.shape.beams, case.shape.past
         ids, mask = case.inputs["input_ids"], case.inputs["attention_mask"]
@@ -209,7 +209,7 @@ class TorchSide:
         with torch.no_grad():
             encoder = self.model.get_encoder()(**rep).last_hidden_state
             if self.prefill:
-                from .hf_decoding import hf_decoder_logits
+                from elx.exporter.hf_decoding import hf_decoder_logits
 
                 tokens = torch.from_numpy(np.concatenate([case.prefix, case.tokens], axis=1))
                 logits = hf_decoder_logits(self.model, encoder, rep.get("attention_mask"), tokens, use_cache=False)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from .families import Family
+from elx.exporter.families import Family
 
 
 class _Graph(nn.Module):

@@ -8,7 +8,7 @@ values.  Each function's table (``SPECS``) says what each argument must be; choi
 own (backends, precisions, pass names) are left to those modules' own one-line checks, only their types
 are checked here.
 
-Generation options (HF ``generate``'s names) are checked for types here only where ``runners/settings.py``
+Generation options (HF ``generate``'s names) are checked for types here only where ``runners/search/settings.py``
 does not check them (token ids and token lists, ``early_stopping``, Whisper's ``language``/``task``);
 token ids must lie inside the model's vocabulary (``check_generation_options``).
 """
@@ -21,7 +21,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from .errors import ElxError
+from elx.runners.errors import ElxError
 
 _SHORT = reprlib.Repr()
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong, _SHORT.maxlist, _SHORT.maxlevel = 30, 30, 30, 4, 2
@@ -86,14 +86,14 @@ def strings(name, value):
 
 
 def generator(name, value):
-    from .generate import Generator
+    from elx.runners.generate import Generator
 
     if value is not None and not isinstance(value, Generator):
         raise ElxError(f"{name} must be an elx.Generator (from Generator.from_folder) or None, got {shown(value)}")
 
 
 def settings_object(name, value):
-    from .settings import GenerationSettings
+    from elx.runners.search.settings import GenerationSettings
 
     if value is not None and not isinstance(value, GenerationSettings):
         raise ElxError(f"{name} must be a GenerationSettings (Generator.settings(...)) or None, got {shown(value)}")
@@ -155,12 +155,12 @@ def check_generate_file_call(values: dict) -> None:
     check_generation_options(options)
     if any(options.get(name) is not None for name in (*_TOKEN_OPTIONS, *_TOKEN_OR_LIST_OPTIONS,
                                                       *_TOKEN_LIST_OPTIONS)):
-        from .manifest import Manifest
+        from elx.runners.manifest import Manifest
 
         check_generation_options(options, Manifest.load(values["folder"]).dims["vocab_size"])
 
 
-# -- generation options that runners/settings.py does not type-check ---------------------------------------
+# -- generation options that runners/search/settings.py does not type-check ---------------------------------------
 
 _TOKEN_OPTIONS = ("pad_token_id", "decoder_start_token_id", "forced_bos_token_id")
 _TOKEN_OR_LIST_OPTIONS = ("eos_token_id", "forced_eos_token_id")

@@ -3,8 +3,8 @@
 HF ``generate`` treats families differently in a few places: Whisper builds its own decoder
 prompt (start, language, task, no-timestamps), suppresses tokens, has its own length rule, runs
 ``num_return_sequences`` as repeated inputs, and returns the generated tokens without prompt or
-EOS.  Each family's ``Rules`` object answers these questions; ``runners.settings``,
-``runners.generate`` and ``exporter.compare`` only ever call the rules of the manifest's family.
+EOS.  Each family's ``Rules`` object answers these questions; ``elx.runners.search.settings``,
+``elx.runners.generate`` and ``elx.exporter.compare`` only ever call the rules of the manifest's family.
 
 * ``EncoderDecoderRules`` (T5, BART, Marian, mBART, M2M100/NLLB, Pegasus, FSMT): HF's generic rules;
   the decoder prompt is the start token (the BOS where the config sets none, as in HF) and HF
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ElxError
-from .manifest import Manifest
-from .validation import check_int
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
+from elx.runners.inputs.validation import check_int
 
 
 class EncoderDecoderRules:
@@ -97,7 +97,7 @@ class WhisperRules(EncoderDecoderRules):
     options = ("language", "task", "return_timestamps")
 
     def resolve(self, manifest, values, extra):
-        from .whisper import apply_rules
+        from elx.runners.whisper import apply_rules
 
         return apply_rules(manifest, values, **extra)
 
@@ -123,12 +123,12 @@ class WhisperRules(EncoderDecoderRules):
         return int(settings.eos_token_id[0])
 
     def output_sequences(self, sequences, settings):
-        from .whisper import hf_sequences
+        from elx.runners.whisper import hf_sequences
 
         return hf_sequences(sequences, settings, self.final_eos(settings))
 
     def full_sequences(self, hf_sequences, settings):
-        from .whisper import full_sequences
+        from elx.runners.whisper import full_sequences
 
         # one more position (a pad token), so that the step after HF's last kept token (its cut EOS) is
         # teacher-forced too, and an output of no tokens at all (EOS first) still has a step to check
@@ -139,7 +139,7 @@ class WhisperRules(EncoderDecoderRules):
         return int(settings.pad_token_id) if settings.pad_token_id is not None else -1
 
     def hf_options(self, manifest, options):
-        from .whisper import hf_language
+        from elx.runners.whisper import hf_language
 
         language = hf_language(manifest, options.get("language"), options.get("task"))
         return {**options, "language": language} if language is not None else dict(options)
@@ -180,7 +180,7 @@ class DecoderOnlyRules(EncoderDecoderRules):
 
     def check_positions(self, manifest, inputs, width: int, max_length: int) -> None:
         """Learned positions (GPT-2, OPT): every position the run looks up is in the table."""
-        from .prompt import sequence_positions
+        from elx.runners.inputs.prompt import sequence_positions
 
         positions = manifest.dims.get("max_position_embeddings")
         if positions:

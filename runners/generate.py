@@ -13,19 +13,19 @@ from functools import cached_property
 
 import numpy as np
 
-from .arguments import check_arguments, check_generate_call
-from .backend import Backend
-from .errors import ElxError
-from .families import rules_for
-from .log_softmax import kernel as log_softmax_kernel
-from .manifest import Manifest
-from .model import Model
-from .hooks import CallArguments, check_family_options, decoder_prefix, graph_may_block, processor_inputs, search_hooks
-from .processors import build_processors
-from .search import beam_search, greedy_search
-from .settings import GenerationSettings, resolve_settings
-from .text import Text, pad_rows
-from .validation import check_encoder_inputs, check_memory
+from elx.runners.arguments import check_arguments, check_generate_call
+from elx.runners.backends.base import Backend
+from elx.runners.errors import ElxError
+from elx.runners.families import rules_for
+from elx.runners.search.log_softmax import kernel as log_softmax_kernel
+from elx.runners.manifest import Manifest
+from elx.runners.model import Model
+from elx.runners.hooks import CallArguments, check_family_options, decoder_prefix, graph_may_block, processor_inputs, search_hooks
+from elx.runners.search.processors import build_processors
+from elx.runners.search.search import beam_search, greedy_search
+from elx.runners.search.settings import GenerationSettings, resolve_settings
+from elx.runners.inputs.text import Text, pad_rows
+from elx.runners.inputs.validation import check_encoder_inputs, check_memory
 
 BACKENDS = ("ort", "ort-io", "tensorrt")
 
@@ -50,16 +50,16 @@ def make_backend(manifest: Manifest, backend: str = "ort", device: str = "cpu", 
                  threads: int | None = None) -> Backend:
     """The named backend on ``device``: ``ort`` (host arrays; on cuda it binds device buffers), ``ort-io``, ``tensorrt``."""
     if backend == "ort" and device == "cpu":
-        from .ort_backend import OrtBackend
+        from elx.runners.backends.ort import OrtBackend
 
         return OrtBackend(manifest, threads=threads)
     if backend in ("ort", "ort-io"):
-        from .ort_io_backend import OrtIoBackend
+        from elx.runners.backends.ort_io import OrtIoBackend
 
         return OrtIoBackend(manifest, device=device, device_id=device_id, threads=threads)
     if backend == "tensorrt":
         try:
-            from .tensorrt_backend import TensorRTBackend
+            from elx.runners.backends.tensorrt import TensorRTBackend
         except ModuleNotFoundError as err:
             if err.name and err.name.endswith("tensorrt_backend"):
                 raise ElxError("this elx build has no TensorRT backend")
@@ -105,7 +105,7 @@ class Generator:
         if audio is not None:
             if "input_features" not in roles:
                 raise ElxError("audio input needs a model whose encoder takes audio features (Whisper)")
-            from .audio import features_from_files
+            from elx.runners.inputs.audio import features_from_files
 
             return features_from_files(self.manifest.folder, audio)
         if input_features is not None:
@@ -143,7 +143,7 @@ class Generator:
         check_family_options(self.manifest, options, settings)
         if args.decoder_input_ids is not None:
             prompt = decoder_prefix(self.manifest, settings, prompt, args.decoder_input_ids, self.rules.causal_prefix)
-        check_memory(self.manifest, settings, inputs, prompt.shape[1])  # runners/validation.py: refuse what cannot fit
+        check_memory(self.manifest, settings, inputs, prompt.shape[1])  # runners/inputs/validation.py: refuse what cannot fit
         model = self.model.for_run(settings.no_repeat_ngram_size if graph_may_block(settings, args) else None)
         log_softmax_kernel()  # a bad ELX_LOG_SOFTMAX is refused before any graph runs
         processors = build_processors(settings, prompt.shape[1], graph_blocks_ngrams=model.returns_log_probs,
@@ -175,5 +175,5 @@ def _check_inputs(manifest: Manifest, inputs: dict) -> dict:
         if shape and len(actual) != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, actual)):
             expected_shape = ", ".join(str(d) for d in shape)
             raise ElxError(f"encoder input {role!r} has shape {list(actual)}; this model takes [{expected_shape}]")
-    check_encoder_inputs(manifest, out)  # runners/validation.py: token ids in the vocabulary, lengths, values
+    check_encoder_inputs(manifest, out)  # runners/inputs/validation.py: token ids in the vocabulary, lengths, values
     return out

@@ -2,8 +2,8 @@
 
 ``CallArguments`` takes ``logits_processor``, ``stopping_criteria``, ``prefix_allowed_tokens_fn``, ``streamer``,
 ``tokenizer`` and ``decoder_input_ids`` from the options ``Generator.generate`` got (``generation_config`` and
-``seed`` are settings: ``runners/settings.py``).  ``plan_run`` turns them and the settings into the
-processors' inputs and the search's hooks (``runners/search_hooks.py``), and refuses what HF refuses
+``seed`` are settings: ``runners/search/settings.py``).  ``plan_run`` turns them and the settings into the
+processors' inputs and the search's hooks (``runners/search/search_hooks.py``), and refuses what HF refuses
 (a streamer with beam search, stop strings without a tokenizer).
 """
 from __future__ import annotations
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ElxError
-from .processors import ProcessorInputs
-from .processors.user import UserCriterion
-from .sampling import Sampler
-from .search_hooks import SearchHooks
-from .stopping import MaxTime, Stopping
-from .validation import check_total_length
+from elx.runners.errors import ElxError
+from elx.runners.search.processors import ProcessorInputs
+from elx.runners.search.processors.user import UserCriterion
+from elx.runners.search.sampling import Sampler
+from elx.runners.search.search_hooks import SearchHooks
+from elx.runners.search.stopping import MaxTime, Stopping
+from elx.runners.inputs.validation import check_total_length
 
 AUDIO = "input_features"
 
@@ -104,7 +104,7 @@ def search_hooks(settings, args: CallArguments, text, batch: int, stop_cache: di
     if s.max_time is not None:
         criteria.append(MaxTime(float(s.max_time)))
     if s.stop_strings:
-        from .stop_strings import StopStrings
+        from elx.runners.search.stop_strings import StopStrings
 
         tokenizer = _stop_tokenizer(args, text)
         key = (id(tokenizer), tuple(s.stop_strings))
@@ -169,7 +169,7 @@ def decoder_prefix(manifest, settings, prompt: np.ndarray, ids, causal_prefix: b
         raise ElxError(f"decoder_input_ids of {ids.shape[1]} tokens: HF's {manifest.family} decoder reads a prefix "
                        "without a causal mask (each token sees the later ones), which elx's step graphs do not "
                        "reproduce; pass only the start token, or generate without decoder_input_ids")
-    check_total_length(settings, ids.shape[1])  # runners/validation.py: the decoder's positions
+    check_total_length(settings, ids.shape[1])  # runners/inputs/validation.py: the decoder's positions
     max_length = settings.total_max_length(ids.shape[1])
     if ids.shape[1] >= max_length:
         raise ElxError(f"decoder_input_ids make a {ids.shape[1]}-token decoder prompt but max_length is {max_length}: "

@@ -22,9 +22,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from runners import manifest_schema
-from runners.errors import ElxError
-from runners.manifest_schema import FORMAT, VERSION  # noqa: F401 - the exporter writes these
+from elx.runners import manifest_schema
+from elx.runners.errors import ElxError
+from elx.runners.manifest_schema import FORMAT, VERSION  # noqa: F401 - the exporter writes these
 
 FILENAME = "manifest.json"
 

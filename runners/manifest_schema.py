@@ -1,7 +1,7 @@
 """What a valid ``manifest.json`` is: a JSON Schema for every field the runners read, and the cross-references
 a schema cannot state (a graph input fed from another graph's output, a token id inside the vocabulary).
 
-``check(data, where)`` runs both, once, when ``runners.manifest.Manifest.load`` reads a folder, and raises one
+``check(data, where)`` runs both, once, when ``elx.runners.manifest.Manifest.load`` reads a folder, and raises one
 ``ElxError`` line naming the first bad field by its JSON path (``graphs.decoder.outputs``,
 ``cache.self[0].seq_axis``), its value, what it should be, and what to do.  A damaged or hand-edited folder
 thus fails at load, never as a ``KeyError`` or an ONNX Runtime error deep in a run.
@@ -21,7 +21,7 @@ import json
 import reprlib
 from functools import lru_cache
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
 FORMAT = "elx-manifest"
 VERSION = 1
@@ -182,7 +182,7 @@ SCHEMA = {
         "verification": {"type": "object", "description": "the export's verification records",
                          "properties": {"int8": _INT8_VERIFICATION}},
         "engines": {"type": "object", "required": ["format", "build_id", "folder", "graphs"],
-                    "description": "the TensorRT engines record (runners/tensorrt_engines.py)",
+                    "description": "the TensorRT engines record (runners/backends/tensorrt_engines.py)",
                     "properties": {"format": _int(1, "a positive integer"),
                                    "build_id": {"type": "string", "description": "a string"}, "folder": _FILE,
                                    "graphs": {"type": "object", "description": "an object of engines by graph",

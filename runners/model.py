@@ -10,7 +10,7 @@ the step graph exposes both plain logits and log-softmaxed scores with n-grams o
 blocked; a run asking for exactly that size reads the blocked scores (the searches then skip
 their log-softmax and n-gram processor), any other run reads the plain logits.
 
-Decoder-only exports (``runners/prompt.py``): ``encode`` keeps the prompt's mask and HF's
+Decoder-only exports (``runners/inputs/prompt.py``): ``encode`` keeps the prompt's mask and HF's
 position ids, and runs the prefill stage on the prompt once per input.  The first ``step`` (the
 searches hand it the prompt tokens, as for any model) then consumes the prefill's outputs instead
 of running the step graph: its scores, copied to the item's rows, and, where the manifest fills
@@ -23,11 +23,11 @@ import copy
 
 import numpy as np
 
-from .backend import Backend, DecoderCache, EncoderState
-from .errors import ElxError
-from .manifest import Manifest
-from .plan import INPUT, PROMPT_POSITIONS, RunPlan
-from .prompt import Prompt
+from elx.runners.backends.base import Backend, DecoderCache, EncoderState
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
+from elx.runners.plan import INPUT, PROMPT_POSITIONS, RunPlan
+from elx.runners.inputs.prompt import Prompt
 
 
 class Model:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
-from .errors import ElxError
+from elx.runners.errors import ElxError
 
 
 def _real(name: str, value) -> float:
@@ -73,7 +73,7 @@ def check_sampling(s) -> None:
 
 
 def check_generation_options(s) -> None:
-    """Everything beyond lengths and beams (``runners.validation.check_settings`` checks those)."""
+    """Everything beyond lengths and beams (``elx.runners.inputs.validation.check_settings`` checks those)."""
     _flag("do_sample", s.do_sample)
     if s.seed is not None:
         _integer("seed", s.seed, 0)

@@ -3,7 +3,7 @@
 HF ``generate`` reads the fields of ``GenerationConfig`` (the model's ``generation_config``, then
 the caller's keyword arguments) and a few call arguments of its own.  elx
 
-* implements most of them with HF's semantics: the fields of ``runners.settings.GenerationSettings``
+* implements most of them with HF's semantics: the fields of ``elx.runners.search.settings.GenerationSettings``
   (``SETTINGS``) and the call arguments in ``CALL_ARGUMENTS`` (``runners/hooks.py``);
 * accepts as no-ops those that cannot change what ``generate`` returns (``NO_OPS``: cache layout and
   compilation choices, parameters of modes that are not running), each with the reason;
@@ -20,9 +20,9 @@ fields: a field this module does not place fails it.
 """
 from __future__ import annotations
 
-from .errors import ElxError
+from elx.runners.errors import ElxError
 
-# GenerationConfig fields implemented as GenerationSettings fields (runners/settings.py) with HF's semantics
+# GenerationConfig fields implemented as GenerationSettings fields (runners/search/settings.py) with HF's semantics
 SETTINGS = (
     "max_length", "max_new_tokens", "min_length", "min_new_tokens", "early_stopping", "max_time", "stop_strings",
     "do_sample", "num_beams", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",

@@ -9,7 +9,7 @@ dies (SIGKILL, power loss): a killed writer never blocks the next one.
 Temporary siblings are named ``.NAME.PID-XXXXXXXX.KIND`` (``temp_sibling``): the PID says whose they
 are, so that the next writer (holding the lock) removes those of dead processes (``dead_siblings``)
 and never one of a live process, nor any file of the user's.  Export folders
-(``exporter/atomic.py``) and dataset outputs (``runners/dataset.py``) share this module, and
+(``exporter/atomic.py``) and dataset outputs (``runners/dataset/pipeline.py``) share this module, and
 ``write_failure``, the words for a write that failed (a full disk, a read-only file system).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ElxError
+from elx.runners.errors import ElxError
 
 _DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 _WRITE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",

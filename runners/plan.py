@@ -13,7 +13,7 @@
   one holds log-softmaxed scores with n-grams of one fixed size blocked in the graph.
 
 Decoder-only models (``is_encoder_decoder: false``) add three sources derived from the prompt's
-attention mask the way HF ``generate`` derives them (``runners/prompt.py``): ``prompt:position_ids``
+attention mask the way HF ``generate`` derives them (``runners/inputs/prompt.py``): ``prompt:position_ids``
 (the prompt's position ids, batch B, for a stage), ``step:position_ids`` and ``step:attention_mask``
 (this step's position ids and the mask over all positions so far, per row).  A stage may run the
 whole prompt once per input (the ``prefill``): the manifest's ``first_step_scores`` then names the
@@ -21,15 +21,15 @@ stage output holding the first step's scores, and a cache entry's ``init`` names
 (batch B) that fills it, one copy per row, at the first step (a per-beam prompt cache); without
 ``init`` a cache entry starts empty (the prompt's K/V then live in the per-input state).
 
-Backends run graphs and move tensors; ``runners.model.Model`` follows this plan on a backend.
+Backends run graphs and move tensors; ``elx.runners.model.Model`` follows this plan on a backend.
 Nothing here assumes an encoder exists, or that the encoder takes token ids.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ElxError
-from .manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
 STEP_TOKENS = "step:input_ids"
 STEP_HISTORY = "step:history"
@@ -88,7 +88,7 @@ class RunPlan:
     first_scores: str | None = None  # a stage output holding the first step's scores (decoder-only prefill)
     step_mask: str | None = None  # the step input fed from step:attention_mask
     step_positions: str | None = None  # the step input fed from step:position_ids
-    uses_prompt: bool = False  # whether a graph reads prompt-derived inputs (runners/prompt.py)
+    uses_prompt: bool = False  # whether a graph reads prompt-derived inputs (runners/inputs/prompt.py)
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> "RunPlan":

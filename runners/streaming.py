@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from .errors import ElxError
+from elx.runners.errors import ElxError
 
 
 class TextPrinter:

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
-from .manifest import Manifest
+from elx.runners.manifest import Manifest
 
 TASKS = ("translate", "transcribe")  # HF's TASK_IDS
 DEFAULT_LANGUAGE = "en"

@@ -224,7 +224,7 @@ _EXPORTS = {}
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory, model_folders):
     """``exported(family, passes)`` → folder; each (family, passes) is exported once per session."""
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     root = tmp_path_factory.mktemp("exports")
 
@@ -241,7 +241,7 @@ def exported(tmp_path_factory, model_folders):
 @pytest.fixture(scope="session")
 def qwen2_exports(exported, model_folders, tmp_path_factory):
     """Qwen2 (MHA, q/k/v biases; issue 24): {"folder", "shared": ``exported("qwen2")``, "per-beam": HF's layout}."""
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     per_beam = export_model(str(model_folders["qwen2"]), tmp_path_factory.mktemp("qwen2") / "per-beam", quiet=True,
                             prompt_cache="per-beam")

@@ -2,7 +2,7 @@
 
 ``CountingBackend`` wraps a device backend (``ort-io``, on the CUDA or the CPU execution provider, or
 ``tensorrt``: backends whose device values are not host arrays) and records each crossing through the
-backend seam (``runners/backend.py``):
+backend seam (``runners/backends/base.py``):
 
 * host → device: a host numpy array fed to ``run`` (the runner's token ids, token history, step positions
   and masks), ``to_device`` (encoder inputs, the empty cache through ``zeros``), and the int64 row
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runners.backend import Backend
+from elx.runners.backends.base import Backend
 
 H2D, D2H = "host->device", "device->host"
 
@@ -103,7 +103,7 @@ class CountingBackend(Backend):
 
 
 def count_crossings(generator) -> CountingBackend:
-    """Put a ``CountingBackend`` between ``generator`` (``runners.generate.Generator``) and its backend."""
+    """Put a ``CountingBackend`` between ``generator`` (``elx.runners.generate.Generator``) and its backend."""
     model = generator.model
     counting = CountingBackend(model.backend, model.plan.step.name)
     model.backend = counting

@@ -4,7 +4,7 @@ Two variants draw what no hand-picked list covers:
 
 * **export**: a pool of tiny model specs of every family (``SPECS``) × pass sets (baseline, el,
   slim=skip-bad, slim-cross=skip-bad, ngram=N and their compositions) × random generation
-  settings and padded batches.  Each example runs ``exporter.compare.compare_loaded``: elx on
+  settings and padded batches.  Each example runs ``elx.exporter.compare.compare_loaded``: elx on
   ONNX Runtime against HF ``generate`` (fp32, the model's default attention), teacher-forced
   logits and encoder diffs within 1e-4, and ``elx compare``'s stability rule
   (``exporter/stability.py``): a row that differs is excused only where HF's own answer for it is
@@ -35,13 +35,13 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from exporter.compare import HfVariants, _hf_generate, compare_loaded
-from exporter.hf_reference import (DecoderOnlySearchBackend, SearchBackend, hf_reference_options,  # noqa: F401
+from elx.exporter.compare import HfVariants, _hf_generate, compare_loaded
+from elx.exporter.hf_reference import (DecoderOnlySearchBackend, SearchBackend, hf_reference_options,  # noqa: F401
                                  search_backend)
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.log_softmax import ENV
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.search.log_softmax import ENV
+from elx.runners.manifest import Manifest
 from tests.conftest import BUILDERS, make_model_folder
 from tests.hf_on_cpu_kernel import hf_on_cpu_kernels
 
@@ -197,7 +197,7 @@ class ExportPool:
 
     def export(self, spec: ModelSpec, passes: str = "") -> Path:
         """The export of ``spec`` with ``passes``; a pass that refuses raises its ``ElxError`` (remembered)."""
-        from exporter.export import apply_passes, export_model
+        from elx.exporter.export import apply_passes, export_model
 
         key = (spec.name, passes)
         if key in self._refused:
@@ -235,7 +235,7 @@ class ExportPool:
             folder = self.export(spec, passes)
             generator = Generator.from_folder(folder, threads=1)
             if spec.name not in self._models:
-                from exporter.sources import reload_model
+                from elx.exporter.sources import reload_model
 
                 model = reload_model(generator.manifest.data["source"])
                 self._models[spec.name] = (model, HfVariants(model))
@@ -475,7 +475,7 @@ def call_arguments(options: dict, vocab: int, batch: int, torch_tensors: bool) -
 def hf_search(model, inputs: dict, options: dict, vocab: int) -> tuple:
     """HF ``generate(use_cache=False)`` with ``options`` (specs built, seeded with ``torch.manual_seed``):
     (sequences, {scores, logits, beam_indices, sequences_scores} as numpy where HF returned them)."""
-    from exporter.hf_reference import torch_inputs as _torch_inputs
+    from elx.exporter.hf_reference import torch_inputs as _torch_inputs
 
     batch = int(next(iter(inputs.values())).shape[0])
     kwargs = call_arguments(hf_reference_options(model, options), vocab, batch, torch_tensors=True)
@@ -586,7 +586,7 @@ class Stats:
     excused_examples: int = 0  # examples with >= 1 fragile row and no failure
     # search variant: rows where HF's own tokens depend on PyTorch's CPU kernels (scalar, AVX2, AVX-512 round
     # the float32 log-softmax differently and decide a near-tie of scores) and elx gives one of HF's answers
-    # (see ``tests.hf_on_cpu_kernel``).  elx's search calls this CPU's kernel (``runners.log_softmax``), so
+    # (see ``tests.hf_on_cpu_kernel``).  elx's search calls this CPU's kernel (``elx.runners.search.log_softmax``), so
     # none are expected; with ELX_LOG_SOFTMAX=numpy they are (and the near-ties numpy rounds its own way fail)
     kernel_rows: int = 0
     kernel_examples: int = 0
@@ -829,8 +829,8 @@ def decoder_only_lengths(options: dict, prompt_width: int) -> dict:
 
 def bare_manifest(model) -> Manifest:
     """A manifest without graphs (what ``elx export`` would record), for the generator's settings and inputs."""
-    from exporter.export import base_manifest
-    from exporter.families import family_for_architecture
+    from elx.exporter.export import base_manifest
+    from elx.exporter.families import family_for_architecture
 
     family = family_for_architecture(type(model).__name__)
     data = base_manifest(model, family, {"kind": "in-memory"})
@@ -849,7 +849,7 @@ def bare_manifest(model) -> Manifest:
 
 @contextmanager
 def log_softmax_kernel(name: str):
-    """elx's search with the given log-softmax kernel (``runners.log_softmax``: "torch", HF's rounding, or "numpy")."""
+    """elx's search with the given log-softmax kernel (``elx.runners.search.log_softmax``: "torch", HF's rounding, or "numpy")."""
     saved = os.environ.get(ENV)
     os.environ[ENV] = name
     try:

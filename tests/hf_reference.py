@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from unittest import mock
 
-from exporter.hf_reference import HfDecoderOnlyLogitsBackend, HfLogitsBackend  # noqa: F401 - the tests' names
+from elx.exporter.hf_reference import HfDecoderOnlyLogitsBackend, HfLogitsBackend  # noqa: F401 - the tests' names
 
 
 def hf_numpy_features(extractor, audio: list, **kwargs):

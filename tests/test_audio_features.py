@@ -1,10 +1,10 @@
-"""Whisper log-mel features in numpy (``runners.audio``): bit-equal to transformers' extractor.
+"""Whisper log-mel features in numpy (``elx.runners.inputs.audio``): bit-equal to transformers' extractor.
 
 The reference is ``WhisperFeatureExtractor(...)(audio, sampling_rate=16000, return_tensors="np")``
 on HF's numpy path (``tests.hf_reference.hf_numpy_features``).  Every comparison is exact
 (``np.array_equal`` on float32, after checking dtype and shape), never a tolerance.  Also: the
 settings read from saved configs as transformers reads them, the one-line errors, and a
-subprocess proving that ``runners.audio`` runs with torch and transformers unimportable.
+subprocess proving that ``elx.runners.inputs.audio`` runs with torch and transformers unimportable.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from transformers import WhisperFeatureExtractor
 from transformers.audio_utils import mel_filter_bank, window_function
 
-from runners.audio import (LogMelExtractor, features_from_audio, features_from_files, hann_window,
+from elx.runners.inputs.audio import (LogMelExtractor, features_from_audio, features_from_files, hann_window,
                            load_feature_extractor, slaney_mel_filters)
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 from tests.hf_reference import hf_numpy_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,7 +192,7 @@ def test_features_from_files_export_folder(tmp_path):
     write_float_wav(tmp_path / "a.wav", noise(16000 * 2))
     write_float_wav(tmp_path / "b.wav", tone(8000, 300.0), rate=8000)
     got = features_from_files(tmp_path, [tmp_path / "a.wav", tmp_path / "b.wav"])["input_features"]
-    from runners.audio import read_audio, resample
+    from elx.runners.inputs.audio import read_audio, resample
 
     samples = [read_audio(tmp_path / "a.wav")[0], resample(*read_audio(tmp_path / "b.wav"), 16000)]
     assert_bit_equal(got, hf_numpy_features(hf_extractor(128), samples).input_features)
@@ -255,7 +255,7 @@ sys.meta_path.insert(0, Blocked())
 
 
 def test_runs_without_torch_and_transformers(tmp_path):
-    """``runners.audio`` turns a WAV in an export-like folder into features with torch/transformers unimportable."""
+    """``elx.runners.inputs.audio`` turns a WAV in an export-like folder into features with torch/transformers unimportable."""
     WhisperFeatureExtractor(feature_size=80).save_pretrained(tmp_path / "export" / "tokenizer")
     samples = noise(16000 * 3, seed=11)
     write_float_wav(tmp_path / "clip.wav", samples)
@@ -272,7 +272,7 @@ def test_runs_without_torch_and_transformers(tmp_path):
             else:
                 raise SystemExit(name + " imported despite the block")
         import numpy as np
-        from runners.audio import features_from_files
+        from elx.runners.inputs.audio import features_from_files
         features = features_from_files({str(tmp_path / 'export')!r}, [{str(tmp_path / 'clip.wav')!r}])
         np.save({str(tmp_path / 'features.npy')!r}, features["input_features"])
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))

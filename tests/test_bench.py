@@ -45,7 +45,7 @@ def test_bench_quick(tmp_path, capsys):
     # the BeamSearch op's file: loadable IR, fed elx's attention mask; an n-gram variant shares its weights
     import onnx
 
-    from exporter.bench_peers import with_ngram
+    from elx.exporter.bench.peers import with_ngram
 
     path = tmp_path / "t5-tiny" / "peers" / "ort-beamsearch" / "beam_search.onnx"
     converted = onnx.load(str(path), load_external_data=False)
@@ -57,7 +57,7 @@ def test_bench_quick(tmp_path, capsys):
 
 def test_repeats_default_to_three():
     from elx.cli import build_parser
-    from exporter.bench import BenchSettings
+    from elx.exporter.bench.bench import BenchSettings
 
     assert build_parser().parse_args(["bench"]).repeats == 3 == BenchSettings().repeats
 
@@ -68,7 +68,7 @@ TINY = dict(d_model=8, num_heads=2, d_kv=4, num_encoder_layers=2, num_decoder_la
 
 
 def test_phase_bytes_against_hand_counts():
-    from exporter.bench import phase_bytes
+    from elx.exporter.bench.bench import phase_bytes
 
     layer = 4 * 8 * 8 + 2 * 8 * 16  # 256 attention + 256 FFN = 512 values
     kv = phase_bytes(TINY, 16, batch=2, source=5, beams=3, new_tokens=2, cross="kv")
@@ -89,7 +89,7 @@ def test_phase_bytes_against_hand_counts():
 
 
 def test_roofline_takes_the_slower_bound_per_phase_and_the_cheaper_layout():
-    from exporter.bench import generation_flops, phase_flops, roofline
+    from elx.exporter.bench.bench import generation_flops, phase_flops, roofline
 
     flops = {"encoder": 100.0, "steps": [10.0, 10.0]}
     moved = {"a": {"encoder": 50.0, "steps": [40.0, 5.0]}, "b": {"encoder": 50.0, "steps": [40.0, 40.0]}}
@@ -104,8 +104,8 @@ def test_roofline_takes_the_slower_bound_per_phase_and_the_cheaper_layout():
 def test_export_logs_each_graphs_own_time(monkeypatch, tmp_path):
     import io
 
-    import exporter.export as export
-    import exporter.progress as progress
+    import elx.exporter.export as export
+    import elx.exporter.progress as progress
 
     clock = iter([0.0, 1.0, 10.0, 12.0, 20.0, 23.0])
     monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
@@ -121,7 +121,7 @@ def test_export_logs_each_graphs_own_time(monkeypatch, tmp_path):
 
 def test_compare_prints_no_one_run_speed_ratio(exported, monkeypatch):
     """A ratio of one warm run each swung 5.7x-16.9x between runs (issue 27): compare times on request, prints none."""
-    import exporter.compare as compare
+    import elx.exporter.compare as compare
 
     calls = []
     real = compare._hf_generate
@@ -155,9 +155,9 @@ def test_unknown_peer_is_refused(capsys, tmp_path):
 @pytest.mark.parametrize("passes", [None, "el", "ngram=2"])
 def test_iobinding_backend_matches_plain_backend(exported, passes):
     """The IOBinding path (device-resident state/cache, Gather-graph reorder) runs on the CPU EP here."""
-    from runners.generate import Generator
-    from runners.inputs import random_inputs
-    from runners.manifest import Manifest
+    from elx.runners.generate import Generator
+    from elx.runners.inputs.random_inputs import random_inputs
+    from elx.runners.manifest import Manifest
 
     folder = exported("bart", passes)
     manifest = Manifest.load(folder)
@@ -175,9 +175,9 @@ def test_iobinding_backend_matches_plain_backend(exported, passes):
 def test_cuda_backend_needs_onnxruntime_gpu(exported):
     import onnxruntime as ort
 
-    from runners.errors import ElxError
-    from runners.manifest import Manifest
-    from runners.ort_io_backend import OrtIoBackend
+    from elx.runners.errors import ElxError
+    from elx.runners.manifest import Manifest
+    from elx.runners.backends.ort_io import OrtIoBackend
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu is installed here")
@@ -188,7 +188,7 @@ def test_cuda_backend_needs_onnxruntime_gpu(exported):
 def test_titles_name_model_and_settings_and_smoke_runs():
     from dataclasses import asdict
 
-    from exporter.bench import SMOKE, BenchSettings, describe
+    from elx.exporter.bench.bench import SMOKE, BenchSettings, describe
 
     source = {"kind": "random-init", "model": "t5-small", "random_init": True, "seed": 0}
     title = describe({"settings": asdict(BenchSettings(num_beams=8)), "model": source}, without="input_length")
@@ -211,7 +211,7 @@ def test_bench_tensorrt_backend_needs_a_gpu_before_any_work(tmp_path, capsys):
 def test_timed_rounds_shuffle_the_order_after_the_first_round():
     """Each system is timed once a round; the first round keeps the listed order, later rounds are seeded
     shuffles, so no system always runs right after the same one."""
-    from exporter.bench import round_orders, timed_rounds
+    from elx.exporter.bench.bench import round_orders, timed_rounds
 
     names = ["hf", "a", "b", "c", "d", "e"]
     orders = round_orders(names, 5, seed=0)
@@ -228,7 +228,7 @@ def test_timed_rounds_shuffle_the_order_after_the_first_round():
 
 def test_a_peer_lead_is_explained_in_numbers():
     """The smoke bench showed a peer 2x ahead of elx on t5-tiny with no word of why (issue 27)."""
-    from exporter.bench import markdown_table, peer_lead_note
+    from elx.exporter.bench.bench import markdown_table, peer_lead_note
 
     def system(name, median):
         return {"system": name, "median_s": median, "samples_per_s": 1, "tokens_per_s": 1, "speedup_vs_hf": 1,
@@ -256,8 +256,8 @@ def test_plot_titles_fit_the_figure(tmp_path, monkeypatch):
 
     import matplotlib.pyplot as plt
 
-    import exporter.bench_sweeps as sweeps
-    from exporter.bench import BenchSettings, describe
+    import elx.exporter.bench.sweeps as sweeps
+    from elx.exporter.bench.bench import BenchSettings, describe
 
     figures = []
     real = plt.close
@@ -276,7 +276,7 @@ def test_plot_titles_fit_the_figure(tmp_path, monkeypatch):
 
 
 def test_a_bench_run_is_plotted_whenever_matplotlib_is_there(tmp_path, monkeypatch):
-    from exporter.bench_sweeps import plot_bench
+    from elx.exporter.bench.sweeps import plot_bench
 
     report = {"settings": {"batch_size": 1, "input_length": 8, "num_beams": 2, "new_tokens": 2,
                            "no_repeat_ngram_size": 0, "repeats": 1, "smoke": True},

@@ -18,8 +18,8 @@ import torch
 from onnx import numpy_helper
 
 from elx.cli import run as elx_run
-from exporter.compare import (HF_VARIANTS, HfVariants, compare, compare_loaded, format_report, hf_variant, same_row)
-from runners.generate import Generator
+from elx.exporter.compare import (HF_VARIANTS, HfVariants, compare, compare_loaded, format_report, hf_variant, same_row)
+from elx.runners.generate import Generator
 
 
 def corrupt_initializers(path, relative: float = 0.01, seed: int = 0) -> int:
@@ -226,7 +226,7 @@ def issue_23_export(tmp_path_factory):
     """Issue 23's model: a small random T5 with square heads (8 x 8 = 64), gated-gelu, an untied head, 384
     tokens; on compare's seed-6 batch HF's answer for row 3 hinges on a near-tie smaller than the export's
     rounding (the teacher-forced logits differ from PyTorch's by ~1.5e-5)."""
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
     from tests.conftest import make_model_folder
 
     root = tmp_path_factory.mktemp("issue-23")
@@ -271,7 +271,7 @@ def test_a_corrupted_weight_still_fails(issue_23_export, tmp_path):
 
 def test_the_input_alone_must_agree(exported, model_folders, monkeypatch):
     """Where HF gives an input alone (unpadded) other tokens than in the padded batch, the row is fragile."""
-    import exporter.stability as stability
+    import elx.exporter.stability as stability
     from transformers import T5ForConditionalGeneration
 
     real = stability.hf_generate

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.ct2_format import locate_ct2_files, read_ct2_model
-from exporter.ct2_import import generation_config, import_ct2, whisper_state_dict, whisper_tokens
-from runners.errors import ElxError
+from elx.exporter.ct2.format import locate_ct2_files, read_ct2_model
+from elx.exporter.ct2.import_whisper import generation_config, import_ct2, whisper_state_dict, whisper_tokens
+from elx.runners.errors import ElxError
 
 # ----------------------------------------------------------------------------- a tiny CT2 writer
 
@@ -324,7 +324,7 @@ def test_mapping_drops_a_nonzero_k_bias(synthetic):
 
 
 def read_ct2_model_bytes(data: bytes):
-    from exporter.ct2_format import parse_ct2_bytes
+    from elx.exporter.ct2.format import parse_ct2_bytes
 
     return parse_ct2_bytes(data, "test model.bin")
 

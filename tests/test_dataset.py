@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from elx.cli import main as elx_main
-from runners import dataset
-from runners.dataset import Progress, generate_file
-from runners.errors import ElxError
-from runners.generate import Generator
+from elx.runners.dataset import pipeline as dataset
+from elx.runners.dataset.pipeline import Progress, generate_file
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
 from tests.test_runtime_imports import BLOCKER, _word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_order_restored_and_tokens_equal_per_item_generation(tmp_path, folder, g
 
 
 def test_batches_are_length_sorted_and_capped():
-    from runners.dataset_io import Record
+    from elx.runners.dataset.io import Record
 
     lengths = [5, 40, 3, 41, 17, 2, 39, 18, 90]
     records = [Record(i, i + 1, i, "input_ids", None, tokens=[7] * n) for i, n in enumerate(lengths)]
@@ -315,7 +315,7 @@ def test_resume_refuses_another_run(tmp_path, folder, generator, monkeypatch, ca
 def test_a_second_run_on_the_same_output_is_refused(tmp_path, folder, capsys):
     """Two runs on one OUT would interleave their lines (784 lines for 400 inputs): the second is refused at once.
     (The lock is an flock on its own open file: held here, it is held against this process's next open too.)"""
-    from runners.output_lock import output_lock
+    from elx.runners.output_lock import output_lock
 
     source = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": r} for r in token_rows(4)])
     out = tmp_path / "out.jsonl"
@@ -337,7 +337,7 @@ def _env() -> dict:
 
 
 def test_resume_after_sigkill_gives_the_uninterrupted_output(tmp_path, folder, monkeypatch):
-    # the killed and resumed runs import no torch, so their search uses numpy's log-softmax (runners/log_softmax.py);
+    # the killed and resumed runs import no torch, so their search uses numpy's log-softmax (runners/search/log_softmax.py);
     # the expected output is made with the same kernel: the scores' last bits depend on it
     monkeypatch.setenv("ELX_LOG_SOFTMAX", "numpy")
     rows = token_rows(400, seed=11, high=30)
@@ -567,7 +567,8 @@ def test_disk_full_while_writing_lines_keeps_complete_lines(tmp_path, folder, ge
 def test_disk_full_while_putting_the_output_in_order(tmp_path, folder, generator, monkeypatch, when):
     """The finished file is put in input order through a sorted copy: a full disk there leaves the file whole (its
     lines in finishing order), no copy behind it, and --resume sorts it."""
-    from runners import dataset_io, dataset_run
+    from elx.runners.dataset import io as dataset_io
+    from elx.runners.dataset import run_record as dataset_run
 
     source = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": r} for r in token_rows(20, seed=29)])
     run = dict(generator=generator, batch_size=4, progress="none", **OPTIONS)
@@ -631,7 +632,7 @@ def test_decoder_only_rows_equal_per_input_generation(tmp_path, exported, option
     """HF counts a decoder-only batch's left padding as prompt: a padded row would get max_length − (the batch's
     width) new tokens, not max_length − (its own length), reach min_length early, and have its pad (EOS) tokens
     blocked as n-grams.  Dataset rows must be the input's own generation: batches mix only lengths that change
-    nothing (runners.dataset.padding_key)."""
+    nothing (elx.runners.dataset.pipeline.padding_key)."""
     folder = exported("gpt2")
     rows = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18], [19], [20, 21, 22, 23, 24, 25], [26, 27]]
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "input_ids": r} for i, r in enumerate(rows)])
@@ -646,8 +647,8 @@ def test_decoder_only_rows_equal_per_input_generation(tmp_path, exported, option
 
 
 def test_decoder_only_batches_mix_lengths_only_where_padding_changes_nothing():
-    from runners.dataset_io import Record
-    from runners.settings import GenerationSettings
+    from elx.runners.dataset.io import Record
+    from elx.runners.search.settings import GenerationSettings
 
     class FakeJob:  # what padding_key reads: the manifest's family and the settings
         def __init__(self, family, **settings):

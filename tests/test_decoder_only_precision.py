@@ -17,14 +17,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from exporter.compare import compare, export_tolerance, format_report
-from exporter.precision import gemms_to_matmuls
-from exporter.precision_check import UNIT_ROUNDOFF, fp16_depth
-from exporter.progress import Progress
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
+from elx.exporter.compare import compare, export_tolerance, format_report
+from elx.exporter.precision import gemms_to_matmuls
+from elx.exporter.precision_check import UNIT_ROUNDOFF, fp16_depth
+from elx.exporter.progress import Progress
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAMILIES = ("gpt2", "llama")
@@ -37,7 +37,7 @@ def _weight_matmuls_per_layer(family: str) -> int:
 
 
 def _torch_model(model_folders, family):
-    from exporter.sources import resolve_model
+    from elx.exporter.sources import resolve_model
 
     return resolve_model(str(model_folders[family])).model
 
@@ -45,9 +45,9 @@ def _torch_model(model_folders, family):
 @pytest.fixture(scope="module")
 def converted(exported, model_folders, tmp_path_factory):
     """``converted(family, precision)`` → the fp32 export converted as ``elx export --precision`` converts it."""
-    from exporter.export import finish_folder
-    from exporter.precision_export import fp16_checks
-    from exporter.precision_int8 import finish
+    from elx.exporter.export import finish_folder
+    from elx.exporter.precision_export import fp16_checks
+    from elx.exporter.precision_int8 import finish
 
     def get(family: str, precision: str):
         key = (family, precision)
@@ -121,8 +121,8 @@ def test_decoder_only_fp16_compare_uses_the_fp16_rule(converted, family):
 def test_prefix_torch_side_matches_the_fp32_export(exported, model_folders):
     """The fp16 checks' PyTorch side (prompt, prefix and token in one forward) against the fp32 export filling
     its own cache: the fp32 tolerance, so a wrong mask or position in the side would show."""
-    from exporter.precision_decoder_only import DecoderOnlyPrefixTorchSide
-    from exporter.verify import DECODER_ONLY_SHAPES, RuntimeSide, measure
+    from elx.exporter.precision_decoder_only import DecoderOnlyPrefixTorchSide
+    from elx.exporter.verify import DECODER_ONLY_SHAPES, RuntimeSide, measure
 
     manifest = Manifest.load(exported("llama"))
     side = DecoderOnlyPrefixTorchSide(_torch_model(model_folders, "llama"), manifest)
@@ -133,8 +133,8 @@ def test_prefix_torch_side_matches_the_fp32_export(exported, model_folders):
 
 def test_decoder_only_fp16_refuses_a_broken_conversion(exported, model_folders, tmp_path, monkeypatch):
     """LM head weights off by 2% after conversion: refused by the D·u check, the folder left as it was."""
-    from exporter import precision_export
-    from exporter.precision_export import fp16_checks
+    from elx.exporter import precision_export
+    from elx.exporter.precision_export import fp16_checks
 
     convert = precision_export.to_fp16
 
@@ -265,8 +265,8 @@ def test_decoder_only_int8_compare_fails_a_damaged_export(converted, tmp_path):
 def test_per_layer_rule_keeps_an_out_of_line_layer(exported, model_folders, monkeypatch):
     """A layer whose measured error is out of line (here: made so by scaling its measured error) stays fp32,
     and the record says so; the others are quantized."""
-    from exporter import precision_int8_check
-    from exporter.precision_int8_layers import measure_layers
+    from elx.exporter import precision_int8_check
+    from elx.exporter.precision_int8_layers import measure_layers
 
     measure = precision_int8_check.random_inputs_error
 
@@ -287,7 +287,7 @@ def test_per_layer_rule_keeps_an_out_of_line_layer(exported, model_folders, monk
 
 def test_bench_runs_precision_exports_and_says_what_hf_runs(converted):
     """fp16 and int8 exports side by side with HF (fp32 on the CPU, said in one line), tokens counted per row."""
-    from exporter.bench import BenchSettings, hf_precision_note, markdown_table, run_bench
+    from elx.exporter.bench.bench import BenchSettings, hf_precision_note, markdown_table, run_bench
 
     settings = BenchSettings(batch_size=2, input_length=6, num_beams=2, new_tokens=3, repeats=1, precision="fp16")
     report = run_bench([converted("gpt2", "fp16"), converted("gpt2", "int8")], settings, progress="none")
@@ -301,11 +301,11 @@ def test_bench_runs_precision_exports_and_says_what_hf_runs(converted):
 
 def test_bench_precision_names_the_exports(monkeypatch, tmp_path):
     """``--precision`` applies to the pass sets that name none; ``baseline@int8`` keeps its own."""
-    from exporter import bench
-    from exporter.bench import BenchSettings, export_precision
+    from elx.exporter.bench import bench
+    from elx.exporter.bench.bench import BenchSettings, export_precision
 
     calls = []
-    monkeypatch.setattr("exporter.export.export_model",
+    monkeypatch.setattr("elx.exporter.export.export_model",
                         lambda model, folder, **kw: calls.append((folder.name, kw["precision"])) or folder)
     bench.ensure_exports("gpt2", True, ["", "el", "@int8"], tmp_path, precision="fp16")
     assert calls == [("baseline-fp16", "fp16"), ("el-fp16", "fp16"), ("baseline-int8", "int8")]
@@ -329,8 +329,8 @@ def test_int8_composes_with_slim_rope(qwen2_exports, model_folders, tmp_path):
     """int8 after ``slim`` (Qwen2, MHA with RoPE): the record's random-inputs check fills each side's own cache
     (the fp32 check's random past has V entries a K-only cache lacks: a KeyError before), the slim key
     projections and W_KV products stay fp32."""
-    from exporter.export import apply_passes, finish_folder
-    from exporter.precision_int8 import finish
+    from elx.exporter.export import apply_passes, finish_folder
+    from elx.exporter.precision_int8 import finish
 
     folder = apply_passes(qwen2_exports["shared"], tmp_path / "slim", "slim")
     manifest = Manifest.load(folder)

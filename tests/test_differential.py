@@ -7,7 +7,7 @@ pass sets × random generation settings and padded batches, elx on ONNX Runtime 
 moves under logits perturbations as large as the export's error), and excuses are counted, printed and bounded.
 ``test_differential_search``: random tiny configs, elx's search on HF's own float64 logits
 against HF ``generate(use_cache=False)`` on the same model.  elx's search computes the float32
-log-softmax with the kernel HF calls (``runners.log_softmax``), so the two see the same log-probs
+log-softmax with the kernel HF calls (``elx.runners.search.log_softmax``), so the two see the same log-probs
 bit for bit and nothing is excused; with ``ELX_LOG_SOFTMAX=numpy`` (an ulp apart here and there)
 near-ties may fail.  PyTorch's own scalar, AVX2 and AVX-512 kernels also round differently: where two
 beam scores are that close, HF's tokens depend on the CPU.  A differing example is rerun in HF on

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.compare import _hf_generate, compare_loaded
-from runners.errors import ElxError
+from elx.exporter.compare import _hf_generate, compare_loaded
+from elx.runners.errors import ElxError
 from tests.differential import SPECS, Stats, build_fp64, run_search_example
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,7 +94,7 @@ def test_search_near_tie_is_decided_by_log_softmax_rounding():
     and scores bit for bit.  With numpy's log-softmax (``ELX_LOG_SOFTMAX=numpy``) the two tie exactly
     and come out swapped.  And HF's own answer depends on the CPU: on PyTorch's scalar kernels
     (``ATEN_CPU_CAPABILITY=default``) HF swaps the two rows as numpy does, on AVX2 and AVX-512 it does not."""
-    from runners.generate import Generator
+    from elx.runners.generate import Generator
     from tests.differential import SearchBackend, bare_manifest, log_softmax_kernel
     from tests.hf_on_cpu_kernel import hf_on_cpu_kernels
 

@@ -8,12 +8,12 @@ import numpy as np
 import onnx
 import pytest
 
-from runners.errors import ElxError
-from exporter.export import export_model
-from exporter.compare import compare
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.exporter.export import export_model
+from elx.exporter.compare import compare
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
 from tests.conftest import make_model_folder
 
 
@@ -58,7 +58,7 @@ def test_el_whisper_style_generation(exported):
 
 
 def _apply_el(folder):
-    from exporter.passes import el
+    from elx.exporter.passes import el
 
     manifest = Manifest.load(folder)
     return el.apply(folder, manifest, None)
@@ -82,7 +82,7 @@ def test_el_without_cross_attention_is_refused(tmp_path, exported):
 
 
 def test_el_refuses_extra_argument(tmp_path, exported):
-    from exporter.passes import el
+    from elx.exporter.passes import el
 
     folder = tmp_path / "arg"
     shutil.copytree(exported("bart"), folder)

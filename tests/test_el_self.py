@@ -20,15 +20,15 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from exporter.compare import compare
-from exporter.export import apply_passes
-from exporter.passes import el_self, parse_passes
-from exporter.passes.rewrite import load_graph
-from exporter.verify import TOLERANCE, Shape, verify_rewrite
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
+from elx.exporter.compare import compare
+from elx.exporter.export import apply_passes
+from elx.exporter.passes import el_self, parse_passes
+from elx.exporter.passes.rewrite import load_graph
+from elx.exporter.verify import TOLERANCE, Shape, verify_rewrite
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
 
 FAMILIES = ["t5", "t5-wide", "bart-biased", "whisper-biased"]
 TOKEN_FAMILIES = ["t5", "t5-wide", "bart-biased"]

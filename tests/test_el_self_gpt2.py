@@ -21,15 +21,16 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from exporter.compare import compare
-from exporter.export import apply_passes, export_model
-from exporter.passes import el_self, el_self_decoder_only as decoder_only
-from exporter.passes.rewrite import load_graph
-from exporter.verify import TOLERANCE, Shape, verify_rewrite
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
+from elx.exporter.compare import compare
+from elx.exporter.export import apply_passes, export_model
+from elx.exporter.passes import el_self
+from elx.exporter.passes import el_self_decoder_only as decoder_only
+from elx.exporter.passes.rewrite import load_graph
+from elx.exporter.verify import TOLERANCE, Shape, verify_rewrite
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
 
 EOS = 511
 CONFIG = dict(vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=EOS, eos_token_id=EOS,

@@ -105,8 +105,8 @@ def test_a_refusal_before_loading_is_one_the_loaded_model_gets(names, family, ki
     """The command line decides with what config.json states (no dims, or only stated head counts): whatever it
     refuses, the check with the loaded model's dims refuses too, in the same words."""
     from elx.cli_checks import stated_head_counts
-    from exporter.passes import check_model_kind, parse_passes
-    from runners.errors import ElxError
+    from elx.exporter.passes import check_model_kind, parse_passes
+    from elx.runners.errors import ElxError
 
     try:
         requests = parse_passes(",".join(n if n != "ngram" else "ngram=3" for n in names))
@@ -128,7 +128,7 @@ def test_a_refusal_before_loading_is_one_the_loaded_model_gets(names, family, ki
 
 
 def test_each_pass_module_applies_its_catalog_entry():
-    from exporter.passes import PASSES, load_pass
+    from elx.exporter.passes import PASSES, load_pass
 
     for name, spec in PASSES.items():
         module = load_pass(name)

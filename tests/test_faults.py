@@ -70,7 +70,7 @@ def job(tmp_path_factory, exported):
 
 
 def env() -> dict:
-    # the same log-softmax kernel in every run (the scores' last bits depend on it: runners/log_softmax.py)
+    # the same log-softmax kernel in every run (the scores' last bits depend on it: runners/search/log_softmax.py)
     return {**os.environ, "ELX_LOG_SOFTMAX": "numpy", "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 

@@ -15,11 +15,11 @@ import numpy as np
 import onnx
 import pytest
 
-from exporter.precision_check import UNIT_ROUNDOFF, emulate, fp16_depth, judge
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
+from elx.exporter.precision_check import UNIT_ROUNDOFF, emulate, fp16_depth, judge
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
 
 FAMILIES = ("t5", "bart", "whisper")
 PASS_SETS = (None, "el", "slim=skip-bad", "ngram=2")
@@ -36,7 +36,7 @@ _EXPORTS16 = {}
 @pytest.fixture(scope="session")
 def exported16(tmp_path_factory, model_folders):
     """``exported16(family, passes)`` → an fp16 export folder, each exported once per session."""
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     root = tmp_path_factory.mktemp("exports16")
 
@@ -149,7 +149,7 @@ def test_iobinding_backend_runs_fp16(exported16):
 
 def test_emulated_twin_rounds_what_the_cpu_ep_does_not(exported16):
     """The CPU EP runs fp16 MatMuls in fp32 (its casts folded away): the fp16-arithmetic twin differs from it."""
-    from exporter.agreement import twin_folder
+    from elx.exporter.agreement import twin_folder
 
     folder = exported16("bart")
     manifest = Manifest.load(folder)
@@ -165,7 +165,7 @@ def test_emulated_twin_rounds_what_the_cpu_ep_does_not(exported16):
 
 def test_token_agreement_is_measured_not_assumed(exported, exported16):
     """tools/measure_fp16.py's measurement: the fp32 export agrees with HF everywhere; fp16 is reported as is."""
-    from exporter.agreement import token_agreement
+    from elx.exporter.agreement import token_agreement
 
     options = dict(num_beams=4, max_new_tokens=8)
     control = token_agreement(exported("t5"), seeds=[0], batch_size=3, input_length=8, **options)
@@ -180,8 +180,8 @@ def test_token_agreement_is_measured_not_assumed(exported, exported16):
 
 def test_a_broken_conversion_is_refused_and_nothing_is_written(model_folders, tmp_path, monkeypatch):
     """A rewrite error beyond D·u (here: lm_head weights off by 2%) is refused before the folder appears."""
-    from exporter import precision_export
-    from exporter.export import export_model
+    from elx.exporter import precision_export
+    from elx.exporter.export import export_model
 
     convert = precision_export.to_fp16
 
@@ -212,7 +212,7 @@ def test_judge_states_the_tolerance():
 
 
 def test_unknown_precision_is_one_line(model_folders, tmp_path):
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     with pytest.raises(ElxError, match=r"^unknown precision 'bf16'; choose fp32, fp16 or int8$"):
         export_model(str(model_folders["t5"]), tmp_path / "x", precision="bf16")
@@ -226,8 +226,8 @@ def test_unknown_precision_is_one_line(model_folders, tmp_path):
 
 
 def test_fp16_exports_refuse_passes_and_engine_builds(exported16, tmp_path):
-    from exporter.export import apply_passes
-    from exporter.tensorrt_build import build_engine
+    from elx.exporter.export import apply_passes
+    from elx.exporter.tensorrt.build import build_engine
 
     folder = exported16("t5")
     with pytest.raises(ElxError, match="is an fp16 export; apply passes from the fp32 export"):
@@ -263,7 +263,7 @@ def test_slim_cross_keeps_its_key_state_fp32(exported16):
 def test_compare_tolerance_follows_the_export_precision(exported16):
     """`elx compare` on an fp16 export failed at fp32's 1e-4 although the export passed its own fp16 checks and
     every sequence was identical (issue 27): its default tolerance is the manifest's fp16 rule."""
-    from exporter.compare import compare, export_tolerance
+    from elx.exporter.compare import compare, export_tolerance
 
     folder = exported16("t5")
     manifest = Manifest.load(folder)

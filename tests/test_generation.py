@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.compare import compare
+from elx.exporter.compare import compare
 
 SETTINGS = [
     dict(max_new_tokens=12),  # greedy (num_beams defaults to 1)

@@ -14,10 +14,10 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import METADATA_FIELDS
 
-from runners import options as catalog
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.settings import GenerationSettings
+from elx.runners import options as catalog
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.search.settings import GenerationSettings
 from tests.differential import bare_manifest, build_fp64, hf_search, search_backend
 
 FIELDS = sorted(k for k in GenerationConfig().to_dict() if k not in METADATA_FIELDS)

@@ -16,12 +16,12 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from exporter.compare import compare
-from exporter.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
+from elx.exporter.compare import compare
+from elx.exporter.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
 
 EOS = 50256  # GPT-2's <|endoftext|>
 TINY = dict(vocab_size=50257, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=EOS, eos_token_id=EOS)
@@ -39,7 +39,7 @@ def _gpt2_folder(root, name="gpt2-tiny", seed=0, **overrides):
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     """{"folder": model folder, "shared": export, "per-beam": export}."""
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     root = tmp_path_factory.mktemp("gpt2")
     folder = _gpt2_folder(root)
@@ -97,7 +97,7 @@ def test_manifest_contract(gpt2, form):
 @pytest.mark.parametrize("form", ["shared", "per-beam"])
 def test_verified_against_pytorch_at_new_shapes(gpt2, form):
     """Batch 1 and 5, beams 1..5, no generated past and a long one, prompts of 3..20 (left-padded)."""
-    from exporter.sources import resolve_model
+    from elx.exporter.sources import resolve_model
 
     model = resolve_model(str(gpt2["folder"])).model
     shapes = (Shape(1, 5, 3, 0), Shape(5, 1, 13, 9), Shape(2, 2, 20, 1), Shape(3, 4, 6, 12))
@@ -108,8 +108,8 @@ def test_verified_against_pytorch_at_new_shapes(gpt2, form):
 def test_verification_sees_position_ids(gpt2, monkeypatch):
     """The check can fail: with positions counted from the padded start (not HF's cumsum of the mask)
     the same graphs disagree with PyTorch."""
-    from exporter.sources import resolve_model
-    import runners.model as model_module
+    from elx.exporter.sources import resolve_model
+    import elx.runners.model as model_module
 
     def from_padded_start(mask):
         return np.broadcast_to(np.arange(mask.shape[1], dtype=np.int64), mask.shape).copy()
@@ -281,7 +281,7 @@ def test_prompt_and_length_errors(gpt2):
 def test_ragged_input_ids_are_left_padded_like_hf(gpt2):
     """``input_ids`` rows of different lengths: elx left-pads them with HF's pad (EOS for GPT-2) and
     returns what HF generate returns for that left-padded batch."""
-    from exporter.sources import resolve_model
+    from elx.exporter.sources import resolve_model
 
     generator = Generator.from_folder(gpt2["shared"])
     rows = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
@@ -301,7 +301,7 @@ def test_ragged_input_ids_are_left_padded_like_hf(gpt2):
 def test_passes_refuse_decoder_only_exports(gpt2, tmp_path, name):
     """These passes rewrite encoder-decoder graphs only (el-self also decoder-only: test_el_self_gpt2.py): on a
     GPT-2 export (or at its export) each refuses in one line."""
-    from exporter.export import apply_passes, export_model
+    from elx.exporter.export import apply_passes, export_model
 
     pass_name = name.partition("=")[0]
     with pytest.raises(ElxError, match=f"pass {pass_name} does not apply to gpt2 exports .decoder-only.") as info:
@@ -314,7 +314,7 @@ def test_passes_refuse_decoder_only_exports(gpt2, tmp_path, name):
 
 
 def test_export_refuses_prompt_cache_elsewhere(gpt2, tmp_path, model_folders):
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     with pytest.raises(ElxError, match="decoder-only"):
         export_model(str(model_folders["t5"]), tmp_path / "y", quiet=True, prompt_cache="per-beam")
@@ -324,7 +324,7 @@ def test_export_refuses_prompt_cache_elsewhere(gpt2, tmp_path, model_folders):
 
 
 def test_presets():
-    from exporter.sources import preset_names, _find_preset
+    from elx.exporter.sources import preset_names, _find_preset
 
     assert {"gpt2", "gpt2-medium"} <= set(preset_names())
     for name, (layers, d, heads) in {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16)}.items():
@@ -435,7 +435,7 @@ def test_dataset_rows_are_each_inputs_own_generation(gpt2, tmp_path):
 def test_opt_export_and_generation(tmp_path):
     from transformers import OPTConfig, OPTForCausalLM
 
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     torch.manual_seed(0)
     config = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4,

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import runners.search as search
-from runners.processors import build_processors
-from runners.settings import GenerationSettings
+import elx.runners.search.search as search
+from elx.runners.search.processors import build_processors
+from elx.runners.search.settings import GenerationSettings
 from tests.hf_reference import HfDecoderOnlyLogitsBackend
 
 EOS = 1
@@ -114,7 +114,7 @@ def test_ngrams_count_the_prompt_and_its_padding(peaked_gpt2):
     """HF blocks n-grams over the whole row, the prompt and its left padding included: after
     ``[pad pad 7 9 7]`` with n=2 the prompt's bigram (7, 9) bans 9; after ``[pad pad 7 9 pad]`` the
     padding's bigrams (pad, pad) and (pad, 7) ban pad and 7.  elx's search then equals HF's."""
-    from runners.processors import NoRepeatNGram
+    from elx.runners.search.processors import NoRepeatNGram
 
     row = np.array([[EOS, EOS, 7, 9, 7]], dtype=np.int64)
     scores = np.zeros((1, 12), dtype=np.float32)
@@ -132,12 +132,12 @@ def test_ngrams_count_the_prompt_and_its_padding(peaked_gpt2):
 
 
 def test_positions_and_masks_are_hfs():
-    """runners/prompt.py against transformers' own helpers: prompt positions (cumsum − 1, 0 at padding),
+    """runners/inputs/prompt.py against transformers' own helpers: prompt positions (cumsum − 1, 0 at padding),
     generated positions (last prompt position + 1 + g, right padding included) and the growing mask."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from runners.prompt import Prompt, prompt_positions, sequence_positions
+    from elx.runners.inputs.prompt import Prompt, prompt_positions, sequence_positions
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=32))
     mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int64)  # left, none, right

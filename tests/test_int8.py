@@ -14,16 +14,16 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from exporter.bench import rows_equal, split_precision
-from exporter.bench_peers import parse_peers
-from exporter.compare import CompareReport, RowReport, compare, format_report
-from exporter.precision_int8_check import ALPHA, LOGITS_MARGIN, binomial_cdf, judge, logits_bound
-from exporter.progress import Progress
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.manifest import Manifest
-from runners.manifest_schema import check
-from exporter.shared_weights import graph_files
+from elx.exporter.bench.bench import rows_equal, split_precision
+from elx.exporter.bench.peers import parse_peers
+from elx.exporter.compare import CompareReport, RowReport, compare, format_report
+from elx.exporter.precision_int8_check import ALPHA, LOGITS_MARGIN, binomial_cdf, judge, logits_bound
+from elx.exporter.progress import Progress
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.manifest import Manifest
+from elx.runners.manifest_schema import check
+from elx.exporter.shared_weights import graph_files
 
 _INT8 = {}
 
@@ -33,8 +33,8 @@ def int8_export(exported, model_folders, tmp_path_factory):
     """``int8_export(family, passes)`` → the fp32 export converted to int8 (as ``elx export --precision int8``)."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from exporter.export import finish_folder
-    from exporter.precision_int8 import finish
+    from elx.exporter.export import finish_folder
+    from elx.exporter.precision_int8 import finish
 
     def get(family: str, passes: str | None = None):
         key = (family, passes)
@@ -154,14 +154,14 @@ def test_int8_agreement_on_another_draw_is_a_binomial_test():
 
 
 def test_int8_refusals():
-    from exporter.precision_export import check_precision
+    from elx.exporter.precision_export import check_precision
 
     with pytest.raises(ElxError, match="choose fp32, fp16 or int8"):
         check_precision("int4")
 
 
 def test_int8_refuses_passes_and_engines_on_an_int8_folder(int8_export, tmp_path):
-    from exporter.export import apply_passes
+    from elx.exporter.export import apply_passes
 
     with pytest.raises(ElxError, match=r"is an int8 export; apply passes from the fp32 export"):
         apply_passes(int8_export("t5"), tmp_path / "out", "el")

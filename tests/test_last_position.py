@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from exporter.last_position import select_before_head
+from elx.exporter.last_position import select_before_head
 
 D, V = 8, 24
 

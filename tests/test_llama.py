@@ -17,12 +17,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from exporter.compare import compare
-from exporter.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
+from elx.exporter.compare import compare
+from elx.exporter.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
 from tests.conftest import ROPE_BUILDERS, make_model_folder
 from tests.differential import decoder_only_lengths, generation_options
 
@@ -67,7 +67,7 @@ def test_manifest_gqa_cache(llama):
 
 
 def _verified(model, form: str, shapes: tuple, seed: int) -> float:
-    from exporter.sources import resolve_model
+    from elx.exporter.sources import resolve_model
 
     torch_model = resolve_model(str(model["folder"])).model
     return verify_export(torch_model, Manifest.load(model[form]), shapes=shapes, seed=seed)["max_abs_logits_diff"]
@@ -85,8 +85,8 @@ def test_verification_sees_rotary_positions(llama, monkeypatch):
     """The check can fail: with the prompt's positions two apart (HF: consecutive) the rotations differ and the
     same graphs disagree with PyTorch.  (RoPE scores depend on position differences only: positions counted from
     the padded start, a shift per row, would give the same logits.)"""
-    from runners.prompt import prompt_positions
-    import runners.model as model_module
+    from elx.runners.inputs.prompt import prompt_positions
+    import elx.runners.model as model_module
 
     monkeypatch.setattr(model_module.Prompt, "from_mask",
                         classmethod(lambda cls, m: cls(np.asarray(m, dtype=np.int64), 2 * prompt_positions(m))))
@@ -159,7 +159,7 @@ def test_identical_to_hf(llama, qwen2, run):
 @pytest.mark.skipif(not LONG, reason="exports every RoPE family (minutes); set ELX_LONG_TESTS=1")
 @pytest.mark.parametrize("family", sorted(set(ROPE_BUILDERS) - {"llama", "qwen2"}))
 def test_family_export_and_generation(family, tmp_path, one_torch_thread):
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     folder = make_model_folder(tmp_path, family, seed=1)
     export = export_model(str(folder), tmp_path / "export", quiet=True)
@@ -178,7 +178,7 @@ def test_family_export_and_generation(family, tmp_path, one_torch_thread):
                          ids=["linear", "yarn", "partial"])
 def test_rope_variants(rope, tmp_path, one_torch_thread):
     """Linear and YaRN scaling (Llama), a partial rotary factor (Phi-3): verified and HF-identical."""
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     family = "phi3" if "partial_rotary_factor" in rope else "llama"
     folder = make_model_folder(tmp_path, family, seed=2, rope_scaling=rope, num_key_value_heads=4)
@@ -219,7 +219,7 @@ def test_sliding_window_refused_where_it_would_act():
     W tokens the window changes nothing and the run goes ahead."""
     from types import SimpleNamespace
 
-    from runners.families import RULES
+    from elx.runners.families import RULES
 
     rules = RULES["mistral"]
     manifest = SimpleNamespace(dims={"sliding_window": 40, "max_position_embeddings": 128})
@@ -232,7 +232,7 @@ def test_sliding_window_refused_where_it_would_act():
 
 def test_sliding_window_recorded(tmp_path):
     """Mistral records its window; Qwen2 only when use_sliding_window marks layers sliding."""
-    from exporter.rope_families import rope_dims
+    from elx.exporter.rope_families import rope_dims
     from tests.conftest import BUILDERS
 
     assert rope_dims(BUILDERS["mistral"]().config)["sliding_window"] == 40
@@ -245,7 +245,7 @@ def test_bf16_checkpoint_loads_as_fp32(tmp_path):
     """A checkpoint saved in bfloat16 (as Llama weights ship) is exported from fp32 weights."""
     import torch
 
-    from exporter.sources import resolve_model
+    from elx.exporter.sources import resolve_model
     from tests.conftest import BUILDERS
 
     torch.manual_seed(0)
@@ -271,8 +271,8 @@ PRESETS = {  # name: (architecture, layers, d_model, heads, key/value heads, hea
 def test_presets(name):
     """Each preset builds its architecture's config (not the weights: gigabytes), passes the family's checks and
     has the real model's dims; Llama 3.2's carries its llama3 rotary scaling and three EOS ids."""
-    from exporter.families import family_for_architecture
-    from exporter.sources import _config_class, _find_preset, preset_names
+    from elx.exporter.families import family_for_architecture
+    from elx.exporter.sources import _config_class, _find_preset, preset_names
 
     assert name in preset_names()
     preset = _find_preset(name)

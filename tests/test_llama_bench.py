@@ -1,4 +1,4 @@
-"""Decoder-only peers of ``elx bench`` (exporter/bench_peers.py) on a tiny Llama (head width 16: GenAI's
+"""Decoder-only peers of ``elx bench`` (exporter/bench/peers.py) on a tiny Llama (head width 16: GenAI's
 GroupQueryAttention kernel needs a multiple of 16).  Each skips with the reason when its package is missing."""
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.bench import BenchSettings
-from exporter.bench_peers import make_peer
+from elx.exporter.bench.bench import BenchSettings
+from elx.exporter.bench.peers import make_peer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from exporter.sources import resolve_model
+    from elx.exporter.sources import resolve_model
     from tests.conftest import make_model_folder
 
     root = tmp_path_factory.mktemp("peers")
@@ -51,7 +51,7 @@ def test_peer_runs_in_hfs_layout(tiny, peer, package, beams=3):
 def test_decoder_only_flops_count_the_gated_ffn_and_gqa_projections():
     """Hand counts: one layer, one prompt token, no decode step.  q/o 2·2·d·i = 4096, k/v with 2 of 4 heads
     2·2·d·i/2 = 2048, scores and values 2·2·1·i/2 = 64, FFN 2·2·d·f = 8192 (×3/2 gated: 12288), LM head 2·d·V = 640."""
-    from exporter.bench import decoder_only_flops
+    from elx.exporter.bench.bench import decoder_only_flops
 
     dims = dict(d_model=32, num_heads=4, num_kv_heads=2, d_kv=8, num_decoder_layers=1, vocab_size=10)
     assert decoder_only_flops(dims, 64, 1, 1, 1, 1) == 4096 + 2048 + 64 + 8192 + 640
@@ -69,7 +69,7 @@ def test_ct2_llama_tokens_and_rope_scaling(tmp_path, scaled):
         pytest.skip("ctranslate2 is not installed (pip install 'elx[bench]')")
     if not scaled and os.environ.get("ELX_LONG_TESTS") != "1":
         pytest.skip("CI runs the scaled case (it compares with the unscaled HF model too); set ELX_LONG_TESTS=1")
-    from exporter.sources import resolve_model
+    from elx.exporter.sources import resolve_model
     from tests.conftest import make_model_folder
 
     unscaled = make_model_folder(tmp_path / "unscaled", "llama", seed=3, hidden_size=64, initializer_range=0.2,

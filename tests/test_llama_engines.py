@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.tensorrt_profiles import Limits, axis_ranges
-from runners.manifest import Manifest
+from elx.exporter.tensorrt.profiles import Limits, axis_ranges
+from elx.runners.manifest import Manifest
 from tests.test_tensorrt_build import LIMITS, _build, _check_engines, _copy, needs_rtx
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,7 +23,7 @@ def test_llama_engines(exported, tmp_path):
 
 @needs_rtx
 def test_slim_per_beam_engines(qwen2_exports, tmp_path):
-    from exporter.export import apply_passes
+    from elx.exporter.export import apply_passes
 
     folder = apply_passes(qwen2_exports["per-beam"], tmp_path / "slim", "slim")
     _build(folder)

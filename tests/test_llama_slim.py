@@ -10,11 +10,11 @@ import os
 import numpy as np
 import pytest
 
-from exporter.compare import compare
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.inputs import random_inputs
-from runners.manifest import Manifest
+from elx.exporter.compare import compare
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def slimmed(qwen2_exports, tmp_path_factory):
     """{form: (baseline export, slim export)} for Qwen2's two prompt-cache forms."""
-    from exporter.export import apply_passes
+    from elx.exporter.export import apply_passes
 
     root = tmp_path_factory.mktemp("slim")
     return {form: (qwen2_exports[form], apply_passes(qwen2_exports[form], root / form, "slim"))
@@ -82,8 +82,8 @@ def test_half_the_live_cache(slimmed, form):
 def test_verification_sees_the_key_positions(qwen2_exports, tmp_path, monkeypatch):
     """The check can fail: rotating the cached keys one position off (p − G + 1 … p + 1) is refused, nothing
     written."""
-    from exporter.export import apply_passes
-    import exporter.passes.slim_rope as slim_rope
+    from elx.exporter.export import apply_passes
+    import elx.exporter.passes.slim_rope as slim_rope
 
     original = slim_rope.generated_positions
 
@@ -104,7 +104,7 @@ def test_refusals(exported, model_folders, tmp_path, capsys, family, passes, exp
     """GQA (Llama: 2 key/value heads for 4 query heads) refuses slim, RoPE models refuse el-self: one line, at
     export before any work (exit 2) and on an existing export, nothing written."""
     from elx.cli import main
-    from exporter.export import apply_passes
+    from elx.exporter.export import apply_passes
 
     out = tmp_path / "out"
     assert main(["export", "--model", str(model_folders[family]), "--pass", passes, "--output", str(out),
@@ -120,7 +120,7 @@ def test_refusals(exported, model_folders, tmp_path, capsys, family, passes, exp
 @pytest.mark.skipif(not os.environ.get("ELX_LONG_TESTS"), reason="exports Phi-3 (minutes); set ELX_LONG_TESTS=1")
 def test_phi3_fused_partial_rotary(tmp_path):
     """Phi-3: K and V are slices of one fused qkv_proj, RoPE rotates half of each head."""
-    from exporter.export import apply_passes, export_model
+    from elx.exporter.export import apply_passes, export_model
     from tests.conftest import make_model_folder
 
     for form in ("shared", "per-beam"):

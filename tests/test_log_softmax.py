@@ -1,4 +1,4 @@
-"""The search's log-softmax (``runners.log_softmax``): HF's kernel bit for bit, numpy without PyTorch, a clear
+"""The search's log-softmax (``elx.runners.search.log_softmax``): HF's kernel bit for bit, numpy without PyTorch, a clear
 error for a bad ``ELX_LOG_SOFTMAX``."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from runners import log_softmax as ls
-from runners.errors import ElxError
+from elx.runners.search import log_softmax as ls
+from elx.runners.errors import ElxError
 
 
 def _rows(shape, scale=4.0, seed=0) -> np.ndarray:
@@ -83,8 +83,8 @@ def test_bad_kernel_through_the_cli(monkeypatch, exported, capsys):
 
 def test_bad_kernel_is_refused_before_the_encoder_runs(monkeypatch, exported):
     """The setting is checked before any graph runs, not after the encoder's work."""
-    from runners.generate import Generator
-    from runners.model import Model
+    from elx.runners.generate import Generator
+    from elx.runners.model import Model
 
     gen = Generator.from_folder(exported("t5"))
     monkeypatch.setattr(Model, "encode", lambda *a, **k: pytest.fail("the encoder ran before the check"))

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elx.cli import main
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.manifest_schema import check, json_path
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.manifest_schema import check, json_path
 
 LONG = os.environ.get("ELX_LONG_TESTS") == "1"
 

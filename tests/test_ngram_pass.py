@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runners.errors import ElxError
-from exporter.plugins.ngram import ORT_DOMAIN, ort_node
-from runners.ngram_reference import block_ngrams
-from exporter.compare import compare
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.exporter.plugins.ngram import ORT_DOMAIN, ort_node
+from elx.runners.search.ngram_reference import block_ngrams
+from elx.exporter.compare import compare
+from elx.runners.manifest import Manifest
 
 
 def _ort_session(n: int):
@@ -47,7 +47,7 @@ def test_ort_node_equals_reference(n, rows, length, alphabet, vocab, seed):
 
 @pytest.mark.parametrize("family,passes,n", [("t5", "el,ngram=3", 3), ("bart", "ngram=2", 2)])
 def test_graph_blocking_is_hf_identical(exported, family, passes, n, monkeypatch):
-    from runners import processors
+    from elx.runners.search import processors
 
     def host_blocking_must_not_run(self, tokens, scores):
         raise AssertionError("the runner blocked n-grams on the host although the graph does it")
@@ -95,7 +95,7 @@ def test_tensorrt_sibling_graph(exported):
 
 @pytest.mark.parametrize("argument,match", [(None, "n-gram size"), ("x", "n-gram size"), ("0", ">= 1")])
 def test_bad_ngram_argument(tmp_path, exported, argument, match):
-    from exporter.passes import ngram
+    from elx.exporter.passes import ngram
 
     folder = tmp_path / "f"
     shutil.copytree(exported("bart"), folder)
@@ -104,7 +104,7 @@ def test_bad_ngram_argument(tmp_path, exported, argument, match):
 
 
 def test_ngram_twice_is_refused(tmp_path, exported):
-    from exporter.passes import ngram
+    from elx.exporter.passes import ngram
 
     folder = tmp_path / "f"
     shutil.copytree(exported("bart", "ngram=2"), folder)

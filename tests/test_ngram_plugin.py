@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runners.ngram_reference import banned_tokens, block_ngrams_inplace
+from elx.runners.search.ngram_reference import banned_tokens, block_ngrams_inplace
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "tools" / "build_plugin.py"

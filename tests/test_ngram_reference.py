@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
-from runners.ngram_reference import banned_tokens, block_ngrams, block_ngrams_inplace
+from elx.runners.search.ngram_reference import banned_tokens, block_ngrams, block_ngrams_inplace
 
 SETTINGS = settings(
     max_examples=150,

@@ -17,11 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runners.errors import ElxError
-from runners.generate import Generator
-from runners.stop_strings import StopStrings
-from runners.streaming import TextPrinter
-from runners.text import Text
+from elx.runners.errors import ElxError
+from elx.runners.generate import Generator
+from elx.runners.search.stop_strings import StopStrings
+from elx.runners.streaming import TextPrinter
+from elx.runners.inputs.text import Text
 from tests.differential import (LastTokenBump, LastTokenStop, PrefixRule, bare_manifest, build_fp64, elx_extras,
                                 hf_search, same_extras, search_backend)
 
@@ -116,7 +116,7 @@ def test_stop_strings_in_generate(gpt2, tokenizers_pair):
     """HF generate(stop_strings, tokenizer) and elx with the same HF tokenizer or the bare tokenizers one."""
     model, generator, inputs = gpt2
     tokenizer, hf_tokenizer = tokenizers_pair
-    from runners.stop_strings import clean_vocabulary, matching_mode
+    from elx.runners.search.stop_strings import clean_vocabulary, matching_mode
 
     plain, _ = hf_search(model, inputs, dict(max_new_tokens=12), 330)
     mode = matching_mode(tokenizer)

@@ -14,8 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers.generation import logits_process as hf
 
-from runners.log_softmax import ENV
-from runners.processors import bias, masks, penalties, warpers
+from elx.runners.search.log_softmax import ENV
+from elx.runners.search.processors import bias
+from elx.runners.search.processors import masks
+from elx.runners.search.processors import penalties
+from elx.runners.search.processors import warpers
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
@@ -193,7 +196,7 @@ def test_warpers_in_hf_order():
     """``build_warpers`` builds HF's list for the same settings, in HF's order, with HF's min_tokens_to_keep."""
     from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration
 
-    from runners.settings import GenerationSettings
+    from elx.runners.search.settings import GenerationSettings
 
     options = dict(do_sample=True, temperature=0.5, top_h=0.4, top_k=7, top_p=0.9, min_p=0.1, typical_p=0.8,
                    epsilon_cutoff=0.01, eta_cutoff=0.02)

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from exporter.progress import Progress, mode_of, say
-from runners.errors import ElxError
+from elx.exporter.progress import Progress, mode_of, say
+from elx.runners.errors import ElxError
 from elx.cli import run as elx_run
 
 
@@ -101,7 +101,7 @@ def test_export_quiet_prints_nothing(model_folders, tmp_path, capsys):
 
 
 def test_bench_rounds_plain_lines(exported, capsys):
-    from exporter.bench import BenchSettings, run_bench
+    from elx.exporter.bench.bench import BenchSettings, run_bench
 
     settings = BenchSettings(batch_size=1, input_length=6, num_beams=2, new_tokens=2, repeats=2, threads=1)
     run_bench([exported("t5")], settings, progress="plain")

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from elx.cli import main
-from exporter.atomic import staged_folder
-from runners.errors import ElxError
+from elx.exporter.atomic import staged_folder
+from elx.runners.errors import ElxError
 
 REPO = Path(__file__).resolve().parents[1]
 ELX_MANIFEST = {"format": "elx-manifest", "graphs": {}}
@@ -227,7 +227,7 @@ def test_a_second_writer_of_the_same_output_is_refused(tmp_path, capsys, model_f
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", (
         "import json, sys\n"
-        "from exporter.atomic import staged_folder\n"
+        "from elx.exporter.atomic import staged_folder\n"
         f"with staged_folder({str(out)!r}) as folder:\n"
         "    print('writing', flush=True)\n"
         "    sys.stdin.readline()\n"
@@ -321,7 +321,7 @@ def test_unloadable_model(tmp_path, capsys, model_folders, breakage, expected):
 
 
 def test_disk_full_simulated(tmp_path, capsys, model_folders, monkeypatch):
-    import exporter.export as export
+    import elx.exporter.export as export
 
     def fill_disk(model, family, folder, data, quiet):
         (folder / "encoder.onnx").write_bytes(b"\0" * 1000)
@@ -361,7 +361,7 @@ def test_disk_full_real(tiny_disk, capsys, model_folders):
     ("el,slim-cross", "cannot be combined"), ("slim-cross,el", "cannot be combined"), ("=3", "unknown pass"),
 ])
 def test_bad_passes_are_refused_before_any_work(tmp_path, capsys, model_folders, monkeypatch, passes, expected):
-    import exporter.export as export
+    import elx.exporter.export as export
 
     def no_work(*args, **kwargs):
         raise AssertionError("the model was loaded before the passes were checked")
@@ -373,7 +373,7 @@ def test_bad_passes_are_refused_before_any_work(tmp_path, capsys, model_folders,
 
 
 def test_pass_conflicting_with_an_applied_one_is_refused(tmp_path, t5_copy):
-    from exporter.export import apply_passes
+    from elx.exporter.export import apply_passes
 
     edit_manifest(t5_copy, lambda m: m["passes"].append({"name": "el"}))  # as if el had been applied
     with pytest.raises(ElxError, match="cannot be combined with el"):
@@ -385,8 +385,8 @@ def test_pass_conflicting_with_an_applied_one_is_refused(tmp_path, t5_copy):
 
 def test_failed_verification_writes_nothing(tmp_path, model_folders, monkeypatch):
     """If verification fails (here: a tolerance no float can meet), the output folder never appears."""
-    import exporter.verify as verify
-    from exporter.export import export_model
+    import elx.exporter.verify as verify
+    from elx.exporter.export import export_model
 
     monkeypatch.setattr(verify, "TOLERANCE", -1.0)
     with pytest.raises(ElxError, match="exceeds"):
@@ -430,7 +430,7 @@ def test_token_ids_beyond_int64(capsys, exported):
 
 
 def test_token_ids_outside_the_vocabulary_python_api(exported):
-    from runners.generate import Generator
+    from elx.runners.generate import Generator
 
     generator = Generator.from_folder(exported("t5"))
     with pytest.raises(ElxError, match="token id -3"):
@@ -487,7 +487,7 @@ def test_bad_generation_options(capsys, exported, options, expected):
 ])
 def test_bad_generation_options_python_api(exported, options, expected):
     """The Python API allocates nothing for what the CLI would refuse."""
-    from runners.generate import Generator
+    from elx.runners.generate import Generator
 
     generator = Generator.from_folder(exported("t5"))
     with pytest.raises(ElxError, match=expected):
@@ -510,7 +510,7 @@ def test_generate_from_something_that_is_not_an_export(tmp_path, capsys, exporte
 
 
 def test_interrupted_generate(capsys, exported, monkeypatch):
-    import runners.generate as generate
+    import elx.runners.generate as generate
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -530,8 +530,8 @@ def _too_many_threads() -> int:
 def test_threads_far_above_the_cores_are_refused(tmp_path, capsys, exported, monkeypatch):
     """ONNX Runtime starts as many intra-op threads as asked, per session: --threads 10000 froze the machine
     (FACTS.md).  Refused before any session starts, on the CLI and in Python, without blaming the export."""
-    from runners.dataset import generate_file
-    from runners.generate import Generator
+    from elx.runners.dataset.pipeline import generate_file
+    from elx.runners.generate import Generator
 
     many = str(_too_many_threads())
     line = refused(capsys, "generate", exported("t5"), "--input-ids", "5 6", "--threads", many)
@@ -578,7 +578,7 @@ _PCM = bytes(range(256)) * 25  # 6400 bytes of sample data
 def test_malformed_wav_files(tmp_path, header, expected):
     """A damaged WAV header is one line saying what is wrong (before: ValueError tracebacks, or "use PCM" for a PCM
     file), never a reshape error, an FFT of 0 points or a resampling to billions of samples."""
-    from runners.audio import read_audio
+    from elx.runners.inputs.audio import read_audio
 
     path = tmp_path / "clip.wav"
     path.write_bytes(_wav(_PCM, **header))
@@ -592,7 +592,7 @@ def test_malformed_wav_files(tmp_path, header, expected):
 def test_audio_longer_than_a_segment_is_refused_before_resampling(tmp_path, exported, monkeypatch):
     """A WAV of 6400 samples labelled 1000 Hz lasts 6.4 s; one labelled so that it lasts an hour is refused before
     the resampler would make 57.6 million samples of it."""
-    from runners import audio
+    from elx.runners.inputs import audio
 
     def no_resampling(*args):
         raise AssertionError("resampled a clip that was too long")
@@ -622,8 +622,8 @@ def test_what_cannot_fit_in_memory_is_refused_before_onnx_runtime(capsys, export
     (before: ONNX Runtime's "Failed to allocate memory" from a MatMul), and num_beams 10**6 a self-attention cache
     of 2 x 10.7 GB (before: a search that ran for minutes, or failed inside ONNX Runtime); both refused before any
     graph runs."""
-    import runners.validation as validation
-    from runners.generate import Generator
+    import elx.runners.inputs.validation as validation
+    from elx.runners.generate import Generator
 
     monkeypatch.setattr(validation, "available_memory", lambda: 8 << 30)
     line = refused(capsys, "generate", exported("t5"), "--input-ids", " ".join(["5"] * 40_000), "--max-new-tokens", "2")
@@ -637,11 +637,11 @@ def test_what_cannot_fit_in_memory_is_refused_before_onnx_runtime(capsys, export
 
 @pytest.mark.parametrize("family", ["t5", "gpt2"])
 def test_the_self_cache_bound_holds_the_live_cache(exported, family):
-    """The memory check's bound on the self-attention cache (runners.validation.self_cache_bound) is at least what
+    """The memory check's bound on the self-attention cache (elx.runners.inputs.validation.self_cache_bound) is at least what
     the search holds at its longest step, measured on the live tensors, and not wildly more (GPT-2's prompt is kept
     once per input, not per beam)."""
-    from runners.generate import Generator
-    from runners.validation import self_cache_bound
+    from elx.runners.generate import Generator
+    from elx.runners.inputs.validation import self_cache_bound
 
     generator = Generator.from_folder(exported(family))
     rows = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]

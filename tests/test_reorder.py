@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runners.backend import Backend
-from runners.model import DecoderCache, Model
-from runners.ort_backend import OrtBackend
+from elx.runners.backends.base import Backend
+from elx.runners.model import DecoderCache, Model
+from elx.runners.backends.ort import OrtBackend
 
 
 def _backend() -> OrtBackend:

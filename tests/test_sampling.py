@@ -3,7 +3,7 @@ equals elx's ``generate(do_sample=True, seed=s)``, greedy and beam sampling, wit
 
 elx's searches run on HF's own float64 logits (``tests/differential.py``), so a difference can only come
 from the draws, the warpers or the search.  Rows that finish early leave elx's batch; the draws still
-cover HF's whole matrix (``runners/sampling.py``), which the early-EOS cases check.  Without PyTorch (or
+cover HF's whole matrix (``runners/search/sampling.py``), which the early-EOS cases check.  Without PyTorch (or
 with ``ELX_LOG_SOFTMAX=numpy``) numpy's generator is reproducible for a seed.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import runners.sampling as sampling
-from runners.generate import Generator
-from runners.log_softmax import ENV
+import elx.runners.search.sampling as sampling
+from elx.runners.generate import Generator
+from elx.runners.search.log_softmax import ENV
 from tests.differential import DECODER_ONLY, bare_manifest, build_fp64, frequent_tokens, hf_search, search_backend
 
 CONFIGS = {
@@ -112,8 +112,8 @@ def _running_rows_only(self, scores, active):
 def test_exports_sample_hf_tokens(exported, family, passes):
     """On ONNX Runtime too (fp32 graphs, logits within 1e-4 of PyTorch's): seeded greedy and beam sampling, a
     repeated input for num_return_sequences, the ngram pass's blocked log-probs under beam sampling."""
-    from exporter.hf_reference import torch_inputs as _torch_inputs
-    from exporter.sources import reload_model
+    from elx.exporter.hf_reference import torch_inputs as _torch_inputs
+    from elx.exporter.sources import reload_model
 
     generator = Generator.from_folder(exported(family, passes), threads=1)
     model = reload_model(generator.manifest.data["source"]).eval()

@@ -3,7 +3,7 @@
 Pinned from issue 10: on a peaked random T5 (gated-gelu FFN, untied LM head, 300 tokens) beam
 counts 3 and 5 diverged from HF while 2, 4 and 6 agreed, even on HF's own logits.  The cause was
 top-k tie order: many candidate scores are exactly equal there (log-probs of 0.0), and
-``torch.topk`` does not break ties by index.  ``runners/topk.py`` now mirrors its CPU order.
+``torch.topk`` does not break ties by index.  ``runners/search/topk.py`` now mirrors its CPU order.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import runners.search as search
-from runners.processors import build_processors
-from runners.settings import GenerationSettings
+import elx.runners.search.search as search
+from elx.runners.search.processors import build_processors
+from elx.runners.search.settings import GenerationSettings
 from tests.hf_reference import HfLogitsBackend
 
 

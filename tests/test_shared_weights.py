@@ -19,10 +19,10 @@ import onnx
 import pytest
 from onnx.external_data_helper import uses_external_data
 
-from exporter.atomic import check_output
-from exporter.shared_weights import LINE, MIN_BYTES, PAGE, WEIGHTS_FILE, graph_files
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.exporter.atomic import check_output
+from elx.exporter.shared_weights import LINE, MIN_BYTES, PAGE, WEIGHTS_FILE, graph_files
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
 
 def stored_ranges(folder: Path) -> tuple[list[tuple[int, int]], int]:
@@ -101,8 +101,8 @@ def test_graphs_of_one_model_share_their_weights(exported):
 
 @pytest.mark.parametrize("family,passes", [("t5", "el"), ("gpt2", None)])
 def test_storing_weights_once_changes_no_output(exported, tmp_path, family, passes):
-    from runners.generate import Generator
-    from runners.inputs import random_inputs
+    from elx.runners.generate import Generator
+    from elx.runners.inputs.random_inputs import random_inputs
 
     folder = exported(family, passes)
     alone = standalone_copy(folder, tmp_path / "standalone")
@@ -119,7 +119,7 @@ def test_storing_weights_once_changes_no_output(exported, tmp_path, family, pass
 def test_passes_leave_no_orphaned_or_duplicated_weights(exported, tmp_path):
     """A pass on an export whose weights are already shared (bench's cached baseline): the graphs it replaces
     (cross_kv, the decoder) take their weights with them, the rewrite's new ones are stored once."""
-    from exporter.export import apply_passes
+    from elx.exporter.export import apply_passes
 
     base = exported("t5")
     folder = apply_passes(base, tmp_path / "el", "el")
@@ -134,7 +134,7 @@ def test_passes_leave_no_orphaned_or_duplicated_weights(exported, tmp_path):
 def test_graph_data_files_are_folded_in(exported, tmp_path):
     """A folder whose graphs carry their own ``X.onnx.data`` (graphs above 2 GB, or an older elx) is repacked:
     the per-graph files go, one shared file stays."""
-    from exporter.shared_weights import store_weights_once
+    from elx.exporter.shared_weights import store_weights_once
 
     folder = standalone_copy(exported("t5"), tmp_path / "own-data")
     manifest = Manifest.load(folder)

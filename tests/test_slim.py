@@ -20,15 +20,17 @@ import torch
 from transformers import (BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration,
                           WhisperConfig, WhisperForConditionalGeneration)
 
-from runners.errors import ElxError
-from exporter.export import apply_passes, export_model
-from exporter.passes import slim, slim_cross, slim_math
-from exporter.passes.rewrite import load_graph
-from exporter.verify import TOLERANCE, Shape, verify_rewrite
-from runners.generate import Generator
-from runners.manifest import Manifest
-from runners.model import Model
-from runners.ort_backend import OrtBackend
+from elx.runners.errors import ElxError
+from elx.exporter.export import apply_passes, export_model
+from elx.exporter.passes import slim
+from elx.exporter.passes import slim_cross
+from elx.exporter.passes import slim_math
+from elx.exporter.passes.rewrite import load_graph
+from elx.exporter.verify import TOLERANCE, Shape, verify_rewrite
+from elx.runners.generate import Generator
+from elx.runners.manifest import Manifest
+from elx.runners.model import Model
+from elx.runners.backends.ort import OrtBackend
 
 VOCAB = 120
 MAX_NEW = 16

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from runners.generate import Generator
+from elx.runners.generate import Generator
 from tests.counting_backend import D2H, H2D, count_crossings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,9 +11,9 @@ import shutil
 import numpy as np
 import pytest
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
-from runners.ort_backend import OrtBackend
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
+from elx.runners.backends.ort import OrtBackend
 
 
 def _gpu_skip_reason() -> str | None:
@@ -26,7 +26,7 @@ def _gpu_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     if importlib.util.find_spec("tensorrt") is None:
-        from exporter.tensorrt_build import RTX_TARGETS
+        from elx.exporter.tensorrt.build import RTX_TARGETS
 
         major, minor = torch.cuda.get_device_capability()
         if f"{major}.{minor}" not in RTX_TARGETS:
@@ -42,7 +42,7 @@ LIMITS = dict(max_batch_size=2, max_beams=3, max_input_length=16, max_new_tokens
 def _engines(exported, tmp_path, family, passes=None, **options):
     import torch
 
-    from exporter.tensorrt_build import build_engine
+    from elx.exporter.tensorrt.build import build_engine
 
     folder = tmp_path / "export"
     shutil.copytree(exported(family, passes), folder)
@@ -54,7 +54,7 @@ def _engines(exported, tmp_path, family, passes=None, **options):
 
 
 def _backend(manifest):
-    from runners.tensorrt_backend import TensorRTBackend
+    from elx.runners.backends.tensorrt import TensorRTBackend
 
     return TensorRTBackend(manifest, device="cuda")
 
@@ -96,8 +96,8 @@ def _run_step(backend, manifest, inputs, tokens, cache, history=None):
 
 @pytest.mark.parametrize("family,passes", [("t5", None), ("bart", "el")])
 def test_engines_match_onnx_runtime(exported, tmp_path, family, passes):
-    from runners.backend import DecoderCache
-    from runners.inputs import random_inputs
+    from elx.runners.backends.base import DecoderCache
+    from elx.runners.inputs.random_inputs import random_inputs
 
     manifest = _engines(exported, tmp_path, family, passes)
     backend, ort = _backend(manifest), OrtBackend(manifest)
@@ -117,8 +117,8 @@ def test_engines_match_onnx_runtime(exported, tmp_path, family, passes):
 
 
 def test_first_step_with_an_empty_cache_and_shapes_outside_the_profile(exported, tmp_path):
-    from runners.backend import DecoderCache
-    from runners.inputs import random_inputs
+    from elx.runners.backends.base import DecoderCache
+    from elx.runners.inputs.random_inputs import random_inputs
 
     manifest = _engines(exported, tmp_path, "t5", "el")
     backend, ort = _backend(manifest), OrtBackend(manifest)
@@ -137,12 +137,12 @@ def test_first_step_with_an_empty_cache_and_shapes_outside_the_profile(exported,
 
 
 def test_ngram_plugin_in_the_engine_blocks_like_onnx_runtime(exported, tmp_path):
-    from runners.backend import DecoderCache
-    from runners.inputs import random_inputs
+    from elx.runners.backends.base import DecoderCache
+    from elx.runners.inputs.random_inputs import random_inputs
 
     manifest = _engines(exported, tmp_path, "bart", "ngram=2", ngram="engine")
     backend, ort = _backend(manifest), OrtBackend(manifest)
-    from runners.model import Model
+    from elx.runners.model import Model
 
     assert backend.ngram_blocking == "engine" and Model(manifest, backend).needs_history
     rng = np.random.default_rng(2)

@@ -21,12 +21,13 @@ import numpy as np
 import onnx
 import pytest
 
-from exporter import tensorrt_build, tensorrt_ngram
-from exporter.precision import to_fp16
-from exporter.tensorrt_profiles import Limits, axis_ranges, input_profiles
-from runners.errors import ElxError
-from runners.manifest import Manifest
-from runners.tensorrt_engines import check_shapes, section
+from elx.exporter.tensorrt import build as tensorrt_build
+from elx.exporter.tensorrt import ngram as tensorrt_ngram
+from elx.exporter.precision import to_fp16
+from elx.exporter.tensorrt.profiles import Limits, axis_ranges, input_profiles
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
+from elx.runners.backends.tensorrt_engines import check_shapes, section
 
 HAVE_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
 needs_rtx = pytest.mark.skipif(not HAVE_RTX, reason="tensorrt_rtx is not installed (pip install 'elx[tensorrt]')")
@@ -129,7 +130,7 @@ def test_fp16_rule_keeps_t5_feed_forward_output_in_fp32(exported):
 
 
 def test_no_tensorrt_is_a_one_line_error(monkeypatch):
-    from runners import tensorrt_runtime
+    from elx.runners.backends import tensorrt_runtime
 
     monkeypatch.setattr(tensorrt_runtime, "_try_import", lambda name: None)
     with pytest.raises(ElxError, match=r"pip install tensorrt-rtx-cu13==1\.7\.1\.116"):

@@ -1,4 +1,4 @@
-"""The fp32 tolerance scales with the logits (issue 25 item 6): ``exporter.verify.logits_tolerance``.
+"""The fp32 tolerance scales with the logits (issue 25 item 6): ``elx.exporter.verify.logits_tolerance``.
 
 The bar is ``max(1e-4, 2^-18 · M)`` with M the largest reference logit: float32 rounding is relative, so
 the same export computed at a larger scale errs proportionally more, and an absolute bar refused
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.verify import (LOGITS_SCALE, RELATIVE_TOLERANCE, TOLERANCE, logits_tolerance, require_within_tolerance,
+from elx.exporter.verify import (LOGITS_SCALE, RELATIVE_TOLERANCE, TOLERANCE, logits_tolerance, require_within_tolerance,
                              tolerance_record, verify_rewrite)
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 from tests.conftest import BUILDERS
 
 LONG = os.environ.get("ELX_LONG_TESTS") == "1"
@@ -69,7 +69,7 @@ def test_rounding_error_is_relative():
 @pytest.fixture(scope="module")
 def large_logits(tmp_path_factory):
     """A tiny T5 whose untied head is 30x larger (max |logit| about 2300): its export errs beyond 1e-4."""
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     root = tmp_path_factory.mktemp("large-logits")
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def test_large_logits_export(large_logits):
 
 
 def test_large_logits_pass_uses_the_rule(large_logits, tmp_path):
-    from exporter.export import apply_passes
+    from elx.exporter.export import apply_passes
 
     folder = apply_passes(large_logits, tmp_path / "el", "el")
     record = Manifest.load(folder).passes[0]
@@ -115,7 +115,7 @@ def test_large_logits_bar_still_refuses_a_wrong_graph(large_logits, tmp_path):
 
 def test_new_presets_have_published_dims():
     """The translation presets build the published architectures (configs only: no weights, no tokenizer)."""
-    from exporter.sources import _config_class, _find_preset
+    from elx.exporter.sources import _config_class, _find_preset
 
     expected = {"mbart-large-50": ("MBartForConditionalGeneration", 250054, 1024, 12),
                 "nllb-200-distilled-600m": ("M2M100ForConditionalGeneration", 256206, 1024, 12),
@@ -137,7 +137,7 @@ SMALL_PRESETS = ("t5-tiny", "t5-small", "whisper-tiny", "marian-en-de", "gpt2", 
 @pytest.mark.skipif(not LONG, reason="exports presets of up to 250M parameters; set ELX_LONG_TESTS=1")
 @pytest.mark.parametrize("preset", SMALL_PRESETS)
 def test_preset_exports(preset, tmp_path):
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     folder = export_model(preset, tmp_path / preset, random_init=True, quiet=True)
     verification = json.loads((folder / "manifest.json").read_text())["verification"]

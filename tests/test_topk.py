@@ -1,4 +1,4 @@
-"""``runners.topk.topk`` returns what ``torch.topk`` returns on the CPU, ties included."""
+"""``elx.runners.search.topk.topk`` returns what ``torch.topk`` returns on the CPU, ties included."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from runners.topk import topk
+from elx.runners.search.topk import topk
 
 
 def _torch(x: np.ndarray, k: int):
@@ -54,7 +54,7 @@ def test_beam_search_shapes(n, k):
 
 
 def test_distinct_values_take_the_fast_path(monkeypatch):
-    import runners.topk as module
+    import elx.runners.search.topk as module
 
     monkeypatch.setattr(module, "topk_row_torch", lambda *a: pytest.fail("emulation used without ties"))
     x = np.random.default_rng(0).standard_normal((4, 5000)).astype(np.float32)
@@ -63,7 +63,7 @@ def test_distinct_values_take_the_fast_path(monkeypatch):
 
 def test_topk_threads_follow_omp_num_threads(monkeypatch):
     """The TopK kernel uses ``$OMP_NUM_THREADS`` threads where set (a Ray actor's CPUs), else ONNX Runtime's default."""
-    import runners.topk as module
+    import elx.runners.search.topk as module
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert module._threads() == 3

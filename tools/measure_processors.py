@@ -19,9 +19,12 @@ import numpy as np
 import torch
 from transformers.generation import logits_process as hf
 
-from runners.processors import bias, masks, penalties, warpers
-from runners.sampling import Sampler
-from runners.topk import topk
+from elx.runners.search.processors import bias
+from elx.runners.search.processors import masks
+from elx.runners.search.processors import penalties
+from elx.runners.search.processors import warpers
+from elx.runners.search.sampling import Sampler
+from elx.runners.search.topk import topk
 
 
 def _timed(fn, repeats: int, make=lambda: None) -> float:

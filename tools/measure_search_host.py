@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from runners.backend import DecoderCache, EncoderState
-from runners.processors import build_processors
-from runners.search import beam_search
-from runners.settings import GenerationSettings
+from elx.runners.backends.base import DecoderCache, EncoderState
+from elx.runners.search.processors import build_processors
+from elx.runners.search.search import beam_search
+from elx.runners.search.settings import GenerationSettings
 
 
 class StandIn:

@@ -39,22 +39,22 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runners.errors import ElxError  # noqa: E402
-from exporter.export import export_model  # noqa: E402
-from exporter.passes import parse_passes  # noqa: E402
-from runners.backend import DecoderCache  # noqa: E402
-from runners.generate import Generator  # noqa: E402
-from runners.manifest import Manifest  # noqa: E402
+from elx.runners.errors import ElxError  # noqa: E402
+from elx.exporter.export import export_model  # noqa: E402
+from elx.exporter.passes import parse_passes  # noqa: E402
+from elx.runners.backends.base import DecoderCache  # noqa: E402
+from elx.runners.generate import Generator  # noqa: E402
+from elx.runners.manifest import Manifest  # noqa: E402
 
 VARIANTS = {"baseline": "", "slim": "slim", "slim-cross": "slim-cross", "slim+slim-cross": "slim,slim-cross",
             "el": "el", "el+slim": "el,slim"}
 
 
 def random_batch(manifest: Manifest, batch: int, length: int, seed: int) -> dict:
-    """Token ids with right padding on later rows (runners.inputs when available)."""
+    """Token ids with right padding on later rows (elx.runners.inputs.random_inputs when available)."""
     rng = np.random.default_rng(seed)
     try:
-        from runners.inputs import random_inputs
+        from elx.runners.inputs.random_inputs import random_inputs
 
         return random_inputs(manifest, batch, length, rng)
     except ImportError:

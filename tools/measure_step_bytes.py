@@ -23,12 +23,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runners.generate import Generator  # noqa: E402
+from elx.runners.generate import Generator  # noqa: E402
 from tests.counting_backend import D2H, H2D, count_crossings  # noqa: E402
 
 
 def export_folder(model: str, work: Path) -> Path:
-    from exporter.export import export_model
+    from elx.exporter.export import export_model
 
     folder = work / Path(model).name
     if (folder / "manifest.json").is_file():

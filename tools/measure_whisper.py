@@ -54,10 +54,10 @@ def log(message: str) -> None:
 
 def prepare(workdir: Path) -> dict:
     """HF folder, exports (or the reason a pass refused), clips and the CTranslate2 folder, cached."""
-    from exporter.ct2_format import locate_ct2_files
-    from exporter.ct2_import import import_ct2
-    from runners.errors import ElxError
-    from exporter.export import apply_passes, export_model
+    from elx.exporter.ct2.format import locate_ct2_files
+    from elx.exporter.ct2.import_whisper import import_ct2
+    from elx.runners.errors import ElxError
+    from elx.exporter.export import apply_passes, export_model
 
     workdir.mkdir(parents=True, exist_ok=True)
     out = {"hf": workdir / "hf"}
@@ -138,9 +138,9 @@ def main(argv=None) -> int:
     import torch
     from transformers import WhisperForConditionalGeneration
 
-    from runners.audio import features_from_files, read_audio
-    from runners.generate import Generator
-    from runners.text import Text
+    from elx.runners.inputs.audio import features_from_files, read_audio
+    from elx.runners.generate import Generator
+    from elx.runners.inputs.text import Text
 
     torch.set_num_threads(args.threads)
     workdir = Path(args.workdir)

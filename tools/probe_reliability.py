@@ -135,7 +135,7 @@ def make_exports(work: Path) -> dict:
         sys.path.insert(0, {str(ROOT)!r})
         from tests.conftest import make_model_folder
         from tests.test_runtime_imports import _word_tokenizer
-        from exporter.export import export_model
+        from elx.exporter.export import export_model
         work = Path({str(work)!r})
         for family in {missing!r}:
             model = make_model_folder(work / "models", family)

@@ -68,7 +68,7 @@ def ort_op_profile(gen, settings, folder: Path) -> dict:
     """Per op type: milliseconds in the decoder graph over one generate (ONNX Runtime's profiler)."""
     import onnxruntime as ort
 
-    from runners.ort_backend import session_options
+    from elx.runners.backends.ort import session_options
 
     step = gen.manifest.step
     options = session_options()
@@ -98,8 +98,8 @@ def variant(name: str, folder: Path):
     """A Generator for one runner variant (see the module doc)."""
     import onnxruntime as ort
 
-    from runners import ort_backend
-    from runners.generate import Generator
+    from elx.runners.backends import ort as ort_backend
+    from elx.runners.generate import Generator
 
     if name == "default":
         return Generator.from_folder(folder)
@@ -141,9 +141,9 @@ def main() -> None:
 
     ort.set_default_logger_severity(3)
 
-    from exporter.bench import ensure_exports
-    from runners.generate import Generator
-    from runners.inputs import random_inputs
+    from elx.exporter.bench.bench import ensure_exports
+    from elx.runners.generate import Generator
+    from elx.runners.inputs.random_inputs import random_inputs
 
     work = Path(args.work)
     folder = ensure_exports(args.model, True, [""], work / args.model)[0]

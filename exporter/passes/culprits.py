@@ -8,7 +8,7 @@ until the rest verifies.  Candidates that are not kept are deleted; nothing else
 
 Acceptance is stricter than the tolerance: each candidate is verified at ``VERIFY_SEEDS`` (the
 error varies with the inputs more than one sample shows) and must stay within ``verify_limit``,
-half the fp32 tolerance (``exporter.verify.logits_tolerance``: 1e-4 for unit-scale logits).  The tolerance itself is never loosened; the headroom is for inputs the
+half the fp32 tolerance (``elx.exporter.verify.logits_tolerance``: 1e-4 for unit-scale logits).  The tolerance itself is never loosened; the headroom is for inputs the
 verification does not sample (see ``verify_limit``).
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from ..verify import worst_report
-from .catalog import SKIP_BAD
+from elx.exporter.verify import worst_report
+from elx.exporter.passes.catalog import SKIP_BAD
 
 # A rewrite is accepted only within half the tolerance.  Verification samples a few shapes; generation on
 # other inputs reached up to 1.9x the verified max (issue 10's differential test: t5-gated-square's slim

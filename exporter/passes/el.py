@@ -39,12 +39,12 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from runners.manifest import Manifest
+from elx.runners.manifest import Manifest
 
-from runners.errors import ElxError
-from .rewrite import (Builder, commit, constant_value, linear_before, load_graph, only_consumer, pass_file,
+from elx.runners.errors import ElxError
+from elx.exporter.passes.rewrite import (Builder, commit, constant_value, linear_before, load_graph, only_consumer, pass_file,
                       refuse_twice, save_graph, through_shape_ops_down, through_shape_ops_up)
-from .catalog import EL as SPEC  # name, order, argument, conflicts, refusals
+from elx.exporter.passes.catalog import EL as SPEC  # name, order, argument, conflicts, refusals
 
 NAME, parse_argument = SPEC.name, SPEC.parse
 ENCODER_INPUT = "encoder_hidden_states"

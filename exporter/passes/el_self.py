@@ -73,16 +73,16 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from . import catalog
-from .catalog import FP64  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ accumulates in float64
-from .rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
-from . import slim
-from .qkv import head_projection
-from .slim import self_layers as cache_pairs
-from .slim_math import Projection, Unfit
+from elx.exporter.passes import catalog
+from elx.exporter.passes.catalog import FP64  # --pass el-self=fp64: the scores product (q_i·W_K,iᵀ)·Xᵀ accumulates in float64
+from elx.exporter.passes.rewrite import Builder, commit, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
+from elx.exporter.passes import slim
+from elx.exporter.passes.qkv import head_projection
+from elx.exporter.passes.slim import self_layers as cache_pairs
+from elx.exporter.passes.slim_math import Projection, Unfit
 
 SPEC = catalog.EL_SELF  # name, order (after el, slim-cross, slim; before ngram), argument, conflicts, refusals
 NAME, CONFLICTS, parse_argument = SPEC.name, SPEC.conflicts, SPEC.parse
@@ -448,7 +448,7 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     before = manifest.copy()
     decoder_only = not manifest.data.get("is_encoder_decoder", True)
     if decoder_only:  # the prompt part too (el_self_decoder_only.py)
-        from .el_self_decoder_only import candidate as decoder_only_candidate
+        from elx.exporter.passes.el_self_decoder_only import candidate as decoder_only_candidate
 
         after, layers = decoder_only_candidate(manifest, wide)
     else:

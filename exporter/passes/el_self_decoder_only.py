@@ -60,14 +60,14 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from . import el_self
-from .el_self import NAME, SelfLayer, _Consts, _become, _reader, _redirect_shape_reads
-from .qkv import head_projection
-from .rewrite import Builder, constant_value, load_graph, pass_file, producer, save_graph
-from .slim_math import Unfit
+from elx.exporter.passes import el_self
+from elx.exporter.passes.el_self import NAME, SelfLayer, _Consts, _become, _reader, _redirect_shape_reads
+from elx.exporter.passes.qkv import head_projection
+from elx.exporter.passes.rewrite import Builder, constant_value, load_graph, pass_file, producer, save_graph
+from elx.exporter.passes.slim_math import Unfit
 
 NAMES = ("past_hidden.{}", "present_hidden.{}")  # the generated part's X cache (step input, step output)
 PROMPT = "prompt_hidden.{}"  # the step's input of the prompt's X, batch B

@@ -7,7 +7,7 @@ time.  After this pass the decoder step has a second output beside its plain ``l
 
 where ``history`` [rows, cur_len] is the decoder tokens so far (start token included, as HF's
 processors see them) and NGramRepeatBlock_N sets −inf on every token that would repeat an
-n-gram of the row (``runners/ngram_reference.py`` holds the definition).  HF's beam search
+n-gram of the row (``runners/search/ngram_reference.py`` holds the definition).  HF's beam search
 applies its processors after ``log_softmax``; a run that asks for ``no_repeat_ngram_size`` = N
 reads ``log_probs`` and the searches skip their own log-softmax and n-gram processor.  A run
 asking for anything else (0 included) reads the plain ``logits`` and gets exactly what it asked
@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from runners.manifest import Manifest
-from runners.ngram_reference import block_ngrams
+from elx.runners.manifest import Manifest
+from elx.runners.search.ngram_reference import block_ngrams
 
-from ..plugins.ngram import ort_node, tensorrt_node
-from ..verify import RuntimeSide
-from . import catalog
-from .rewrite import Builder, commit, load_graph, pass_file, refuse_twice, save_graph
+from elx.exporter.plugins.ngram import ort_node, tensorrt_node
+from elx.exporter.verify import RuntimeSide
+from elx.exporter.passes import catalog
+from elx.exporter.passes.rewrite import Builder, commit, load_graph, pass_file, refuse_twice, save_graph
 
 SPEC = catalog.NGRAM  # name, order (last: it consumes the final logits), argument, refusals (decoder-only)
 NAME, parse_argument = SPEC.name, SPEC.parse

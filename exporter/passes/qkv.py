@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rewrite import constant_value, producer
-from .slim import head_split, linear, projection as separate_projection
-from .slim_math import Projection, Unfit
+from elx.exporter.passes.rewrite import constant_value, producer
+from elx.exporter.passes.slim import head_split, linear, projection as separate_projection
+from elx.exporter.passes.slim_math import Projection, Unfit
 
 
 def head_projection(tensor) -> Projection:

@@ -8,11 +8,11 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from ..onnx_export import save_model
-from ..verify import require_within_tolerance, verify_rewrite
+from elx.exporter.onnx_export import save_model
+from elx.exporter.verify import require_within_tolerance, verify_rewrite
 
 SHAPE_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
@@ -127,7 +127,7 @@ def adopt(folder: Path, manifest: Manifest, after: Manifest) -> None:
 
 
 def commit(folder: Path, before: Manifest, after: Manifest, what: str, **verify_options) -> dict:
-    """Verify ``after`` against ``before`` (``exporter.verify.verify_rewrite``); on success drop files only
+    """Verify ``after`` against ``before`` (``elx.exporter.verify.verify_rewrite``); on success drop files only
     ``before`` used.  Raises (nothing committed) beyond the tolerance."""
     report = verify_rewrite(before, after, **verify_options)
     require_within_tolerance(report, what)

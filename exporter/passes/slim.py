@@ -70,14 +70,14 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from ..verify import RuntimeSide, verify_rewrite
-from . import catalog
-from .culprits import verified_rewrite
-from .rewrite import Builder, adopt, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
-from .slim_math import COND_LIMIT, FP16_NOTE, Analysis, Projection, Unfit, analyse
+from elx.exporter.verify import RuntimeSide, verify_rewrite
+from elx.exporter.passes import catalog
+from elx.exporter.passes.culprits import verified_rewrite
+from elx.exporter.passes.rewrite import Builder, adopt, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
+from elx.exporter.passes.slim_math import COND_LIMIT, FP16_NOTE, Analysis, Projection, Unfit, analyse
 
 SPEC = catalog.SLIM  # name, order, argument, conflicts, refusals (decoder-only: rotary MHA models only)
 NAME, parse_argument = SPEC.name, SPEC.parse
@@ -325,7 +325,7 @@ def _candidate(manifest: Manifest, graph_file: str, layers: list[SelfLayer]) -> 
 def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     refuse_twice(manifest, NAME)
     if not manifest.data.get("is_encoder_decoder", True):  # RoPE models: keys cached before RoPE
-        from .slim_rope import apply as apply_rope
+        from elx.exporter.passes.slim_rope import apply as apply_rope
 
         return apply_rope(folder, manifest, argument)
     skip_bad = parse_argument(argument)

@@ -36,15 +36,15 @@ from pathlib import Path
 
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from ..verify import RuntimeSide, verify_rewrite
-from . import catalog
-from .culprits import verified_rewrite
-from .rewrite import Builder, adopt, load_graph, pass_file, refuse_twice, save_graph
-from .slim import projection, read_shapes_from, record, replace_with, same_head_split, values_from_keys, values_matmul
-from .slim_math import Analysis, Projection, Unfit, analyse
+from elx.exporter.verify import RuntimeSide, verify_rewrite
+from elx.exporter.passes import catalog
+from elx.exporter.passes.culprits import verified_rewrite
+from elx.exporter.passes.rewrite import Builder, adopt, load_graph, pass_file, refuse_twice, save_graph
+from elx.exporter.passes.slim import projection, read_shapes_from, record, replace_with, same_head_split, values_from_keys, values_matmul
+from elx.exporter.passes.slim_math import Analysis, Projection, Unfit, analyse
 
 SPEC = catalog.SLIM_CROSS  # name, order, argument, conflicts, refusals (el declares its conflict)
 NAME, parse_argument = SPEC.name, SPEC.parse

@@ -32,7 +32,7 @@ values; the cache holds the generated tokens' K_raw: half the self-attention sta
 the generated tokens.  GQA/MQA are refused: there W_K is [d, h_kv·d_k] with h_kv·d_k < d, K does not
 determine X, and V is no function of K (the paper: MHA models only).
 
-Key positions, as HF gives them (``runners/prompt.py``):
+Key positions, as HF gives them (``runners/inputs/prompt.py``):
 
 * generated keys (both prompt-cache forms): the step's position p and its G + 1 generated keys sit at
   p − G, …, p (generated tokens take consecutive positions);
@@ -59,17 +59,17 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from runners.errors import ElxError
-from runners.manifest import Manifest
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
 
-from ..verify import RuntimeSide, default_shapes, measure
-from . import slim
-from .catalog import GQA
-from .culprits import verified_rewrite
-from .el_self_decoder_only import PromptLayer, _check_value_parts, _reader, layers_of, prefill_stage
-from .qkv import head_projection
-from .rewrite import Builder, adopt, load_graph, pass_file, producer, save_graph
-from .slim_math import Unfit, analyse
+from elx.exporter.verify import RuntimeSide, default_shapes, measure
+from elx.exporter.passes import slim
+from elx.exporter.passes.catalog import GQA
+from elx.exporter.passes.culprits import verified_rewrite
+from elx.exporter.passes.el_self_decoder_only import PromptLayer, _check_value_parts, _reader, layers_of, prefill_stage
+from elx.exporter.passes.qkv import head_projection
+from elx.exporter.passes.rewrite import Builder, adopt, load_graph, pass_file, producer, save_graph
+from elx.exporter.passes.slim_math import Unfit, analyse
 
 NAME = slim.NAME
 PROMPT_POSITIONS = "prompt_position_ids"  # the shared form's step input of the prompt's position ids

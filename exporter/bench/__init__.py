@@ -1,0 +1,1 @@
+"""``elx bench``: the side-by-side runs, the peers and the sweeps."""

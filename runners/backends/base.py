@@ -1,0 +1,89 @@
+"""The backend seam: a backend runs the graphs of one export folder and keeps tensors on its device.
+
+A backend knows nothing of generation: no manifest semantics, no search, no logits processing.
+It runs a graph (by its manifest name) on named inputs and returns named outputs, moves arrays
+between the host and its device, and takes rows of a device tensor (beam reordering, dropping
+finished items).  ``elx.runners.model.Model`` drives any backend through the run plan
+(``runners/plan.py``); the searches (``runners/search/search.py``) drive the model.
+
+Backends: ``ort`` (ONNX Runtime, host numpy arrays: ``runners/backends/ort.py``), ``ort-io``
+(ONNX Runtime with IOBinding, device-resident tensors, CUDA or CPU EP:
+``runners/backends/ort_io.py``), ``tensorrt`` (``runners/backends/tensorrt.py``).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from elx.runners.inputs.prompt import Prompt
+
+DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16": np.float16, "bool": np.bool_}
+
+
+class Backend(ABC):
+    name: str = "abstract"
+    device: str = "cpu"
+
+    @abstractmethod
+    def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
+        """Run manifest graph ``graph`` on ``feeds`` (device values or host numpy arrays); return ``outputs``
+        in order, those named in ``host_outputs`` as host numpy arrays, the others as device values."""
+
+    @abstractmethod
+    def to_device(self, array: np.ndarray):
+        """A device value holding ``array``."""
+
+    @abstractmethod
+    def to_host(self, value) -> np.ndarray:
+        """A host numpy array holding ``value``."""
+
+    @abstractmethod
+    def take(self, value, rows: np.ndarray):
+        """Rows ``rows`` (int64) of ``value`` along axis 0, on the device."""
+
+    def permute_rows(self, value, rows: np.ndarray):
+        """``take(value, rows)`` where ``rows`` has as many rows as ``value`` (a beam reorder); ``value`` is
+        consumed: a backend may reorder it in place and return it."""
+        return self.take(value, rows)
+
+    @abstractmethod
+    def nbytes(self, value) -> int:
+        """Bytes ``value`` occupies on its device."""
+
+    def zeros(self, shape: list[int], dtype: str):
+        return self.to_device(np.zeros(shape, dtype=DTYPES[dtype]))
+
+    def adapt(self, plan):
+        """The run plan for what this backend's build of the graphs does (default: what the manifest says).
+
+        E.g. a TensorRT engine built with n-gram blocking left to the host has no blocked output."""
+        return plan
+
+
+@dataclass
+class EncoderState:
+    """Per-input state the step graph reads every step, at batch B (shared by the beams of an item).
+
+    ``feeds`` maps step input names to device values: the "input-related state" bytes.
+    ``kept`` holds stage outputs on the host that the plan keeps (e.g. the encoder output, for compare).
+    ``prompt`` is a decoder-only model's prompt (mask, positions, the prefill's outputs: ``runners/inputs/prompt.py``).
+    """
+
+    feeds: dict
+    batch: int
+    kept: dict = field(default_factory=dict)
+    prompt: Prompt | None = None
+
+
+@dataclass
+class DecoderCache:
+    """The self-attention cache: step input name → device value [rows, ...], reordered with the beams.
+
+    ``length`` counts the sequence positions the model has consumed (prompt and generated tokens)."""
+
+    arrays: dict
+    rows: int
+    length: int = 0

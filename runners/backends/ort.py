@@ -1,0 +1,76 @@
+"""ONNX Runtime backend on host numpy arrays: one InferenceSession per graph the manifest runs."""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+from elx.runners.backends.base import Backend
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
+from elx.runners.inputs.validation import check_threads
+
+
+def session_options(threads: int | None = None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    # no busy-waiting between steps: the host work of the search (and any other system timed in the
+    # same process) gets the cores instead of ORT's idle pool threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def load_sessions(manifest: Manifest, providers: list, threads: int | None = None) -> dict:
+    """An InferenceSession per graph the manifest runs (stages and step); one-line error when unloadable."""
+    import onnxruntime as ort
+
+    check_threads(threads)  # before ONNX Runtime starts any: it starts as many as asked, per session
+    sessions = {}
+    for name in [*manifest.stages, manifest.step]:
+        path = manifest.graph_path(name)
+        try:
+            sessions[name] = ort.InferenceSession(str(path), session_options(threads), providers=providers)
+        except Exception as err:  # ORT raises several types for unreadable graphs
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise ElxError(f"ONNX Runtime cannot load {path} ({first}); re-run 'elx export' for this folder")
+        manifest.check_graph_io(name, {i.name: i.type for i in sessions[name].get_inputs()},
+                                {o.name: o.type for o in sessions[name].get_outputs()})
+    return sessions
+
+
+class OrtBackend(Backend):
+    name, device = "ort", "cpu"
+
+    def __init__(self, manifest: Manifest, threads: int | None = None):
+        self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads)
+
+    def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
+        return self.sessions[graph].run(outputs, feeds)
+
+    def to_device(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array)
+
+    def to_host(self, value) -> np.ndarray:
+        return value
+
+    def take(self, value, rows: np.ndarray) -> np.ndarray:
+        return np.take(value, rows, axis=0)
+
+    def permute_rows(self, value: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """In place where fewer than half the rows move (a beam reorder moves about a quarter of them):
+        only the moved rows are copied, twice (gathered, then written), instead of every row once into a
+        new array.  The gather is complete before any write, so chains of moves are safe."""
+        moved = np.flatnonzero(rows != np.arange(rows.shape[0]))
+        if 2 * moved.size >= rows.shape[0] or not value.flags.writeable:
+            return np.take(value, rows, axis=0)
+        value[moved] = value[rows[moved]]
+        return value
+
+    def nbytes(self, value) -> int:
+        return int(value.nbytes)

@@ -1,0 +1,1 @@
+"""Generation over dataset files: the pipeline, its file formats, the run record and Ray Data."""

@@ -439,6 +439,10 @@ def add_bench_parser(sub) -> None:
                         "'@int8' after a set exports it with --precision int8 ('baseline|baseline@int8|el@int8')")
     p.add_argument("--prompt-cache", default=None,
                    help="decoder-only models: prompt cache forms to compare, e.g. 'shared|per-beam' (default shared)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "int8"),
+                   help="precision of the elx exports whose pass set names none ('@int8' names its own; with "
+                        "--backend tensorrt, fp16 engines from fp32 exports); HF runs fp16 with fp16 on --device "
+                        "cuda, fp32 otherwise (the table says which)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="inputs per generate (default 4)")
     p.add_argument("--input-length", type=positive_int, default=256,
                    help="input tokens of the longest row; the others are shorter, right-padded (default 256)")
@@ -503,6 +507,9 @@ def cmd_bench(args) -> int:
         require_matplotlib()
     if args.backend == "tensorrt" and args.device != "cuda":
         raise ElxError("--backend tensorrt runs engines on an NVIDIA GPU; add --device cuda")
+    if args.backend == "tensorrt" and args.precision == "int8":
+        raise ElxError("--precision int8 runs on ONNX Runtime (int8 exports); TensorRT engines are built in fp32 "
+                       "or fp16: use --backend ort, or --precision fp16")
     if args.quick:
         for key, value in QUICK.items():
             if key == "model" and args.model:
@@ -514,17 +521,18 @@ def cmd_bench(args) -> int:
     check_bench_model(model, random_init, _pass_sets(args.pass_sets))
     if args.device == "cuda":
         _check_cuda_bench(args.backend)
-    from elx.exporter.bench.bench import BenchSettings, ensure_engines, ensure_exports, markdown_table, run_bench
+    from elx.exporter.bench.bench import (BenchSettings, ensure_engines, ensure_exports, export_precision, markdown_table,
+                                run_bench)
 
     work = Path(args.work) / Path(model).name
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
                              repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick,
-                             backend=args.backend)
+                             backend=args.backend, precision=args.precision)
     forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
     progress = _progress(args)
     folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms,
-                             quiet=args.quiet, progress=progress)
+                             quiet=args.quiet, progress=progress, precision=export_precision(settings))
     if settings.backend == "tensorrt":
         ensure_engines(folders, settings, quiet=args.quiet, progress=progress)
     out = work / "results"

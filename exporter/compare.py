@@ -281,8 +281,7 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
     else:  # no encoder: the prompt's own logits are the first step's
         from elx.exporter.compare_decoder_only import decoder_only_teacher_forced
 
-        diffs, encoder_diff = decoder_only_teacher_forced(generator, model, inputs, forced, per_item)
-        top1 = np.zeros((forced.shape[0], 0), dtype=bool)
+        diffs, top1, encoder_diff = decoder_only_teacher_forced(generator, model, inputs, forced, per_item)
     fill = rules.output_fill(settings)
     rows = []
     for r in range(hf.shape[0]):

@@ -3,7 +3,8 @@
 HF's returned rows hold the left-padded prompt and the generated tokens.  The runner takes the
 prompt as its first step (the prefill, copied to the item's rows), then one token per step;
 PyTorch runs each whole row at once with HF's mask (the prompt mask, then ones) and position ids
-(``runners/inputs/prompt.py``).  Step s compares the scores that chose generated token s.
+(``runners/inputs/prompt.py``).  Step s compares the scores that chose generated token s: their max abs difference
+and whether both sides' highest-scoring token is the same (the top-1 agreement an int8 export records).
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from elx.runners.inputs.prompt import sequence_positions
 
 
 def decoder_only_teacher_forced(generator: Generator, model, inputs: dict, sequences: np.ndarray,
-                                per_item: int) -> tuple[np.ndarray, None]:
-    """Max abs logits diff per (row, generated step) along ``sequences`` [items·per_item, T]; no encoder diff."""
+                                per_item: int) -> tuple[np.ndarray, np.ndarray, None]:
+    """Per (row, generated step) along ``sequences`` [items·per_item, T]: the max abs logits diff and whether the
+    top-1 tokens agree; no encoder diff."""
     runner = generator.model.for_run(0)
     state = runner.encode(inputs)
     rows, length = sequences.shape
@@ -34,4 +36,5 @@ def decoder_only_teacher_forced(generator: Generator, model, inputs: dict, seque
         ref = model(input_ids=torch.from_numpy(sequences[:, :-1]), attention_mask=torch.from_numpy(mask[:, :-1]),
                     position_ids=torch.from_numpy(positions[:, :-1])).logits[:, width - 1:].numpy()
     diffs = [np.abs(ours[s] - ref[:, s]).max(axis=1) for s in range(len(ours))]
-    return np.stack(diffs, axis=1), None
+    top1 = [np.argmax(ours[s], axis=1) == np.argmax(ref[:, s], axis=1) for s in range(len(ours))]
+    return np.stack(diffs, axis=1), np.stack(top1, axis=1), None

@@ -202,7 +202,7 @@ def _check_decoder_only_options(family, prompt_cache) -> str | None:
 def _total_weight(requests: list, precision: str) -> float:
     """The export's stages' weights (``WEIGHTS``), graphs counted as an encoder-decoder export's."""
     graphs = WEIGHTS["encoder"] + WEIGHTS["cross_kv"] + WEIGHTS["decoder"]
-    fp16 = {"fp16": WEIGHTS["fp16"] * (2 + len(requests)), "int8": WEIGHTS["fp16"] * 2}.get(precision, 0)
+    fp16 = {"fp16": WEIGHTS["fp16"] * (2 + len(requests)), "int8": WEIGHTS["fp16"] * 3}.get(precision, 0)
     return (WEIGHTS["load"] + graphs + WEIGHTS["verify"] + WEIGHTS["pass"] * len(requests) + fp16 + WEIGHTS["store"]
             + WEIGHTS["write"])
 
@@ -228,9 +228,6 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder,
                                  loaded.family.dims(loaded.model.config))
                 form = _check_decoder_only_options(loaded.family, prompt_cache)
-                if form is not None and precision != "fp32":
-                    raise ElxError(f"--precision {precision} is not available for decoder-only exports "
-                                   f"({loaded.family.name}) yet; export in fp32 (drop --precision)")
                 note = ", seeded random weights (--random-init)" if loaded.source["random_init"] else ""
                 stage.detail = f"{type(loaded.model).__name__}, family {loaded.family.name}{note}"
             data = base_manifest(loaded.model, loaded.family, loaded.source)

@@ -5,7 +5,8 @@ One rule for ``elx export --precision fp16`` (``exporter/precision_export.py``) 
 rewritten by passes and verified in fp32 first; the rule then rewrites the finished fp32 graphs:
 
 * **fp16**: MatMuls with a constant weight (attention projections, cross K/V, EL's per-head W_K/W_V,
-  feed-forward input, lm_head): the weight is stored in fp16 (half the bytes every decoder step
+  feed-forward input, lm_head; a ``Gemm`` on a constant weight, GPT-2's ``Conv1D``, is first rewritten
+  as such a MatMul and an fp32 bias ``Add``, ``gemms_to_matmuls``): the weight is stored in fp16 (half the bytes every decoder step
   streams), the activation is cast to fp16 in front of the MatMul and the result back to fp32 after
   it (accumulation is the kernel's: fp32 on the GPU's fp16 GEMMs).
 * **fp32, everything else**: residual stream, layer/RMS norms, softmax and log-softmax, attention
@@ -23,8 +24,9 @@ rewritten by passes and verified in fp32 first; the rule then rewrites the finis
   ``Boundary.half_inputs`` / ``half_outputs`` are fp16 at the graph's edge: cast to fp32 right after
   entering, to fp16 right before leaving, and the graph's own readers of an fp16 output read it back
   from fp16 (Cast16 → Cast32), so a step computes with exactly the values it stores and the next
-  step reads.  Exports put the self-attention cache and the per-input state (cross K/V, or EL's
-  encoder output) there; slim's K-only entries stay fp32 (above).
+  step reads.  Exports put the self-attention cache and the per-input state (cross K/V, EL's
+  encoder output, or a decoder-only prefill's prompt K/V) there; slim's K-only entries stay fp32
+  (above), and so do a decoder-only prefill's logits (the first step's scores, ``first_step_scores``).
 """
 from __future__ import annotations
 
@@ -93,9 +95,55 @@ def _set_half(values, names) -> None:
             value.type.tensor_type.elem_type = HALF
 
 
+def _attribute(node, name: str, default):
+    found = next((a for a in node.attribute if a.name == name), None)
+    return default if found is None else helper.get_attribute_value(found)
+
+
+def gemms_to_matmuls(model: onnx.ModelProto) -> int:
+    """Rewrite in place each ``Gemm`` on a constant fp32 weight (GPT-2's ``Conv1D`` exports as one) as a
+    ``MatMul`` on that weight (transposed once here where ``transB``) followed by an ``Add`` of the bias, so
+    that the precision rules, which read weight MatMuls, see it.  Only the plain form (alpha = beta = 1, A not
+    transposed) is rewritten; the sum is the same, its rounding order in fp32 may differ by an ulp.  Returns
+    how many were rewritten."""
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    nodes, added, rewritten = [], [], 0
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type == "Gemm" else None
+        if (weight is None or weight.data_type != FLOAT or _attribute(node, "alpha", 1.0) != 1.0
+                or _attribute(node, "beta", 1.0) != 1.0 or _attribute(node, "transA", 0)):
+            nodes.append(node)
+            continue
+        name = weight.name
+        if _attribute(node, "transB", 0):
+            name = f"{weight.name}/transposed"
+            if name not in weights:
+                weights[name] = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), name)
+                added.append(weights[name])
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        out = node.output[0]
+        product = f"{out}/matmul" if bias else out
+        matmul = helper.make_node("MatMul", [node.input[0], name], [product], node.name or f"{out}/gemm")
+        matmul.metadata_props.extend(node.metadata_props)  # the module path (int8's per-layer rule reads it)
+        nodes.append(matmul)
+        if bias:
+            nodes.append(helper.make_node("Add", [product, bias], [out], f"{out}/gemm_bias"))
+        rewritten += 1
+    if rewritten:
+        del graph.node[:]
+        graph.node.extend(nodes)
+        graph.initializer.extend(added)
+        used = {name for node in graph.node for name in node.input}
+        for tensor in [t for t in graph.initializer if t.name not in used]:
+            graph.initializer.remove(tensor)
+    return rewritten
+
+
 def to_fp16(model: onnx.ModelProto, family: str, dims: dict, boundary: Boundary = Boundary()) -> tuple[
         onnx.ModelProto, dict]:
     """Rewrite ``model`` in place by the rule above; returns it and the number of MatMuls per decision."""
+    gemms_to_matmuls(model)
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
     exact = _exact_projections(graph, boundary.exact_outputs, weights)
@@ -191,6 +239,7 @@ def boundaries(manifest: Manifest) -> dict[str, Boundary]:
                     if spec.get("dtype", "float32") == "float32"}
     half_sources |= {f"{manifest.step}:{e['output']}" for e in manifest.cache_entries}
     half_sources -= exact
+    half_sources.discard(manifest.data.get("first_step_scores"))  # a decoder-only prefill's logits: fp32 scores
     out = {}
     for name in [*manifest.stages, manifest.step]:
         spec = manifest.graphs[name]

@@ -15,6 +15,11 @@ and the ``fp16_arithmetic`` mode, each side filling its own cache from a prefix;
 * after each pass, the folder converted to fp16 against the fp16 baseline (the pass's record,
   ``fp16.vs_fp16_baseline``): how much a pass changes fp16 results;
 * the final fp16 export against PyTorch fp32 (``verification.fp16``).
+
+Decoder-only exports (GPT-2, OPT, the RoPE families) take the same path: the prompt K/V (the prefill's
+outputs: the shared prompt state, or the per-beam cache's initial contents) and the cache in fp16, both
+scores (the prefill's first-step logits and the step's) fp32; PyTorch's side of the checks runs the
+prompt, a prefix and the token in one forward (``exporter/precision_decoder_only.py``).
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ from elx.exporter.passes.rewrite import drop_unused_files, pass_file
 from elx.exporter.precision import boundaries, exact_entries, to_fp16
 from elx.exporter.precision_check import MODES, arithmetic_twin, fp16_depth, judge
 from elx.exporter.progress import WEIGHTS, Progress
-from elx.exporter.verify import RuntimeSide, TorchSide, measure
+from elx.exporter.precision_decoder_only import torch_side
+from elx.exporter.verify import RuntimeSide, default_shapes, measure
 
 PRECISIONS = ("fp32", "fp16", "int8")  # int8: exporter/precision_int8.py
 SUFFIX = "fp16"
@@ -99,13 +105,13 @@ def compare(reference: dict, candidate: Manifest, work: Path, what: str, referen
     for mode in MODES:
         graphs = candidate if mode == "runtime" else arithmetic_twin(candidate, work)
         depth = max(reference_depth, fp16_depth(candidate))
-        result = measure(reference[mode], RuntimeSide(graphs, prefill=True), candidate)
+        result = measure(reference[mode], RuntimeSide(graphs, prefill=True), candidate, default_shapes(candidate))
         report[mode] = judge(result, depth, f"{what} ({mode.replace('_', ' ')})")
         blocked = candidate.graphs[candidate.step].get("blocked")
         if blocked:  # the ngram pass: log-softmaxed, blocked scores as well
             n = blocked["ngram_size"]
             result = measure(reference[mode], RuntimeSide(graphs, n, prefill=True), candidate,
-                             expect=log_softmax_blocked(n))
+                             default_shapes(candidate), expect=log_softmax_blocked(n))
             report[mode]["blocked"] = judge(result, depth, f"{what}, blocked scores ({mode.replace('_', ' ')})")
     return report
 
@@ -136,8 +142,8 @@ class Fp16Export:
     def __init__(self, torch_model, manifest: Manifest, work: Path, progress: Progress):
         self.work, self.progress = work, progress
         with progress.stage("fp16 baseline vs PyTorch", WEIGHTS["fp16"]) as stage:
-            torch_side = TorchSide(torch_model, manifest, prefill=True)
-            self.torch = {mode: torch_side for mode in MODES}
+            reference = torch_side(torch_model, manifest)
+            self.torch = {mode: reference for mode in MODES}
             self.baseline = convert_folder(manifest, self.work / "baseline")
             self.baseline_report = compare(self.torch, self.baseline, self.work / "baseline-twin",
                                            "fp16 baseline vs PyTorch")

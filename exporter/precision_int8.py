@@ -39,13 +39,21 @@ that out at the cost of one bit of weight precision.  Measured (t5-small dims, r
 teacher-forced max abs logits difference against PyTorch fp32 on random inputs, max |logit| 9.14): 0.650
 with 8-bit weights, 0.201 with 7-bit; beam 4 on the recorded draw: 6/8 and 7/8 sequences identical to HF.
 
-**LM head.**  Measured as above: 0.201 with the LM head in int8, 0.196 with it in fp32, and the same
-sequences identical to HF (greedy 8/8, beam 4 7/8): its error is not out of line, so it is quantized
-(``KEEP_LM_HEAD_FP32 = False``); the manifest's ``int8.lm_head`` says which.
+**LM head and layers out of line.**  Measured as above: 0.201 with the LM head in int8, 0.196 with it in fp32,
+and the same sequences identical to HF (greedy 8/8, beam 4 7/8): its error is not out of line, so by default
+it is quantized (``KEEP_LM_HEAD_FP32 = False``).  Every export now measures it, and each layer, alone
+(``exporter/precision_int8_layers.py``): a layer (the LM head included) whose error quantized alone is out of
+line with the others' stays fp32; the manifest's ``int8.layers`` records the measurement, ``int8.lm_head``
+what the LM head is.
+
+**Decoder-only exports** (GPT-2, OPT, the Llama families) take the same rule on both graphs (prefill and
+step); GPT-2's ``Conv1D`` exports as ``Gemm``, rewritten first as a weight MatMul and a bias add
+(``precision.gemms_to_matmuls``) so that it is quantized too.
 """
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 from collections import Counter
 from contextlib import contextmanager
@@ -59,7 +67,7 @@ from elx.runners.manifest import Manifest
 
 from elx.exporter.onnx_export import save_model
 from elx.exporter.passes.rewrite import pass_file
-from elx.exporter.precision import _exact_projections, boundaries
+from elx.exporter.precision import _exact_projections, boundaries, gemms_to_matmuls
 
 SUFFIX = "int8"
 KEEP_LM_HEAD_FP32 = False  # measured: see the module doc
@@ -107,9 +115,29 @@ def _is_lm_head(node, model: onnx.ModelProto, logits: str | None) -> bool:
     return logits in frontier
 
 
+LAYER = re.compile(r"((?:encoder|decoder)\.)?(?:layers|layer|h|block|blocks)\.\d+(?![0-9])")
+LM_HEAD = "lm_head"
+
+
+def layer_of(node: onnx.NodeProto) -> str | None:
+    """The layer a weight MatMul belongs to: read from the module path the ONNX exporter records on the node
+    (``namespace``: ``.../model.model.layers.3.self_attn.q_proj: ...`` → ``layers.3``; T5's
+    ``decoder.block.1.layer.0...`` → ``decoder.block.1``), else from the weight's name (its parameter name when
+    the export kept it); None when neither names a layer (e.g. nodes a pass wrote)."""
+    namespace = next((p.value for p in node.metadata_props if p.key == "namespace"), "")
+    for text in (namespace, node.input[1]):
+        found = LAYER.search(text)
+        if found:
+            return found.group(0)
+    return None
+
+
 def choose(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | None = None,
-           keep_lm_head: bool = KEEP_LM_HEAD_FP32) -> tuple[list[str], dict]:
-    """The names of the MatMuls the rule quantizes, and the count per decision (for the manifest)."""
+           keep_lm_head: bool = KEEP_LM_HEAD_FP32, keep_layers=frozenset(), only=None) -> tuple[list[str], dict]:
+    """The names of the MatMuls the rule quantizes, and the count per decision (for the manifest).
+
+    ``keep_layers``: layers (``layer_of``, or ``LM_HEAD``) kept fp32 by the per-layer measurement;
+    ``only``: quantize that one layer and nothing else (the measurement's own conversions)."""
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
     exact = _exact_projections(graph, exact_outputs, weights)
@@ -126,16 +154,28 @@ def choose(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | None
             counts["fp32: slim W_KV product"] += 1
         elif index in exact:
             counts["fp32: slim key projection"] += 1
-        elif _is_lm_head(node, model, logits):
-            if keep_lm_head:
-                counts["fp32: LM head"] += 1
-            else:
-                counts["int8: LM head"] += 1
-                chosen.append(node.name)
         else:
-            counts["int8: weight MatMul"] += 1
-            chosen.append(node.name)
+            head = _is_lm_head(node, model, logits)
+            layer = LM_HEAD if head else layer_of(node)
+            if only is not None:
+                if layer == only:
+                    chosen.append(node.name)
+            elif head and keep_lm_head:
+                counts["fp32: LM head"] += 1
+            elif layer in keep_layers:
+                counts["fp32: layer out of line (measured)"] += 1
+            else:
+                counts["int8: LM head" if head else "int8: weight MatMul"] += 1
+                chosen.append(node.name)
     return chosen, dict(sorted(counts.items()))
+
+
+def layers_of(model: onnx.ModelProto, logits: str | None) -> set[str]:
+    """The layers (``layer_of``, ``LM_HEAD``) of the MatMuls the rule would quantize in ``model``; unrecognised
+    weight names are not measured one by one (they follow the rule)."""
+    names = {n.name: n for n in model.graph.node}
+    chosen, _ = choose(model, logits=logits)
+    return {LM_HEAD if _is_lm_head(names[c], model, logits) else layer_of(names[c]) for c in chosen} - {None}
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:
@@ -159,15 +199,24 @@ def _quiet():
         root.setLevel(level)
 
 
+def prepare(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Fold constant weight transposes and rewrite constant-weight Gemms (in place): every weight MatMul reads
+    its weight directly; nodes named uniquely (the quantizer picks them by name)."""
+    fold_weight_transposes(model)
+    gemms_to_matmuls(model)  # GPT-2's Conv1D: a Gemm on a constant weight
+    _name_nodes(model)
+    return model
+
+
 def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | None = None,
-            keep_lm_head: bool = KEEP_LM_HEAD_FP32, reduce_range: bool = REDUCE_RANGE) -> tuple[
-        onnx.ModelProto, dict]:
-    """``model`` (fp32, weights loaded) with the rule's MatMuls quantized; and the count per decision."""
+            keep_lm_head: bool = KEEP_LM_HEAD_FP32, reduce_range: bool = REDUCE_RANGE, keep_layers=frozenset(),
+            only=None) -> tuple[onnx.ModelProto, dict]:
+    """``model`` (fp32, weights loaded) with the rule's MatMuls quantized; and the count per decision
+    (``keep_layers``, ``only``: see ``choose``)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    fold_weight_transposes(model)
-    _name_nodes(model)
-    chosen, counts = choose(model, exact_outputs, logits, keep_lm_head)
+    prepare(model)
+    chosen, counts = choose(model, exact_outputs, logits, keep_lm_head, keep_layers, only)
     if not chosen:
         return model, counts
     with tempfile.TemporaryDirectory(prefix="elx-int8-") as work:
@@ -181,18 +230,29 @@ def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | Non
     return quantized, counts
 
 
+def _scores_output(manifest: Manifest, name: str) -> str | None:
+    """The output of graph ``name`` holding scores: the step's logits, or a decoder-only prefill's first-step
+    scores (``first_step_scores``); None for other stages."""
+    if name == manifest.step:
+        return manifest.graphs[name].get("logits", "logits")
+    graph, _, output = (manifest.data.get("first_step_scores") or "").partition(":")
+    return output if graph == name else None
+
+
 def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_LM_HEAD_FP32,
-                   reduce_range: bool = REDUCE_RANGE) -> Manifest:
+                   reduce_range: bool = REDUCE_RANGE, keep_layers=frozenset(), only=None) -> Manifest:
     """Write the int8 graphs of the (fp32) export ``manifest`` describes into ``target``; return their manifest.
-    Graph IO is unchanged (fp32): only weights and the MatMuls reading them change."""
+    Graph IO is unchanged (fp32): only weights and the MatMuls reading them change (``keep_layers``, ``only``:
+    see ``choose``)."""
     target.mkdir(parents=True, exist_ok=True)
     after = Manifest(manifest.copy().data, target)
     counts, sides = {}, boundaries(manifest)
     for name in [*manifest.stages, manifest.step]:
         spec = after.graphs[name]
-        logits = spec.get("logits", "logits") if name == manifest.step else None
+        logits = _scores_output(manifest, name)
         model = onnx.load(str(Path(manifest.folder) / spec["file"]))
-        model, counts[name] = to_int8(model, sides[name].exact_outputs, logits, keep_lm_head, reduce_range)
+        model, counts[name] = to_int8(model, sides[name].exact_outputs, logits, keep_lm_head, reduce_range,
+                                      keep_layers, only)
         file = pass_file(spec["file"], SUFFIX)
         spec["external_data"] = save_model(model, target / file)
         spec["file"] = file
@@ -208,15 +268,23 @@ def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_L
 
 
 def finish(torch_model, folder: Path, manifest: Manifest, progress) -> dict:
-    """Convert the verified fp32 export in ``folder`` to int8 in place (``manifest`` updated, fp32 graph files
-    removed), then measure and record what int8 changes (``verification.int8``); one progress stage each."""
+    """Measure each layer's error quantized alone (``exporter/precision_int8_layers.py``: the layers out of line
+    stay fp32), convert the verified fp32 export in ``folder`` to int8 in place (``manifest`` updated, fp32 graph
+    files removed), then measure and record what int8 changes (``verification.int8``); one progress stage each."""
     from elx.exporter.passes.rewrite import drop_unused_files
     from elx.exporter.precision_int8_check import record
+    from elx.exporter.precision_int8_layers import measure_layers
     from elx.exporter.progress import WEIGHTS
 
+    with progress.stage("int8 per-layer error (which layers stay fp32)", WEIGHTS["fp16"]) as stage:
+        layers = measure_layers(torch_model, manifest)
+        kept = layers["kept_fp32"]
+        stage.detail = (f"{len(layers['max_abs_logits_diff'])} layers quantized one at a time, median max abs "
+                        f"logits diff {layers['median_max_abs_logits_diff']:.3g}; kept fp32: {', '.join(kept) or 'none'}")
     with progress.stage("int8 conversion", WEIGHTS["fp16"]) as stage:
         before = manifest.copy()
-        after = convert_folder(manifest, Path(folder))
+        after = convert_folder(manifest, Path(folder), keep_lm_head=LM_HEAD in kept, keep_layers=frozenset(kept))
+        after.data["int8"]["layers"] = layers
         manifest.data.clear()
         manifest.data.update(after.data)
         drop_unused_files(Path(folder), before, manifest)

@@ -5,7 +5,9 @@ beam search then picks another token wherever two candidates are closer than tha
 rounding says which sequences stay HF's.  So the export measures, and records under ``verification.int8``:
 
 * ``random_inputs``: the teacher-forced max abs logits difference against PyTorch fp32 on the fp32 check's
-  seeded random inputs and random decoder tokens (``exporter/verify.py``'s shapes), and max |logit|;
+  seeded random inputs and random decoder tokens (``exporter/verify.py``'s shapes), each side filling its
+  own cache from the case's prefix tokens (as the fp16 checks do: a slim export's K-only cache cannot take
+  the fp32 check's random past), and max |logit|;
 * per search (``greedy``: 1 beam, ``beam4``: 4 beams) on a seeded draw (``DRAW``: random inputs, HF
   ``generate`` in PyTorch fp32 with the model's generation defaults and ``max_new_tokens``), teacher-forced
   along HF's own tokens (``exporter/compare.py``): the max abs logits difference, the top-1 agreement
@@ -67,13 +69,9 @@ def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:
     from elx.runners.generate import Generator, Model, make_backend
 
     from elx.exporter.compare import compare_loaded
-    from elx.exporter.verify import verify_export
 
     draw = dict(draw or DRAW)
-    random_inputs = verify_export(torch_model, manifest)
-    random_inputs.pop("tolerance", None)  # the fp32 tolerance does not apply here
-    random_inputs["relative_diff"] = random_inputs["max_abs_logits_diff"] / max(random_inputs["max_abs_reference"],
-                                                                                 1e-30)
+    random_inputs = random_inputs_error(torch_model, manifest)
     generator = Generator(Model(manifest, make_backend(manifest, "ort", "cpu", 0, None)))
     searches = {}
     for name, beams in SEARCHES.items():
@@ -82,6 +80,19 @@ def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:
                                 num_beams=beams, max_new_tokens=draw["max_new_tokens"])
         searches[name] = {"num_beams": beams, **summarize(report)}
     return {"draw": draw, "random_inputs": random_inputs, "searches": searches}
+
+
+def random_inputs_error(torch_model, manifest: Manifest, reference=None) -> dict:
+    """The teacher-forced logits error of ``manifest``'s graphs against PyTorch fp32 on the seeded random cases
+    (prefix-filled caches; ``reference``: the PyTorch side, when the caller has built it)."""
+    from elx.exporter.precision_decoder_only import torch_side
+    from elx.exporter.verify import RuntimeSide, default_shapes, measure
+
+    reference = reference or torch_side(torch_model, manifest)
+    found = measure(reference, RuntimeSide(manifest, prefill=True), manifest, default_shapes(manifest))
+    found.pop("tolerance", None)  # the fp32 tolerance does not apply here
+    found["relative_diff"] = found["max_abs_logits_diff"] / max(found["max_abs_reference"], 1e-30)
+    return found
 
 
 def logits_bound(manifest: Manifest) -> float:

@@ -3,6 +3,7 @@ GroupQueryAttention kernel needs a multiple of 16).  Each skips with the reason 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -45,3 +46,45 @@ def test_peer_runs_in_hfs_layout(tiny, peer, package, beams=3):
     np.testing.assert_array_equal(out[:, :9], inputs["input_ids"])
     if peer == "ort-genai":
         np.testing.assert_array_equal(out[0], hf[0])  # no padding in row 0
+
+
+def test_decoder_only_flops_count_the_gated_ffn_and_gqa_projections():
+    """Hand counts: one layer, one prompt token, no decode step.  q/o 2·2·d·i = 4096, k/v with 2 of 4 heads
+    2·2·d·i/2 = 2048, scores and values 2·2·1·i/2 = 64, FFN 2·2·d·f = 8192 (×3/2 gated: 12288), LM head 2·d·V = 640."""
+    from elx.exporter.bench.bench import decoder_only_flops
+
+    dims = dict(d_model=32, num_heads=4, num_kv_heads=2, d_kv=8, num_decoder_layers=1, vocab_size=10)
+    assert decoder_only_flops(dims, 64, 1, 1, 1, 1) == 4096 + 2048 + 64 + 8192 + 640
+    assert decoder_only_flops(dims, 64, 1, 1, 1, 1, gated=True) == 4096 + 2048 + 64 + 12288 + 640
+    mha = {**dims, "num_kv_heads": None}
+    assert decoder_only_flops(mha, 64, 1, 1, 1, 1) == 4096 + 4096 + 64 + 8192 + 640
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_ct2_llama_tokens_and_rope_scaling(tmp_path, scaled):
+    """Why CTranslate2's Llama rows differ from HF's in the bench: with default RoPE its greedy tokens are HF's
+    (the peer's conversion is right); with Llama 3's rotary scaling they are the tokens of HF's model with the
+    scaling removed (CTranslate2 4.8 applies none to this config): the reason recorded in bench_peers.py."""
+    if importlib.util.find_spec("ctranslate2") is None:
+        pytest.skip("ctranslate2 is not installed (pip install 'elx[bench]')")
+    if not scaled and os.environ.get("ELX_LONG_TESTS") != "1":
+        pytest.skip("CI runs the scaled case (it compares with the unscaled HF model too); set ELX_LONG_TESTS=1")
+    from elx.exporter.sources import resolve_model
+    from tests.conftest import make_model_folder
+
+    unscaled = make_model_folder(tmp_path / "unscaled", "llama", seed=3, hidden_size=64, initializer_range=0.2,
+                                 rope_scaling=None)
+    folder = (make_model_folder(tmp_path / "scaled", "llama", seed=3, hidden_size=64, initializer_range=0.2)
+              if scaled else unscaled)
+    model = resolve_model(str(folder)).model
+    inputs = {"input_ids": np.random.default_rng(0).integers(3, 128, (3, 9)), "attention_mask": np.ones((3, 9), np.int64)}
+    settings = BenchSettings(batch_size=3, input_length=9, num_beams=1, new_tokens=6, repeats=1)
+    out = make_peer("ct2", model, {"model": str(folder)}, tmp_path / "work", settings).generate(inputs, settings)
+
+    def hf(m):
+        with torch.no_grad():
+            return m.generate(**{k: torch.from_numpy(v) for k, v in inputs.items()}, **settings.generation()).numpy()
+
+    np.testing.assert_array_equal(out, hf(resolve_model(str(unscaled)).model))
+    if scaled:
+        assert not np.array_equal(out, hf(model))  # HF with the scaling: other tokens

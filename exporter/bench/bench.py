@@ -73,11 +73,33 @@ class BenchSettings:
     seed: int = 0
     device: str = "cpu"  # "cuda": HF on PyTorch CUDA, elx on ORT's CUDA EP with IOBinding
     backend: str = "ort"  # "tensorrt": elx on the folders' TensorRT engines (``ensure_engines``; cuda only)
+    precision: str = "fp32"  # --precision: of the exports (or engines) and, where it can, of HF (``hf_precision``)
     smoke: bool = False  # a --quick run: labelled as a smoke run everywhere, not a measurement
 
     def generation(self) -> dict:
         return dict(num_beams=self.num_beams, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
                     no_repeat_ngram_size=self.no_repeat_ngram_size)
+
+
+def hf_precision(settings: BenchSettings) -> str:
+    """What HF ``generate`` runs in: fp16 for an fp16 bench on CUDA (``model.half()``), fp32 otherwise."""
+    return "fp16" if settings.precision == "fp16" and settings.device == "cuda" else "fp32"
+
+
+def hf_precision_note(settings: BenchSettings) -> str | None:
+    """One line saying what HF runs when it is not the bench's precision (None when it is)."""
+    if settings.precision == "fp32":
+        return None
+    if hf_precision(settings) == "fp16":
+        return ("HF generate runs in fp16 (model.half() on CUDA); tokens = HF compares every system with HF fp32's "
+                "tokens (one untimed fp32 run)")
+    what = "fp16" if settings.precision == "fp16" else "int8"
+    return (f"HF generate runs in fp32 on the {settings.device}: PyTorch has no {what} path for HF generate there "
+            f"that elx's {what} exports could be compared with; tokens = HF compares with HF fp32's tokens")
+
+
+def hf_system_name(settings: BenchSettings) -> str:
+    return "HF generate (PyTorch)" + (" fp16" if hf_precision(settings) == "fp16" else "")
 
 
 @dataclass
@@ -277,16 +299,22 @@ def read_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) 
     return a.numel() * 4 / best
 
 
-def decoder_only_flops(dims: dict, ffn: int, batch: int, prompt: int, beams: int, new_tokens: int) -> float:
-    """FLOPs of a decoder-only generation: the prompt once per input, then cached steps per row."""
+def decoder_only_flops(dims: dict, ffn: int, batch: int, prompt: int, beams: int, new_tokens: int,
+                       gated: bool = False) -> float:
+    """FLOPs of a decoder-only generation: the prompt once per input, then cached steps per row.  Per layer and
+    token: the q/o projections ``2·2·d·i``, the k/v projections ``2·2·d·i_kv`` (``i_kv`` = key/value heads ·
+    d_kv: fewer than the query heads with GQA/MQA), scores and values ``2·2·seen·i``, the FFN ``2·2·d·f`` (×3/2
+    when gated: SwiGLU/GeGLU's gate, up and down matrices); the LM head ``2·d·V`` per scored position."""
     d, inner, layers = dims["d_model"], dims["num_heads"] * dims["d_kv"], dims["num_decoder_layers"]
-    ffn_flops = 2 * 2 * d * ffn
-    prefill = batch * prompt * layers * (4 * 2 * d * inner + 2 * 2 * prompt * inner / 2 + ffn_flops)
+    kv_inner = (dims.get("num_kv_heads") or dims["num_heads"]) * dims["d_kv"]
+    projections = 2 * 2 * d * inner + 2 * 2 * d * kv_inner
+    ffn_flops = (3 if gated else 2) * 2 * d * ffn
+    prefill = batch * prompt * layers * (projections + 2 * 2 * prompt * inner / 2 + ffn_flops)
     prefill += batch * 2 * d * dims["vocab_size"]  # the last position's logits
     rows, decode = batch * beams, 0.0
     for step in range(1, new_tokens):
         seen = prompt + step
-        decode += rows * (layers * (4 * 2 * d * inner + 2 * 2 * seen * inner + ffn_flops) + 2 * d * dims["vocab_size"])
+        decode += rows * (layers * (projections + 2 * 2 * seen * inner + ffn_flops) + 2 * d * dims["vocab_size"])
     return float(prefill + decode)
 
 
@@ -322,17 +350,25 @@ def check_work_folder(folder: Path) -> None:
                            "its exports there: move it out or choose another --work")
 
 
-def split_precision(pass_set: str) -> tuple[str, str]:
-    """``el@int8`` → ("el", "int8"); ``baseline@int8`` → ("", "int8"); ``el`` → ("el", "fp32")."""
+def split_precision(pass_set: str, default: str = "fp32") -> tuple[str, str]:
+    """``el@int8`` → ("el", "int8"); ``baseline@int8`` → ("", "int8"); ``el`` → ("el", ``default``)."""
     passes, _, precision = pass_set.partition("@")
-    return ("" if passes in ("baseline", "base", "none") else passes), precision or "fp32"
+    return ("" if passes in ("baseline", "base", "none") else passes), precision or default
+
+
+def export_precision(settings: BenchSettings) -> str:
+    """The ``--precision`` of the bench's exports whose pass set names none: the bench's, except with TensorRT,
+    whose fp16 engines are built from fp32 exports (``ensure_engines``)."""
+    return "fp32" if settings.backend == "tensorrt" else settings.precision
 
 
 def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Path, seed: int = 0,
-                   quiet: bool = True, prompt_caches: list | None = None, progress=None) -> list[Path]:
+                   quiet: bool = True, prompt_caches: list | None = None, progress=None,
+                   precision: str = "fp32") -> list[Path]:
     """Export ``model`` once per pass set (and, for decoder-only models, prompt cache form: None is the
     default, shared) into ``work``; reused when an export with the same source exists.  A pass set may end
-    in ``@<precision>`` (``baseline@int8``, ``el@int8``): that export's ``--precision``.  ``progress``: the
+    in ``@<precision>`` (``baseline@int8``, ``el@int8``): that export's ``--precision``; the others are exported
+    at ``precision`` (``elx bench --precision``).  ``progress``: the
     exports' stages (``exporter/progress.py``; ``quiet`` says nothing), and a line per reused export."""
     from elx.exporter.export import export_model
     from elx.exporter.precision_export import check_precision
@@ -340,10 +376,10 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
     folders = []
     for form in prompt_caches or [None]:
         for pass_set in pass_sets:
-            passes, precision = split_precision(pass_set)
-            check_precision(precision)
+            passes, wanted_precision = split_precision(pass_set, precision)
+            check_precision(wanted_precision)
             name = passes.replace(",", "+").replace("=", "") if passes else "baseline"
-            name += "" if precision == "fp32" else f"-{precision}"
+            name += "" if wanted_precision == "fp32" else f"-{wanted_precision}"
             folder = work / (name + (f"-prompt-{form}" if form else ""))
             wanted = sorted(p.split("=")[0] for p in (passes or "").split(",") if p)
             manifest = folder / "manifest.json"
@@ -354,7 +390,7 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
                 if (source.get("model") == model and source.get("random_init") == random_init
                         and source.get("seed") == (seed if random_init else None)
                         and sorted(p["name"] for p in data.get("passes", [])) == wanted
-                        and data.get("precision", "fp32") == precision
+                        and data.get("precision", "fp32") == wanted_precision
                         and kind == {None: kind, "shared": "beam-shared", "per-beam": "per-beam"}[form]):
                     if not quiet:
                         say(f"elx bench: reusing the export {folder}", progress)
@@ -363,7 +399,7 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
             check_work_folder(folder)
             folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
                                         force=True, quiet=quiet, prompt_cache=form, progress=progress,
-                                        precision=precision))
+                                        precision=wanted_precision))
     return folders
 
 
@@ -411,11 +447,15 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
             torch.cuda.synchronize()
         return out.cpu().numpy()
 
-    systems = {"HF generate (PyTorch)": (hf, None)}
+    hf_name = hf_system_name(settings)
+    systems = {hf_name: (hf, None)}
     for g in generators:
         name = "elx " + ("+".join(g.manifest.pass_names()) or "baseline")
-        if g.manifest.data.get("precision", "fp32") != "fp32":
-            name += f"@{g.manifest.data['precision']}"
+        precision = g.manifest.data.get("precision", "fp32")
+        if settings.backend == "tensorrt":  # engines carry their own precision
+            precision = (g.manifest.data.get("engines") or {}).get("precision", precision)
+        if precision != "fp32":
+            name += f"@{precision}"
         prompt = g.manifest.data["cache"].get("prompt")
         if prompt:  # decoder-only: where the prompt's K/V live
             name += f" (prompt {prompt['kind']})"
@@ -435,7 +475,12 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
     for name, fn in (peers or {}).items():
         systems[name] = ((lambda fn=fn: fn(inputs)), None)
 
-    results, reference = {}, None
+    reference = None
+    if hf_precision(settings) == "fp16":  # the tokens every system is compared with stay HF fp32's
+        with report.stage("HF fp32 reference tokens (untimed), then HF in fp16", 1):
+            reference = hf()
+            model.half()
+    results = {}
     names = list(systems)
     with report.stage("warm-up (tokens and live state)", len(names), steps=len(names)) as stage:
         for i, (name, (fn, gen)) in enumerate(systems.items()):  # warm-up: tokens and live state
@@ -451,12 +496,12 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
                 tracked = gen.generate(inputs, track_memory=True, **options).memory
                 result.state_bytes = max(m["state_bytes"] for m in tracked)
                 result.cache_bytes = max(m["cache_bytes"] for m in tracked)
-            if name != "HF generate (PyTorch)" and gen is None and settings.no_repeat_ngram_size \
+            if name != hf_name and gen is None and settings.no_repeat_ngram_size \
                     and not result.tokens_equal_hf:
                 result.note = "n-gram blocking semantics differ from HF's"
             results[name] = result
             stage.step(names[i + 1] if i + 1 < len(names) else None)
-        same = sum(bool(r.tokens_equal_hf) for r in results.values()) - 1
+        same = sum(bool(r.tokens_equal_hf) for n, r in results.items() if n != hf_name)
         stage.detail = f"{same} of {len(names) - 1} systems give HF's tokens"
     # timed rounds: no sampler thread (it would contend for the GIL)
     for name, seconds in timed_rounds({n: fn for n, (fn, _) in systems.items()}, settings.repeats,
@@ -472,12 +517,13 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
                         bandwidth)
     else:  # decoder-only: FLOPs only (the byte model covers encoder-decoder generation)
         flops = decoder_only_flops(manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
-                                   settings.new_tokens)
+                                   settings.new_tokens, gated)
         roof = None
-    hf_median = statistics.median(results["HF generate (PyTorch)"].seconds)
+    hf_median = statistics.median(results[hf_name].seconds)
     return {"settings": asdict(settings), "model": manifest.data["source"], "dims": manifest.dims,
             "flops_per_generate": flops, "matmul_peak_gflops": peak / 1e9,
             "read_bandwidth_gb_s": bandwidth / 1e9, "roofline": roof, "skipped_peers": skipped,
+            "hf_precision": hf_precision(settings), "hf_precision_note": hf_precision_note(settings),
             "systems": [r.summary(settings, hf_median, flops, peak, roof and roof["floor_s"]) for r in results.values()]}
 
 
@@ -508,8 +554,10 @@ def ensure_engines(folders: list[Path], settings: BenchSettings, quiet: bool = F
     from elx.exporter.tensorrt.build import build_engine
 
     for folder in folders:
-        if not Manifest.load(folder).data.get("engines"):
-            build_engine(folder, max_batch_size=settings.batch_size, max_beams=settings.num_beams,
+        engines = Manifest.load(folder).data.get("engines")
+        if not engines or engines.get("precision", "fp32") != settings.precision:
+            build_engine(folder, precision=settings.precision, max_batch_size=settings.batch_size,
+                         max_beams=settings.num_beams,
                          max_input_length=settings.input_length, max_new_tokens=settings.new_tokens, quiet=quiet,
                          progress=progress)
 
@@ -582,6 +630,8 @@ def markdown_table(report: dict) -> str:
     head += "\n"
     for name, why in (report.get("skipped_peers") or {}).items():
         head += f"\npeer {name} skipped: {why}\n"
+    if report.get("hf_precision_note"):
+        head += f"\n{report['hf_precision_note']}\n"
     note = peer_lead_note(report)
     if note:
         head += f"\n{note}\n"

@@ -11,6 +11,12 @@
   differed from the first generated token).
 * ``ct2``: CTranslate2 (``pip install ctranslate2``), with a vocabulary of unique placeholder tokens; for
   decoder-only models (Llama-family) its ``Generator`` on the prompt tokens (left padding dropped).
+  Why its Llama rows differed from HF's on every row (tests/test_llama_bench.py): with default RoPE its
+  greedy tokens are HF's, so the conversion (HF's model handed to CTranslate2's own converter) is right; the
+  tests' tiny Llama uses Llama 3's rotary scaling (``rope_type: llama3``), and CTranslate2 4.8.5 returns
+  exactly the tokens of HF's model with that scaling removed (also with ``original_max_position_embeddings``
+  8192, and with it passed to its spec): it applies no llama3 frequency scaling to these configs.  Presets
+  with default RoPE (SmolLM2, TinyLlama, Qwen2.5) are not affected by this.
 * ``ct2-int8``: the same CTranslate2 conversion loaded with ``compute_type="int8"`` (int8 weights per output
   channel, activations quantized per row at run time): the peer of ``elx export --precision int8``.
 * ``ort-genai``: ONNX Runtime GenAI (``pip install onnxruntime-genai``): its model builder

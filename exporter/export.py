@@ -250,7 +250,7 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 if fp16 is not None:
                     fp16.finish(folder, manifest)
             if precision == "int8":  # exporter/precision_int8.py: converted last, measured and recorded
-                from elx.exporter.precision_int8 import finish as finish_int8
+                from elx.exporter.precision_int8_export import finish as finish_int8
 
                 finish_int8(loaded.model, folder, manifest, report)
             data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)

@@ -14,7 +14,8 @@ rounding says which sequences stay HF's.  So the export measures, and records un
   (the share of (row, step) pairs where the export's highest-scoring token is HF's) overall and per step,
   and the share of returned sequences identical to HF's.
 
-``elx compare`` on an int8 export (``judge``) reports its run against those figures and fails only where the
+``exporter/precision_int8_export.py`` (``record``) measures them at export.  ``elx compare`` on an int8 export
+(``judge``) reports its run against those figures and fails only where the
 export does worse than recorded:
 
 * **on the recorded draw** (same seed, batch size, input length, beams and ``max_new_tokens``): the figures are
@@ -62,24 +63,6 @@ def summarize(report) -> dict:
             "top1_agreement": float(top1.mean()) if top1.size else 1.0, "top1_agreement_per_step": per_step,
             "max_abs_logits_diff": max(diffs, default=0.0),
             "first_divergence": [r.first_divergence for r in rows if not r.identical]}
-
-
-def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:
-    """``verification.int8`` for the int8 export ``manifest`` describes (see the module doc)."""
-    from elx.runners.generate import Generator, Model, make_backend
-
-    from elx.exporter.compare import compare_loaded
-
-    draw = dict(draw or DRAW)
-    random_inputs = random_inputs_error(torch_model, manifest)
-    generator = Generator(Model(manifest, make_backend(manifest, "ort", "cpu", 0, None)))
-    searches = {}
-    for name, beams in SEARCHES.items():
-        report = compare_loaded(generator, torch_model, batch_size=draw["batch_size"],
-                                input_length=draw["input_length"], seed=draw["seed"], atol=math.inf,
-                                num_beams=beams, max_new_tokens=draw["max_new_tokens"])
-        searches[name] = {"num_beams": beams, **summarize(report)}
-    return {"draw": draw, "random_inputs": random_inputs, "searches": searches}
 
 
 def random_inputs_error(torch_model, manifest: Manifest, reference=None) -> dict:

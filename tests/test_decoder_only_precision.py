@@ -1,7 +1,7 @@
 """fp16 and int8 exports of decoder-only models (GPT-2 and Llama with GQA and Llama 3's rotary scaling).
 
 The precision folders are the session's fp32 exports (``exported``), converted and checked by the same code
-``elx export --precision fp16|int8`` runs after its passes (``Fp16Export``, ``precision_int8.finish``): no
+``elx export --precision fp16|int8`` runs after its passes (``Fp16Export``, ``precision_int8_export.finish``): no
 second trace.  One end-to-end ``elx export --precision fp16`` of GPT-2 runs through the command line.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def converted(exported, model_folders, tmp_path_factory):
     """``converted(family, precision)`` → the fp32 export converted as ``elx export --precision`` converts it."""
     from elx.exporter.export import finish_folder
     from elx.exporter.precision_export import fp16_checks
-    from elx.exporter.precision_int8 import finish
+    from elx.exporter.precision_int8_export import finish
 
     def get(family: str, precision: str):
         key = (family, precision)
@@ -330,7 +330,7 @@ def test_int8_composes_with_slim_rope(qwen2_exports, model_folders, tmp_path):
     (the fp32 check's random past has V entries a K-only cache lacks: a KeyError before), the slim key
     projections and W_KV products stay fp32."""
     from elx.exporter.export import apply_passes, finish_folder
-    from elx.exporter.precision_int8 import finish
+    from elx.exporter.precision_int8_export import finish
 
     folder = apply_passes(qwen2_exports["shared"], tmp_path / "slim", "slim")
     manifest = Manifest.load(folder)

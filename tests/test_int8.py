@@ -34,7 +34,7 @@ def int8_export(exported, model_folders, tmp_path_factory):
     from transformers import AutoModelForSeq2SeqLM
 
     from elx.exporter.export import finish_folder
-    from elx.exporter.precision_int8 import finish
+    from elx.exporter.precision_int8_export import finish
 
     def get(family: str, passes: str | None = None):
         key = (family, passes)

@@ -16,12 +16,22 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # with `pytest --durations=0` (issue 23-28 merge, 2026-11-25): together about a third of the suite's time.
 LONG = os.environ.get("ELX_LONG_TESTS") == "1"
 LONG_ONLY = {
-    # fp16 export records: t5-None and t5-el,el-self stay (a plain export and a pass chain)
+    # fp16 export records: t5-None stays (passes under fp16: test_slim_cross_keeps_its_key_state_fp32,
+    # test_state_bytes_halve_except_the_mask[bart], test_a_broken_conversion_is_refused_and_nothing_is_written)
     "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[bart-None]": "t5-None",
     "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[bart-slim=skip-bad]": "t5-None",
-    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[t5-ngram=2]": "t5-el,el-self",
+    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[t5-ngram=2]": "t5-None",
     "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[whisper-None]": "t5-None",
-    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[whisper-el]": "t5-el,el-self",
+    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[whisper-el]": "t5-None",
+    "tests/test_fp16.py::test_fp16_export_records_io_checks_and_halves_the_cache[t5-el,el-self]": "t5-None",
+    "tests/test_fp16.py::test_state_bytes_halve_except_the_mask[whisper]": "[bart]",
+    # slim / el-self on further families
+    "tests/test_slim.py::test_slim_matches_original[whisper]": "[t5] and [bart]",
+    "tests/test_el_self.py::test_fp64_scores[t5-wide]": "[bart-biased]",
+    # real whisper tiny.en: slim refuses its weights today (the test skips after a 100 s export); the el and
+    # el-self transcriptions stay
+    "tests/test_whisper.py::test_tiny_en_slim_identical_to_hf[1]": "test_tiny_en_el_self_identical_to_hf",
+    "tests/test_whisper.py::test_tiny_en_slim_identical_to_hf[4]": "test_tiny_en_el_self_identical_to_hf",
     # el / el-self graph checks on a second and third family
     "tests/test_el.py::test_el_graph_has_no_cross_cache[whisper]": "[bart]",
     "tests/test_el_self.py::test_el_self_matches_original[t5-wide]": "[bart-biased]",
@@ -36,6 +46,7 @@ LONG_ONLY = {
     "tests/test_bench.py::test_bench_quick": "the other tests of test_bench.py",
     "tests/test_bench.py::test_compare_prints_no_one_run_speed_ratio": "test_compare.py's report tests",
     "tests/test_bench.py::test_iobinding_backend_matches_plain_backend[ngram=2]": "[el]",
+    "tests/test_bench.py::test_iobinding_backend_matches_plain_backend[None]": "[el]",
     # generation from a config / early EOS on more families and passes
     "tests/test_generation_config.py::test_gpt2_that_samples": "tests/test_sampling.py",
     "tests/test_generation.py::test_identical_with_early_eos[None-t5]": "[el-t5]",

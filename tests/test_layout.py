@@ -137,3 +137,21 @@ def test_wheel_holds_elx_only(tmp_path):
                      "elx/exporter/passes/el.py", "elx/exporter/tensorrt/build.py"):
         assert expected in names
     assert any(n.startswith("elx/exporter/presets/") and n.endswith(".json") for n in names)
+
+
+def test_shell_scripts_import_what_exists():
+    """The Python embedded in tools/*.sh (the README's quickstart among them) imports names that exist: a module
+    move must not break the first command a user runs."""
+    import importlib
+    import re
+
+    found = 0
+    for script in sorted((ROOT / "tools").glob("*.sh")):
+        for module, names in re.findall(r"^\s*from ([\w.]+) import ([\w, ]+)$", script.read_text(), re.M):
+            if module.split(".")[0] not in ("elx", "exporter", "runners"):
+                continue
+            found += 1
+            loaded = importlib.import_module(module)
+            for name in (n.strip() for n in names.split(",")):
+                assert hasattr(loaded, name), f"{script.name}: {module} has no {name}"
+    assert found >= 2  # quickstart.sh's own imports

@@ -29,7 +29,7 @@ import sys
 import numpy as np
 
 import elx
-from runners.inputs import random_inputs
+from elx.runners.inputs.random_inputs import random_inputs
 
 out = sys.argv[1]
 sizes = {}
@@ -54,7 +54,7 @@ speech.synthesize('The quick brown fox jumps over the lazy dog.', '$OUT/fox.wav'
 import sys
 
 import elx
-from exporter.compare import compare
+from elx.exporter.compare import compare
 
 out = sys.argv[1]
 features = elx.Generator.from_folder(f"{out}/tiny-en-el").encoder_inputs(audio=[f"{out}/fox.wav"])

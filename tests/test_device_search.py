@@ -28,8 +28,8 @@ from elx.runners.search.processors.masks import BanUntilLength, ForceTokenAt, No
 from elx.runners.search.device import HostTensors, _on_device, host_reason, search_mode
 from elx.runners.search.search_hooks import NO_HOOKS, SearchHooks
 from tests.counting_backend import D2H, count_crossings
-from tests.differential import Stats, batches, issue25_options, random_configs, run_search_example
-from tests.test_differential import _draw_run, _info, _run
+from tests.differential import Stats, run_search_example
+from tests.test_differential import _run, draw_search_case
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -134,14 +134,9 @@ def test_differential_search_on_the_device(capsys, monkeypatch, hf_ops):
     monkeypatch.setattr(search, "device_scorer", counted)
 
     @given(st.data())
-    def example(data):
-        family, model_seed, config = data.draw(random_configs(), label="config")
-        info = _info(family, config)
-        inputs = data.draw(batches(info), label="inputs")
-        options, eos_mode, eos_rank = _draw_run(data, family, inputs)
-        if data.draw(st.integers(0, 3), label="issue25_draw") == 0:  # mostly options the device path covers
-            options.update(data.draw(issue25_options(info, options["num_beams"]), label="issue25"))
-        run_search_example(stats, family, model_seed, config, inputs, options, eos_mode, eos_rank)
+    def example(data):  # issue 25's options a quarter of the time: mostly options the device path covers
+        run_search_example(stats, *draw_search_case(
+            data, issue25=lambda data: data.draw(st.integers(0, 3), label="issue25_draw") == 0))
 
     _run(example, SEARCH_EXAMPLES)
     stats.dump()

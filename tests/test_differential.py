@@ -103,15 +103,23 @@ def test_differential_search(capsys):
 
     @given(st.data())
     def example(data):
-        family, model_seed, config = data.draw(random_configs(), label="config")
-        info = _info(family, config)
-        inputs = data.draw(batches(info), label="inputs")
-        options, eos_mode, eos_rank = _draw_run(data, family, inputs)
-        options.update(data.draw(issue25_options(info, options["num_beams"]), label="issue25"))
-        run_search_example(stats, family, model_seed, config, inputs, options, eos_mode, eos_rank)
+        run_search_example(stats, *draw_search_case(data))
 
     _run(example, SEARCH_EXAMPLES)
     _report(stats, capsys)
+
+
+def draw_search_case(data, issue25=lambda data: True) -> tuple:
+    """One search example's draw (``run_search_example``'s arguments after ``stats``): a random config, a batch,
+    the generate settings and, where ``issue25(data)`` says so, issue 25's options.  Shared by this differential
+    and the device path's (``tests/test_device_search.py``)."""
+    family, model_seed, config = data.draw(random_configs(), label="config")
+    info = _info(family, config)
+    inputs = data.draw(batches(info), label="inputs")
+    options, eos_mode, eos_rank = _draw_run(data, family, inputs)
+    if issue25(data):
+        options.update(data.draw(issue25_options(info, options["num_beams"]), label="issue25"))
+    return family, model_seed, config, inputs, options, eos_mode, eos_rank
 
 
 def _draw_run(data, family: str, inputs: dict, ngram: int | None = None) -> tuple:

@@ -472,27 +472,33 @@ def call_arguments(options: dict, vocab: int, batch: int, torch_tensors: bool) -
     return out
 
 
-def hf_search(model, inputs: dict, options: dict, vocab: int) -> tuple:
+def hf_search(model, inputs: dict, options: dict, vocab: int, device: str = "cpu") -> tuple:
     """HF ``generate(use_cache=False)`` with ``options`` (specs built, seeded with ``torch.manual_seed``):
-    (sequences, {scores, logits, beam_indices, sequences_scores} as numpy where HF returned them)."""
+    (sequences, {scores, logits, beam_indices, sequences_scores} as numpy where HF returned them).  ``device``:
+    where HF runs (model and inputs moved there for the call, the model moved back after)."""
     from elx.exporter.hf_reference import torch_inputs as _torch_inputs
 
     batch = int(next(iter(inputs.values())).shape[0])
     kwargs = call_arguments(hf_reference_options(model, options), vocab, batch, torch_tensors=True)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     if "seed" in options:
         torch.manual_seed(options["seed"])
-    with torch.no_grad():
-        out = model.generate(**_torch_inputs(inputs, next(model.parameters()).dtype), **kwargs)
+    tensors = {k: v.to(device) for k, v in _torch_inputs(inputs, next(model.parameters()).dtype).items()}
+    try:
+        with torch.no_grad():
+            out = model.to(device).generate(**tensors, **kwargs)
+    finally:
+        model.to("cpu")
     if isinstance(out, torch.Tensor):
-        return out.numpy(), {}
+        return out.cpu().numpy(), {}
     extras = {}
     for name in ("scores", "logits"):
         if getattr(out, name, None) is not None:
-            extras[name] = [t.numpy() for t in getattr(out, name)]
+            extras[name] = [t.cpu().numpy() for t in getattr(out, name)]
     for name in ("beam_indices", "sequences_scores"):
         if getattr(out, name, None) is not None:
-            extras[name] = getattr(out, name).numpy()
-    return out.sequences.numpy(), extras
+            extras[name] = getattr(out, name).cpu().numpy()
+    return out.sequences.cpu().numpy(), extras
 
 
 def elx_extras(out) -> dict:
@@ -868,8 +874,12 @@ def _same_rows(hf: np.ndarray, elx: np.ndarray) -> list[bool]:
 
 
 def run_search_example(stats: Stats, family: str, seed: int, config: dict, inputs: dict, options: dict,
-                       eos_mode: str = "default", eos_rank: int = 0) -> None:
-    """One search-only example: elx's search on HF's fp64 logits against HF generate(use_cache=False), fp64."""
+                       eos_mode: str = "default", eos_rank: int = 0, search_device=None) -> None:
+    """One search-only example: elx's search on HF's fp64 logits against HF generate(use_cache=False), fp64.
+
+    ``search_device``: a callable telling, once elx has run, the torch device its search ran on (None: the host
+    path): HF's answer is then HF generate's on that device, whose float32 kernels (log-softmax, the
+    repetition penalty's division) are the ones elx's device path ran; the host path is held to HF on the CPU."""
     where = dict(family=family, seed=seed, config=config, options=options, inputs=inputs)
     stats.examples += 1
     stats.progress()
@@ -908,6 +918,10 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
         stats.record_failure("crash", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6),
                              **where)
         return
+    device = search_device() if search_device is not None else None
+    if device is not None and device != "cpu":
+        hf, hf_extras = hf_search(model, inputs, options, vocab, device)
+        where["hf_device"] = device
     stats.rows += hf.shape[0]
     same = _same_rows(hf, elx)
     stats.identical_rows += sum(same)

@@ -25,7 +25,7 @@ import elx.runners.search.search as search
 from elx.runners.errors import ElxError
 from elx.runners.search.ngram_reference import block_ngrams
 from elx.runners.search.processors.masks import BanUntilLength, ForceTokenAt, NoRepeatNGram, Suppress
-from elx.runners.search.device import HostTensors, _on_device, host_reason, search_mode
+from elx.runners.search.device import TorchTensors, _on_device, host_reason, search_mode
 from elx.runners.search.search_hooks import NO_HOOKS, SearchHooks
 from tests.counting_backend import D2H, count_crossings
 from tests.differential import Stats, run_search_example
@@ -39,41 +39,62 @@ QUICK = settings(max_examples=60, deadline=None, database=None, derandomize=True
                  suppress_health_check=list(HealthCheck))
 
 
-def _device(processor):
-    return _on_device(processor, HostTensors().tensor_from_host)
+# the device tests run on torch CPU tensors everywhere, and on a CUDA device where there is one
+# (tools/gpu_check.sh picks the "cuda" cases by their skip reason)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device (torch.cuda)"))]
 
 
+def _device(processor, device="cpu"):
+    return _on_device(processor, TorchTensors(device).tensor_from_host)
+
+
+def _on(device, array):
+    return torch.from_numpy(array).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @QUICK
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(0, 9), st.integers(2, 6), st.integers(0, 2**31))
-def test_ngram_blocking_on_the_device_is_the_reference(n, rows, length, vocab, seed):
+def test_ngram_blocking_on_the_device_is_the_reference(device, n, rows, length, vocab, seed):
     rng = np.random.default_rng(seed)
     history = rng.integers(0, vocab + 1, size=(rows, length))  # vocab itself: an id the scores do not have
     scores = rng.standard_normal((rows, vocab)).astype(np.float32)
     expected = block_ngrams(history, scores, n)
-    got = _device(NoRepeatNGram(n))(torch, torch.from_numpy(history), torch.from_numpy(scores.copy()))
-    np.testing.assert_array_equal(got.numpy(), expected)
+    got = _device(NoRepeatNGram(n), device)(torch, _on(device, history), _on(device, scores.copy()))
+    np.testing.assert_array_equal(got.cpu().numpy(), expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @QUICK
 @given(st.sampled_from([0.5, 1.3, 2.0, 1.05]), st.integers(1, 4), st.integers(1, 7), st.integers(0, 2**31))
-def test_repetition_penalty_on_the_device_is_the_host_one(penalty, rows, length, seed):
+def test_repetition_penalty_on_the_device_is_the_host_one(device, penalty, rows, length, seed):
     """HF's operators on the device, the host processor's numpy (``tests/test_processors.py`` holds it to HF):
-    the same scores bit for bit, repeated tokens and ids past the vocabulary (8) included."""
+    the same scores bit for bit, repeated tokens and ids past the vocabulary (8) included.  On CUDA the
+    reference is HF's own processor there: PyTorch's CUDA division by a Python float multiplies by its
+    reciprocal (1 ulp from numpy's division, seen on an H200), and the device path is held to HF on CUDA."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
     from elx.runners.search.processors.penalties import RepetitionPenalty
 
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 10, size=(rows, length))
+    tokens = rng.integers(0, 10 if device == "cpu" else 8, size=(rows, length))  # HF's gather: ids < vocab
     scores = (rng.standard_normal((rows, 8)) * 3).astype(np.float32)
-    expected = RepetitionPenalty(penalty)(tokens, scores.copy())
-    got = _device(RepetitionPenalty(penalty))(torch, torch.from_numpy(tokens), torch.from_numpy(scores.copy()))
-    np.testing.assert_array_equal(got.numpy(), expected)
+    if device == "cpu":
+        expected = RepetitionPenalty(penalty)(tokens, scores.copy())
+    else:
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(_on(device, tokens), _on(device, scores.copy()))
+        expected = expected.cpu().numpy()
+    got = _device(RepetitionPenalty(penalty), device)(torch, _on(device, tokens), _on(device, scores.copy()))
+    np.testing.assert_array_equal(got.cpu().numpy(), expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @QUICK
 @given(st.sampled_from(["ban", "force", "suppress", "suppress_at"]), st.lists(st.integers(0, 12), min_size=1,
                                                                               max_size=4),
        st.integers(1, 6), st.integers(0, 2**31))
-def test_column_processors_on_the_device_are_the_host_ones(kind, ids, length, seed):
+def test_column_processors_on_the_device_are_the_host_ones(device, kind, ids, length, seed):
     """Min length, forced BOS/EOS, suppress (always, at the beginning): the host processor's scores, bit for bit;
     ids outside the vocabulary (8 here) are ignored as on the host (forced ones: in range only)."""
     vocab = 8
@@ -85,8 +106,8 @@ def test_column_processors_on_the_device_are_the_host_ones(kind, ids, length, se
     tokens = rng.integers(0, vocab, size=(3, length))
     scores = rng.standard_normal((3, vocab)).astype(np.float32)
     expected = host(tokens, scores.copy())
-    got = _device(host)(torch, torch.from_numpy(tokens), torch.from_numpy(scores.copy()))
-    np.testing.assert_array_equal(got.numpy(), expected)
+    got = _device(host, device)(torch, _on(device, tokens), _on(device, scores.copy()))
+    np.testing.assert_array_equal(got.cpu().numpy(), expected)
 
 
 def test_search_path_choice(monkeypatch):
@@ -113,17 +134,24 @@ def test_search_path_choice(monkeypatch):
     assert "ELX_LOG_SOFTMAX=numpy" in host_reason(HostModel(), [], NO_HOOKS, "device")
 
 
-@pytest.mark.parametrize("hf_ops", [False, True], ids=["cpu-kernels", "hf-ops"])
-def test_differential_search_on_the_device(capsys, monkeypatch, hf_ops):
-    """The search-only differential on the device path (torch tensors on the CPU; with ``hf_ops``, the branch
-    CUDA runs: HF's operators, ``torch.topk``): HF's tokens, scores and extras, nothing excused beyond the
-    differential's own rule."""
-    from elx.runners.search.device import DeviceScorer
+@pytest.mark.parametrize("where", ["cpu-kernels", "hf-ops", DEVICES[1]])
+def test_differential_search_on_the_device(capsys, monkeypatch, where):
+    """The search-only differential on the device path (torch tensors on the CPU; ``hf-ops``: the branch CUDA
+    runs, HF's operators and ``torch.topk``, on the CPU; ``cuda``: on a CUDA device): HF's tokens, scores and
+    extras, nothing excused beyond the differential's own rule (HF's logits are float64 on the CPU; the device
+    path's float32 log-softmax on CUDA is CUDA's kernel, so its ties and last bits are the rule's business)."""
+    from elx.runners.search import device as search_device
 
     monkeypatch.setenv("ELX_SEARCH", "device")
-    monkeypatch.setattr(DeviceScorer, "hf_ops_on_cpu", hf_ops)
-    stats = Stats("search-device" + ("-hf-ops" if hf_ops else ""))
-    taken = []
+    monkeypatch.setattr(search_device.DeviceScorer, "hf_ops_on_cpu", where == "hf-ops")
+    if where == "cuda":  # the models here have no device backend: the scorer's transfers put everything on CUDA
+        class CudaTensors(TorchTensors):
+            def __init__(self):
+                super().__init__("cuda")
+
+        monkeypatch.setattr(search_device, "HostTensors", CudaTensors)
+    stats = Stats("search-device" + ("" if where == "cpu-kernels" else f"-{where}"))
+    taken, counts = [], []  # device scorers made in this example's searches; whether each example made one
     scorer = search.device_scorer
 
     def counted(*args, **kwargs):
@@ -135,17 +163,20 @@ def test_differential_search_on_the_device(capsys, monkeypatch, hf_ops):
 
     @given(st.data())
     def example(data):  # issue 25's options a quarter of the time: mostly options the device path covers
+        taken.clear()
         run_search_example(stats, *draw_search_case(
-            data, issue25=lambda data: data.draw(st.integers(0, 3), label="issue25_draw") == 0))
+            data, issue25=lambda data: data.draw(st.integers(0, 3), label="issue25_draw") == 0),
+            search_device=(lambda: "cuda" if any(taken) else None) if where == "cuda" else None)
+        counts.append(any(taken))
 
     _run(example, SEARCH_EXAMPLES)
     stats.dump()
     with capsys.disabled():
-        print(f"\n{stats.summary()}\ndevice path: {sum(taken)} of {len(taken)} searches (the others need the host path)")
+        print(f"\n{stats.summary()}\ndevice path: {sum(counts)} of {len(counts)} examples (the others need the host path)")
     assert not stats.failures, stats.summary()
     assert stats.examples == SEARCH_EXAMPLES
     # some draws ask for what the device path leaves to the host (sampling, penalties, recorded scores)
-    assert sum(taken) >= len(taken) // 2, (sum(taken), len(taken))
+    assert sum(counts) >= len(counts) // 2, (sum(counts), len(counts))
 
 
 @st.composite

@@ -170,3 +170,23 @@ def test_done_item_with_tied_scores_gets_hf_later_merges():
     stats = Stats("pinned")
     run_search_example(stats, "t5", 562, T5_RELU_UNTIED, inputs, options)
     assert stats.identical_rows == stats.rows == 6 and not stats.failures, stats.summary()
+
+
+def test_repetition_penalty_skips_left_padding_as_transformers_5_24():
+    """The GPU check's differential (H200, transformers 5.17 there): GPT-2, a left-padded batch, repetition
+    penalty, top_k=1 beam sampling (greedy in effect), n-gram blocking, sequence bias.  HF 5.17 and 5.23 give
+    the padded items other beams in the last steps (``tools/check_transformers_range.sh 5.23.0``); elx follows
+    5.24, the start of pyproject's range."""
+    config = {"vocab_size": 244, "n_embd": 16, "n_head": 4, "n_layer": 2, "n_positions": 64, "n_inner": 32,
+              "bos_token_id": 243, "eos_token_id": 243, "initializer_range": 0.6}
+    ids = [[243] * 10 + [124, 93, 188, 43, 204, 161], [243] * 8 + [0, 78, 160, 100, 228, 50, 55, 52],
+           [243] * 12 + [103, 160, 203, 139], [156, 180, 85, 54, 48, 63, 53, 196, 140, 16, 140, 70, 103, 221, 116, 106]]
+    mask = [[0] * 10 + [1] * 6, [0] * 8 + [1] * 8, [0] * 12 + [1] * 4, [1] * 16]
+    inputs = {"input_ids": np.array(ids, dtype=np.int64), "attention_mask": np.array(mask, dtype=np.int64)}
+    options = {"num_beams": 3, "num_return_sequences": 2, "no_repeat_ngram_size": 3,
+               "length_penalty": -1.0917011338344337e-290, "early_stopping": True, "max_new_tokens": 10,
+               "min_new_tokens": 8, "do_sample": True, "seed": 776365252, "temperature": 0.7, "top_k": 1,
+               "epsilon_cutoff": 0.05, "repetition_penalty": 2.414,
+               "sequence_bias": [[[176], 1.08], [[228, 240], 0.23]], "renormalize_logits": True,
+               "eos_token_id": [117, 243]}
+    _search_case("gpt2", 468, config, inputs, options)

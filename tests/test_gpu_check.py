@@ -121,3 +121,26 @@ def test_wheel_pieces_split_and_join_back_exactly(tmp_path):
                           capture_output=True, text=True)
     assert lost.returncode == 2 and "a piece is missing or damaged" in lost.stderr
     assert list((tmp_path / "bad").iterdir()) == []
+
+
+def test_lists_the_search_step_on_the_gpu(dry_run):
+    done, _, _, _ = dry_run
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("[search] ")]
+    assert len(lines) == len(gpu_check.SEARCH_BATCHES)
+    for batch, line in zip(gpu_check.SEARCH_BATCHES, lines):
+        assert "tools/measure_search_host.py --device cuda --path both" in line and f"--batch-size {batch}" in line
+
+
+def test_refuses_the_ort_bench_on_a_gpu_without_the_cuda_provider():
+    """On a GPU machine whose onnxruntime is the CPU build the ORT rows say why instead of failing after an
+    export; a dry run without a GPU, or onnxruntime-gpu, lists them."""
+    gpu = {"device_line": "GPU 0: H200", "nvcc": None, "tensorrt": None, "tensorrt_rtx": None,
+           "torch": {"cuda": True, "capability": "9.0"}, "cupy": {"devices": 1},
+           "onnxruntime": {"version": "1.30.0", "providers": ["CPUExecutionProvider"]}}
+    assert "no CUDAExecutionProvider" in gpu_check._ort_refusal(gpu)
+    runs = gpu_check.bench_runs(gpu, Path("o"), Path("w"), [8], True)
+    assert runs and all("no CUDAExecutionProvider" in r["unsupported"] for r in runs if r["backend"] == "ort")
+    with_gpu_wheel = {**gpu, "onnxruntime": {"version": "1.30.0", "providers": ["CUDAExecutionProvider"]}}
+    assert gpu_check._ort_refusal(with_gpu_wheel) is None
+    no_gpu = {**gpu, "torch": {"cuda": False}, "cupy": {"devices": 0}}
+    assert gpu_check._ort_refusal(no_gpu) is None

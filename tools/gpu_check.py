@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The one-call GPU check (issue 26): on a CUDA machine, run everything this CPU machine cannot.
 
-    bash tools/gpu_check.sh [--dry-run] [--out DIR] [--only tests,ngram,bench] [--batches 1,8,32,128]
+    bash tools/gpu_check.sh [--dry-run] [--out DIR] [--only tests,ngram,search,bench] [--batches 1,8,32,128]
 
 Steps, in order, each recorded even when it fails:
 
@@ -16,9 +16,11 @@ Steps, in order, each recorded even when it fails:
    under the output folder; the JUnit XML gives each outcome and skip reason.
 3. **ngram**: the n-gram blocking kernel (``plugins_cuda/``) built for this GPU with
    ``tools/build_plugin.py`` into the output folder, then ``tools/bench_ngram_kernel.py`` (fp32, fp16).
-4. **bench**: ``elx bench --device cuda`` on t5-base dims (random weights), pass sets baseline and el,
+4. **search**: the beam search's own cost per step with the logits on the GPU, host path against device
+   path (``tools/measure_search_host.py --device cuda``), beam 4, t5's vocabulary, batch 8/32/128.
+5. **bench**: ``elx bench --device cuda`` on t5-base dims (random weights), pass sets baseline and el,
    beam 4, batch 1/8/32/128, in fp32 and fp16, on ONNX Runtime (and on TensorRT when a TensorRT runtime is
-   installed).  HF generate is measured inside each bench run.  fp16 runs only when ``elx bench --help``
+   installed; ONNX Runtime rows are refused, with the reason, where its build has no CUDA provider).  HF generate is measured inside each bench run.  fp16 runs only when ``elx bench --help``
    offers ``--precision``; otherwise those rows are recorded as not supported, with the reason.
 
 Everything is written under one folder (default ``gpu_check_results/<UTC timestamp>/``): ``summary.md``,
@@ -51,7 +53,8 @@ GPU_REASON = re.compile(r"cuda|gpu|cupy", re.IGNORECASE)
 BENCH_MODEL = "t5-base"
 BATCHES = (1, 8, 32, 128)
 PRECISIONS = ("fp32", "fp16")
-STEPS = ("tests", "ngram", "bench")
+STEPS = ("tests", "ngram", "search", "bench")
+SEARCH_BATCHES = (8, 32, 128)  # the search step's batch sizes (beam 4, t5's vocabulary)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,6 +118,7 @@ def probe() -> dict:
     except Exception as err:
         ort_info["error"] = f"{type(err).__name__}: {err}"
     env["onnxruntime"] = ort_info
+    env["transformers"] = _version("transformers")  # HF generate's reference: pyproject pins its range
     env["tensorrt"] = _module_version("tensorrt")
     env["tensorrt_rtx"] = _module_version("tensorrt_rtx")
     return env
@@ -247,6 +251,15 @@ def ngram_commands(env: dict, out: Path) -> list[dict]:
                                                      *(["--fp16"] if p == "fp16" else [])]} for p in PRECISIONS)]
 
 
+def search_commands() -> list[dict]:
+    """The beam search's own cost per step with the logits on the GPU (``tools/measure_search_host.py --device
+    cuda``): the host path (each step's [rows, vocab] logits copied down, numpy) against the device path
+    (``runners/search/device.py``: scorer on the GPU, 2·beams candidates per item copied down), interleaved."""
+    return [{"name": f"search batch {b}", "cmd": [sys.executable, "tools/measure_search_host.py", "--device", "cuda",
+                                                 "--path", "both", "--batch-size", str(b), "--num-beams", "4",
+                                                 "--new-tokens", "32", "--repeats", "5"]} for b in SEARCH_BATCHES]
+
+
 def bench_has_precision() -> bool:
     """Whether this checkout's ``elx bench`` takes ``--precision`` (fp16 exports and HF in fp16)."""
     done = subprocess.run([sys.executable, "-m", "elx", "bench", "--help"], cwd=REPO, capture_output=True,
@@ -271,6 +284,8 @@ def bench_runs(env: dict, out: Path, work: Path, batches, fp16_flag: bool) -> li
                        "results": str(work / precision / BENCH_MODEL / "results" / "bench.json")}
                 if backend == "tensorrt" and (reason := _tensorrt_refusal(env)):
                     run["unsupported"] = reason
+                elif backend == "ort" and (reason := _ort_refusal(env)):
+                    run["unsupported"] = reason
                 elif precision == "fp16":
                     if fp16_flag:
                         cmd += ["--precision", "fp16"]
@@ -279,6 +294,15 @@ def bench_runs(env: dict, out: Path, work: Path, batches, fp16_flag: bool) -> li
                                               "elx fp16 exports are not benchmarked")
                 runs.append(run)
     return runs
+
+
+def _ort_refusal(env: dict) -> str | None:
+    """Why the ONNX Runtime bench cannot run on this GPU machine (its onnxruntime has no CUDA execution
+    provider: the CPU build), or None.  A dry run without a GPU lists the runs a GPU machine would do."""
+    if not cuda_found(env) or "CUDAExecutionProvider" in env["onnxruntime"]["providers"]:
+        return None
+    return (f"onnxruntime {env['onnxruntime']['version']} here has no CUDAExecutionProvider (the CPU build; "
+            "onnxruntime-gpu is needed): elx bench --device cuda --backend ort would stop at its first step")
 
 
 def _tensorrt_refusal(env: dict) -> str | None:
@@ -336,13 +360,14 @@ def run_tests(plan: dict, out: Path, timeout: float) -> dict:
     return {**step, "counts": counts, "cases": cases}
 
 
-def run_ngram(commands: list[dict], out: Path, timeout: float) -> list[dict]:
+def run_commands(step: str, commands: list[dict], out: Path, timeout: float, first_needed: bool) -> list[dict]:
+    """Each command in turn, its output's tail recorded (``first_needed``: the others need the first's work)."""
     results = []
     for i, command in enumerate(commands):
-        result = {**command, **run_logged(command["cmd"], out / f"ngram_{i}.log", timeout)}
+        result = {**command, **run_logged(command["cmd"], out / f"{step}_{i}.log", timeout)}
         result["output"] = (out / result["log"]).read_text(encoding="utf-8")[-6000:]
         results.append(result)
-        if i == 0 and result["rc"] != 0:
+        if first_needed and i == 0 and result["rc"] != 0:
             break  # no kernel library, no bench
     return results
 
@@ -377,7 +402,8 @@ def summary_markdown(result: dict) -> str:
              f"- PyTorch {env['torch']['version']} (CUDA {env['torch'].get('cuda_build')}, "
              f"sees a GPU: {env['torch']['cuda']}); CuPy {env['cupy']['version']}; "
              f"ONNX Runtime {env['onnxruntime']['version']} ({', '.join(env['onnxruntime']['providers'])}); "
-             f"TensorRT {env['tensorrt']}; TensorRT for RTX {env['tensorrt_rtx']}; nvcc {env['nvcc']}", ""]
+             f"TensorRT {env['tensorrt']}; TensorRT for RTX {env['tensorrt_rtx']}; nvcc {env['nvcc']}; "
+             f"transformers {env.get('transformers')}", ""]
     if result["dry_run"]:
         lines += [f"**Dry run** ({result['dry_run']}): nothing was run; the commands below are what a run would do.",
                   ""]
@@ -394,9 +420,12 @@ def summary_markdown(result: dict) -> str:
             lines += ["| test | selected because | skips here |", "|---|---|---|"]
             lines += [f"| {t['nodeid']} | {'; '.join(t['why'])} | {t['skips_here']} |" for t in tests["selected"]]
         lines.append("")
-    if result.get("ngram") is not None:
-        lines += ["## n-gram kernel benchmark", ""]
-        for step in result["ngram"]:
+    for key, title in (("ngram", "n-gram kernel benchmark"),
+                       ("search", "beam search per step, logits on the GPU: host path against device path")):
+        if result.get(key) is None:
+            continue
+        lines += [f"## {title}", ""]
+        for step in result[key]:
             lines += [f"`{shlex.join(step['cmd'])}`" + (f" (exit {step['rc']})" if "rc" in step else ""), ""]
             if step.get("output"):
                 lines += ["```", step["output"].rstrip(), "```", ""]
@@ -436,6 +465,8 @@ def print_plan(result: dict) -> None:
     for step in result.get("ngram") or []:
         unknown = " (CC: the GPU's compute capability, e.g. 90)" if step["cmd"][-1] == "CC" else ""
         print(f"[ngram] {step['name']}: $ {shlex.join(step['cmd'])}{unknown}")
+    for step in result.get("search") or []:
+        print(f"[search] {step['name']}: $ {shlex.join(step['cmd'])}")
     for run in result.get("bench") or []:
         label = f"[bench] {run['backend']} {run['precision']} batch {run['batch']}"
         print(f"{label}: not supported: {run['unsupported']}" if "unsupported" in run
@@ -483,6 +514,8 @@ def main(argv=None) -> int:
         result["tests"] = {"selected": selected, "command": test_command(selected, out), "error": error}
     if "ngram" in steps:
         result["ngram"] = ngram_commands(env, out)
+    if "search" in steps:
+        result["search"] = search_commands()
     if "bench" in steps:
         result["bench"] = bench_runs(env, out, Path(args.bench_work).resolve() if args.bench_work
                                      else out / "bench_work", batches, bench_has_precision())
@@ -497,10 +530,11 @@ def main(argv=None) -> int:
         result["tests"].update(run_tests(result["tests"], out, args.timeout))
         failed |= result["tests"]["rc"] != 0
         write_results(out, result)
-    if "ngram" in steps:
-        result["ngram"] = run_ngram(result["ngram"], out, args.timeout)
-        failed |= any(s["rc"] != 0 for s in result["ngram"])
-        write_results(out, result)
+    for step in ("ngram", "search"):
+        if step in steps:
+            result[step] = run_commands(step, result[step], out, args.timeout, first_needed=step == "ngram")
+            failed |= any(s["rc"] != 0 for s in result[step])
+            write_results(out, result)
     if "bench" in steps:
         for run in run_bench(result["bench"], out, args.timeout):
             failed |= run.get("rc", 0) != 0

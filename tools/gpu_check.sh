@@ -3,7 +3,7 @@
 # `elx bench --device cuda` on t5-base dims, results under gpu_check_results/<UTC timestamp>/ (summary.md,
 # results.json, logs).  Without a CUDA device (or with --dry-run) it only prints what it would run, exit 0.
 #
-#   bash tools/gpu_check.sh [--dry-run] [--out DIR] [--only tests,ngram,bench] [--batches 1,8,32,128]
+#   bash tools/gpu_check.sh [--dry-run] [--out DIR] [--only tests,ngram,search,bench] [--batches 1,8,32,128]
 #
 # Options: python3 tools/gpu_check.py --help.  PYTHON=... picks the interpreter.  Wheels the machine lacks:
 # tools/wheel_pieces.sh (README, "GPU check").

@@ -14,7 +14,9 @@ function calls per step instead (cProfile), which no load moves.
 ``--path device`` runs the device search path (``runners/search/device.py``) with torch tensors on the CPU,
 and splits each step's time into the device part (the scorer: log-softmax, processors, top-k, which a GPU
 would run) and the host part (the bookkeeping that stays on the host whatever the device); ``--path both``
-interleaves the two paths, ``--repeats`` rounds.
+interleaves the two paths, ``--repeats`` rounds.  ``--device cuda`` holds the stand-in's logits on a CUDA
+device as a device backend would: the host path copies each step's logits down, the device path runs the scorer
+there and copies 2·beams candidates per item down (the GPU check runs this: ``tools/gpu_check.py``).
 """
 from __future__ import annotations
 
@@ -60,14 +62,22 @@ class StandIn:
     needs_history = False
     returns_log_probs = False
 
-    def __init__(self, logits: np.ndarray):
+    def __init__(self, logits: np.ndarray, device: str | None = None):
         self.logits = logits
+        if device is not None:  # the logits live on the device; the backend's transfers are torch's
+            self.backend = search_device.TorchTensors(device)
+            self.logits = self.backend.tensor_from_host(logits)
 
     def empty_cache(self, rows: int) -> DecoderCache:
         return DecoderCache({}, rows, 0)
 
-    def step(self, tokens, state, cache, history=None):
-        return self.logits[: tokens.shape[0]].copy(), DecoderCache({}, tokens.shape[0], cache.length + tokens.shape[1])
+    def step(self, tokens, state, cache, history=None, device=False):
+        logits = self.logits[: tokens.shape[0]]
+        if isinstance(logits, np.ndarray):
+            logits = logits.copy()
+        else:  # a fresh device tensor per step; the host path reads it copied down
+            logits = logits.clone() if device else self.backend.tensor_to_host(logits)
+        return logits, DecoderCache({}, tokens.shape[0], cache.length + tokens.shape[1])
 
     def reorder(self, cache, rows):
         return DecoderCache({}, int(rows.shape[0]), cache.length)
@@ -98,6 +108,8 @@ def main() -> None:
                              "two threads wait for each other tens of ms per call)")
     parser.add_argument("--path", choices=("host", "device", "both"), default="host",
                         help="the search path (ELX_SEARCH); device: torch tensors on the CPU")
+    parser.add_argument("--device", default=None,
+                        help="a torch device for the stand-in's logits (cuda): a device backend's step")
     args = parser.parse_args()
     import torch
 
@@ -108,7 +120,7 @@ def main() -> None:
     settings = GenerationSettings(num_beams=args.num_beams, max_new_tokens=args.new_tokens,
                                   min_new_tokens=args.new_tokens, eos_token_id=[1], pad_token_id=0,
                                   decoder_start_token_id=0)
-    model = StandIn(logits)
+    model = StandIn(logits, args.device)
     if args.calls:
         beam_search(model, EncoderState({}, args.batch_size), settings, build_processors(settings, 1))
         profile = cProfile.Profile()
@@ -134,7 +146,8 @@ def main() -> None:
                 device_part.append(scorer.seconds / result.steps * 1e3)
     for path in paths:
         runs = times[path][1:]
-        line = (f"{args.label or 'search'} [{path} path]: batch {args.batch_size} x beams {args.num_beams}, vocab "
+        where = f", logits on {args.device}" if args.device else ""
+        line = (f"{args.label or 'search'} [{path} path{where}]: batch {args.batch_size} x beams {args.num_beams}, vocab "
                 f"{args.vocab}: {args.clock} {statistics.median(runs):.2f} ms/step (median of {len(runs)}; min "
                 f"{min(runs):.2f}, max {max(runs):.2f})")
         if path == "device":

@@ -83,6 +83,26 @@ class HostTensors:
         return _torch().from_numpy(np.ascontiguousarray(array))
 
 
+class TorchTensors(HostTensors):
+    """The transfers of values held as torch tensors on ``device`` ("cuda", "cuda:1", "cpu"): a model that
+    computes its logits in PyTorch, and the tests and tools that put the search's tensors on a GPU without a
+    device backend (``tests/test_device_search.py``, ``tools/measure_search_host.py --device cuda``)."""
+
+    device_tensors = True
+
+    def __init__(self, device: str):
+        self.torch_device = device
+
+    def as_tensor(self, value):
+        return super().as_tensor(value).to(self.torch_device)
+
+    def tensor_to_host(self, tensor) -> np.ndarray:
+        return tensor.cpu().numpy()
+
+    def tensor_from_host(self, array: np.ndarray):
+        return super().tensor_from_host(array).to(self.torch_device)
+
+
 # -- processors on the device: HF's semantics, torch operators ------------------------------------------
 class _NoRepeatNGram:
     """HF's ``NoRepeatNGramLogitsProcessor`` (``runners/search/ngram_reference.py`` states it): every window of the
@@ -141,7 +161,10 @@ class _RepetitionPenalty:
     uses_history = True
 
     def __init__(self, penalty: float):
-        self.penalty = float(penalty)  # PyTorch rounds it to float32, as HF's Python float
+        # the user's Python float, not its float32 rounding: PyTorch's CUDA division by a Python scalar
+        # multiplies by float32(1 / penalty), the reciprocal taken in double; from the rounded penalty that is
+        # 1 ulp off HF's (seen on an H200 with 1.05; the CPU divides by the float32 penalty either way)
+        self.penalty = float(penalty)
 
     def __call__(self, torch, history, scores):
         vocab = scores.shape[1]
@@ -166,7 +189,7 @@ def _on_device(processor, upload):
     if isinstance(processor, NoRepeatNGram):
         return _NoRepeatNGram(processor.n)
     if isinstance(processor, RepetitionPenalty):
-        return _RepetitionPenalty(processor.penalty)
+        return _RepetitionPenalty(processor.value)
     if isinstance(processor, BanUntilLength):
         return _SetColumns(processor.eos, upload, lambda length, m=processor.min_total_length: length < m)
     if isinstance(processor, ForceTokenAt):

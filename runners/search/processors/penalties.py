@@ -28,6 +28,7 @@ class RepetitionPenalty:
     hf = "RepetitionPenaltyLogitsProcessor"
 
     def __init__(self, penalty: float, padding: np.ndarray | None = None):
+        self.value = float(penalty)  # the user's number: the device version divides by it as HF does
         self.penalty = np.float32(penalty)
         self.padding = padding
 

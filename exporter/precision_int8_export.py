@@ -14,7 +14,7 @@ from elx.exporter.compare import compare_loaded
 from elx.exporter.passes.rewrite import drop_unused_files
 from elx.exporter.precision_int8 import LM_HEAD, convert_folder
 from elx.exporter.precision_int8_check import DRAW, SEARCHES, random_inputs_error, summarize
-from elx.exporter.precision_int8_layers import measure_layers
+from elx.exporter.precision_int8_layers import measure_and_convert
 from elx.exporter.progress import WEIGHTS
 
 
@@ -23,13 +23,14 @@ def finish(torch_model, folder: Path, manifest: Manifest, progress) -> dict:
     stay fp32), convert the verified fp32 export in ``folder`` to int8 in place (``manifest`` updated, fp32 graph
     files removed), then measure and record what int8 changes (``verification.int8``); one progress stage each."""
     with progress.stage("int8 per-layer error (which layers stay fp32)", WEIGHTS["fp16"]) as stage:
-        layers = measure_layers(torch_model, manifest)
+        layers, after = measure_and_convert(torch_model, manifest, Path(folder))  # every layer on int8, in place
         kept = layers["kept_fp32"]
         stage.detail = (f"{len(layers['max_abs_logits_diff'])} layers quantized one at a time, median max abs "
                         f"logits diff {layers['median_max_abs_logits_diff']:.3g}; kept fp32: {', '.join(kept) or 'none'}")
     with progress.stage("int8 conversion", WEIGHTS["fp16"]) as stage:
         before = manifest.copy()
-        after = convert_folder(manifest, Path(folder), keep_lm_head=LM_HEAD in kept, keep_layers=frozenset(kept))
+        if kept:  # converted again, those layers left fp32 (the same files rewritten)
+            after = convert_folder(manifest, Path(folder), keep_lm_head=LM_HEAD in kept, keep_layers=frozenset(kept))
         after.data["int8"]["layers"] = layers
         manifest.data.clear()
         manifest.data.update(after.data)

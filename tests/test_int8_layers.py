@@ -1,0 +1,48 @@
+"""The per-layer int8 rule's graphs (``exporter/precision_int8_layers.py``): each layer's graph cut from one
+conversion of every layer is the graph a conversion of that layer alone writes, so its error is the same bit for
+bit, on an encoder-decoder export (cross K/V: one quantized encoder output shared by every layer's projections)
+and a decoder-only one (prefill and step)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx
+import pytest
+
+from elx.runners.manifest import Manifest
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _ops(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_a_layer_cut_from_the_full_conversion_is_that_layer_converted_alone(exported, model_folders, tmp_path,
+                                                                           family):
+    from elx.exporter.precision_decoder_only import torch_side
+    from elx.exporter.precision_int8 import convert_folder
+    from elx.exporter.precision_int8_check import random_inputs_error
+    from elx.exporter.precision_int8_layers import GraphPair, measured_layers, pair_layers, variant_folder
+    from elx.exporter.sources import resolve_model
+
+    manifest = Manifest.load(exported(family))
+    torch_model = resolve_model(str(model_folders[family])).model
+    reference = torch_side(torch_model, manifest)
+    converted = convert_folder(manifest, tmp_path / "every-layer")
+    pairs = {name: GraphPair(manifest, name, converted) for name in [*manifest.stages, manifest.step]}
+    layers = pair_layers(pairs)
+    assert layers == measured_layers(manifest) and "lm_head" in layers and len(layers) >= 3
+    fp32_ops = {name: _ops(pair.fp32) for name, pair in pairs.items()}
+    for layer in layers:
+        alone = convert_folder(manifest, tmp_path / f"alone-{layer}", only=layer)
+        cut = variant_folder(manifest, pairs, layer, tmp_path / f"cut-{layer}")
+        changed = 0
+        for name in pairs:
+            want, got = (onnx.load(str(m.graph_path(name))) for m in (alone, cut))
+            assert _ops(got) == _ops(want), (layer, name)
+            changed += _ops(got) != fp32_ops[name]
+        assert changed >= 1, layer  # the layer's MatMuls are on int8 somewhere
+        errors = [random_inputs_error(torch_model, m, reference)["max_abs_logits_diff"] for m in (alone, cut)]
+        assert errors[0] == errors[1] and errors[0] > 0, (layer, errors)

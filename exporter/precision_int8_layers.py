@@ -43,22 +43,24 @@ RULE = (f"a layer stays fp32 when its teacher-forced max abs logits difference, 
 
 def measured_layers(manifest: Manifest) -> list[str]:
     """The layers the rule would quantize in the fp32 export ``manifest`` describes, in graph order."""
-    from elx.exporter.precision_int8 import _scores_output, layers_of, prepare
+    from elx.exporter.precision_int8 import _scores_output, prepare
 
-    found = []
-    for name in [*manifest.stages, manifest.step]:
-        model = prepare(onnx.load(str(manifest.graph_path(name))))
-        found += [layer for layer in sorted(layers_of(model, _scores_output(manifest, name))) if layer not in found]
-    return found
+    return _in_graph_order((prepare(onnx.load(str(manifest.graph_path(name)))), _scores_output(manifest, name))
+                           for name in [*manifest.stages, manifest.step])
 
 
 def pair_layers(pairs: dict) -> list[str]:
     """``measured_layers`` of graphs already loaded (``GraphPair``s, in graph order)."""
+    return _in_graph_order((pair.fp32, pair.logits) for pair in pairs.values())
+
+
+def _in_graph_order(graphs) -> list[str]:
+    """The layers of each (prepared model, scores output), first graph first, each layer once."""
     from elx.exporter.precision_int8 import layers_of
 
     found = []
-    for pair in pairs.values():
-        found += [layer for layer in sorted(layers_of(pair.fp32, pair.logits)) if layer not in found]
+    for model, logits in graphs:
+        found += [layer for layer in sorted(layers_of(model, logits)) if layer not in found]
     return found
 
 

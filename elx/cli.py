@@ -453,6 +453,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed rounds after the warm-up, systems interleaved; the median is reported (default 3)")
     p.add_argument("--threads", type=positive_int, help="intra-op threads of every system (default: all cores)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="load, warm up, time and release each system before the next (HF's model stays loaded): for "
+                        "models whose systems do not fit in memory together; rounds are then not interleaved")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: HF on PyTorch CUDA, elx on ONNX Runtime's CUDA EP with IOBinding (needs onnxruntime-gpu)")
     p.add_argument("--backend", choices=["ort", "tensorrt"], default="ort",
@@ -528,7 +531,7 @@ def cmd_bench(args) -> int:
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
                              repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick,
-                             backend=args.backend, precision=args.precision)
+                             backend=args.backend, precision=args.precision, one_at_a_time=args.one_at_a_time)
     forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
     progress = _progress(args)
     folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms,

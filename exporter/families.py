@@ -69,6 +69,7 @@ WHISPER = Family(
     cross_projections=lambda attn: (attn.k_proj, attn.v_proj),
     dims=_bart_dims,
     uses_encoder_mask=False,
+    padded_inputs=False,  # 30 s of log-mel frames, never padded per row
 )
 
 def _no_cross_attention(_):
@@ -148,6 +149,11 @@ FAMILIES = (T5, BART, WHISPER, GPT2, OPT, M2M100, PEGASUS, FSMT) + ROPE_FAMILIES
 
 def supported_architectures() -> list[str]:
     return sorted(a for f in FAMILIES for a in f.architectures)
+
+
+def family_named(name: str) -> Family | None:
+    """The family a manifest names (``Family.name``), or None."""
+    return next((f for f in FAMILIES if f.name == name), None)
 
 
 def family_for_architecture(architecture: str) -> Family:

@@ -44,3 +44,5 @@ class Family:
     # and FSMT's uncached decoder is not causal (``exporter/hf_decoding.py`` replays the steps there)
     full_sequence_is_stepwise: bool = True
     attention_implementations: tuple = ("eager", "sdpa")  # what HF can switch this family's attention to
+    # whether its inputs come as a padded batch with an attention mask (token ids); False: fixed-length features
+    padded_inputs: bool = True

@@ -237,6 +237,15 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max())
 
 
+def _real_positions(encoder: np.ndarray, case: Case) -> np.ndarray:
+    """The encoder output with padded positions zeroed: no consumer reads them (attention masks them), and a
+    pass may leave them as it likes (``--pass unpad`` writes zeros there)."""
+    mask = case.inputs.get("attention_mask")
+    if mask is None or encoder.shape[:2] != mask.shape:
+        return encoder
+    return np.where(mask[:, :, None] != 0, encoder, 0)
+
+
 def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int = 0, past_from=None,
             expect=None) -> dict:
     """Run both sides on the same cases; the report records the max abs logits (and encoder) difference.
@@ -259,6 +268,7 @@ def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int =
         entry["max_abs_logits_diff"] = diff
         scale = max(scale, _max_abs_finite(ref))
         if ref_encoder is not None and got_encoder is not None:
+            got_encoder, ref_encoder = _real_positions(got_encoder, case), _real_positions(ref_encoder, case)
             entry["max_abs_encoder_diff"] = _max_abs_diff(got_encoder, ref_encoder)
             worst_encoder = max(worst_encoder or 0.0, entry["max_abs_encoder_diff"])
         worst = max(worst, diff) if not np.isnan(diff) else float("nan")

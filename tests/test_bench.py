@@ -308,3 +308,53 @@ def test_bench_on_cuda_without_a_cuda_device_is_one_line_before_any_export(tmp_p
     err = capsys.readouterr().err.strip()
     assert err.startswith("elx: error: --device cuda:") and "\n" not in err
     assert not (tmp_path / "work").exists()
+
+
+def test_one_at_a_time_runs_each_system_alone_with_the_same_tokens(exported, capsys):
+    """``--one-at-a-time``: HF, then the peers (converted from HF's model), then each elx runner after HF's model
+    is released; each system warmed up and timed alone, with the tokens compared with HF's as in interleaved runs."""
+    from elx.exporter.bench.bench import BenchSettings, markdown_table, run_bench
+
+    from elx.runners.generate import Generator
+
+    folder = exported("t5")
+    settings = BenchSettings(batch_size=2, input_length=6, num_beams=2, new_tokens=2, repeats=2, threads=1)
+    together = run_bench([folder], settings, progress="none")
+    gen, calls = Generator.from_folder(folder, threads=1), []
+
+    def peer(inputs):  # a stand-in peer: elx's tokens, which the interleaved run found equal to HF's
+        calls.append("peer")
+        return gen.generate(inputs, **settings.generation()).sequences
+
+    settings.one_at_a_time = True
+    alone = run_bench([folder], settings, peers={"stand-in": peer}, progress="plain")
+    err = capsys.readouterr().err
+    assert [s["system"] for s in alone["systems"]] == ["HF generate (PyTorch)", "stand-in", "elx baseline"]
+    assert calls == ["peer"] * 3  # warm-up and two rounds
+    assert all(s["tokens_equal_hf"] for s in together["systems"] + alone["systems"])
+    assert [len(s["all_seconds"]) for s in alone["systems"]] == [2, 2, 2]
+    assert err.count("warm-up (tokens and live state)") == 3 and err.count("round 2 of 2") == 3
+    by_name = {s["system"]: s for s in together["systems"]}
+    assert alone["systems"][2]["state_bytes"] == by_name["elx baseline"]["state_bytes"]
+    assert "systems ran one at a time" in markdown_table(alone)
+    assert "one at a time" not in markdown_table(together)
+
+
+def test_a_bench_that_cannot_fit_in_memory_is_refused_before_it_runs(exported):
+    """Weights that cannot be held together refuse the interleaved bench in one line naming --one-at-a-time;
+    one at a time, only a system larger than the memory left is refused."""
+    from elx.exporter.bench.bench import check_memory, held_bytes
+    from elx.runners.errors import ElxError
+
+    folder = exported("t5")
+    size = held_bytes(folder)
+    assert size >= sum(p.stat().st_size for p in folder.glob("*.onnx"))
+    check_memory([folder, folder], 1, 100, False, available=2 * size + 100)
+    with pytest.raises(ElxError, match="add --one-at-a-time") as refused:
+        check_memory([folder, folder], 1, 100, False, available=2 * size + 99)
+    assert "2 elx export(s)" in str(refused.value) and "1 peer(s)" in str(refused.value)
+    check_memory([folder, folder], 1, 100, True, available=size - 100)  # HF's model released before elx runs
+    with pytest.raises(ElxError, match="the largest elx export needs"):
+        check_memory([folder], 0, 100, True, available=size - 101)
+    with pytest.raises(ElxError, match="a peer needs .* drop --peers"):
+        check_memory([folder], 1, 2**31, True, available=2**30)

@@ -45,6 +45,7 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         ([*export, "--model", gpt2, "--pass", "ngram=3"], "does not apply to gpt2"),
         ([*export, "--model", llama, "--pass", "slim"], "GQA/MQA"),  # config.json states 2 kv heads for 4
         ([*export, "--model", llama, "--pass", "el-self"], "RoPE"),
+        ([*export, "--model", "whisper-tiny", "--random-init", "--pass", "unpad"], "never padded"),
         ([*export, "--model", "t5-tiny", "--random-init", "--precision", "fp8"], "--precision"),
         ([*export, "--model", "no-such-preset", "--random-init"], "no preset named"),
         ([*export, "--model", "t5-tiny", "--random-init", "--seed", "-1"], "--seed"),
@@ -97,7 +98,7 @@ FAMILIES = ("t5", "bart", "whisper", "gpt2", "opt", "llama", "qwen2", "gpt_neox"
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(names=st.lists(st.sampled_from(["el", "slim-cross", "slim", "el-self", "ngram"]), min_size=1, max_size=3,
+@given(names=st.lists(st.sampled_from(["el", "slim-cross", "slim", "el-self", "unpad", "ngram"]), min_size=1, max_size=3,
                       unique=True),
        family=st.sampled_from(FAMILIES), kind=st.sampled_from(KINDS),
        heads=st.sampled_from([None, (4, 4), (4, 2), (8, 1)]))

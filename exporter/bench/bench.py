@@ -42,6 +42,7 @@ number for every system; each system's time / floor says how far above it that s
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -75,6 +76,9 @@ class BenchSettings:
     backend: str = "ort"  # "tensorrt": elx on the folders' TensorRT engines (``ensure_engines``; cuda only)
     precision: str = "fp32"  # --precision: of the exports (or engines) and, where it can, of HF (``hf_precision``)
     smoke: bool = False  # a --quick run: labelled as a smoke run everywhere, not a measurement
+    # --one-at-a-time: each system loaded, warmed up, timed and released before the next (HF's model stays),
+    # for models whose systems do not fit in memory together; rounds are then not interleaved
+    one_at_a_time: bool = False
 
     def generation(self) -> dict:
         return dict(num_beams=self.num_beams, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
@@ -429,11 +433,11 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
         peak = matmul_peak(settings.threads) if settings.device == "cpu" else _cuda_matmul_peak()
         bandwidth = read_bandwidth(settings.device)
         stage.detail = f"{peak / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s"
-    with report.stage("load the elx runners and the PyTorch model", 2):
-        generators = [generator_for(f, settings) for f in folders]
-        manifest: Manifest = generators[0].manifest
-        for g in generators[1:]:
-            if g.manifest.data["source"] != manifest.data["source"]:
+    with report.stage("load the elx runners and the PyTorch model" if not settings.one_at_a_time
+                      else "load the PyTorch model (the elx runners one at a time)", 2):
+        manifest: Manifest = Manifest.load(folders[0])
+        for folder in folders[1:]:
+            if Manifest.load(folder).data["source"] != manifest.data["source"]:
                 raise ElxError("all bench folders must come from the same model export source")
         model = reload_model(manifest.data["source"]).to(settings.device)
     inputs = random_inputs(manifest, settings.batch_size, settings.input_length, np.random.default_rng(settings.seed))
@@ -447,67 +451,86 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
             torch.cuda.synchronize()
         return out.cpu().numpy()
 
+    # every system as a loader: key → () -> (name as reported, fn, elx generator or None); HF's model stays loaded
     hf_name = hf_system_name(settings)
-    systems = {hf_name: (hf, None)}
-    for g in generators:
-        name = "elx " + ("+".join(g.manifest.pass_names()) or "baseline")
-        precision = g.manifest.data.get("precision", "fp32")
-        if settings.backend == "tensorrt":  # engines carry their own precision
-            precision = (g.manifest.data.get("engines") or {}).get("precision", precision)
-        if precision != "fp32":
-            name += f"@{precision}"
-        prompt = g.manifest.data["cache"].get("prompt")
-        if prompt:  # decoder-only: where the prompt's K/V live
-            name += f" (prompt {prompt['kind']})"
-        systems[name] = ((lambda g=g: g.generate(inputs, **options).sequences), g)
+    loaders = {hf_name: lambda: (hf_name, hf, None)}
+    for folder in folders:
+        name = system_name(Manifest.load(folder), settings)
+        loaders[name] = lambda folder=folder, name=name: (name, *_elx_system(folder, settings, inputs, options))
     skipped = {}
     for peer_name in peer_names:
-        try:
+        def load_peer(peer_name=peer_name):
             with report.stage(f"peer {peer_name} (convert or reuse its model)", 5):
                 peer = make_peer(peer_name, model, manifest.data["source"], Path(work or "out/bench") / "peers",
                                  settings)
-        except PeerUnavailable as err:
-            skipped[peer_name] = str(err)
-            log(f"bench: peer {peer_name} skipped: {err}")
-            continue
-        systems[peer.name] = ((lambda peer=peer: peer.generate(inputs, settings)), None)
-
+            return peer.name, (lambda: peer.generate(inputs, settings)), None
+        loaders[peer_name] = load_peer
     for name, fn in (peers or {}).items():
-        systems[name] = ((lambda fn=fn: fn(inputs)), None)
+        loaders[name] = lambda fn=fn, name=name: (name, (lambda: fn(inputs)), None)
 
+    check_memory(folders, len(loaders) - 1 - len(folders), model_bytes(model), settings.one_at_a_time)
+    config = model.config
     reference = None
     if hf_precision(settings) == "fp16":  # the tokens every system is compared with stay HF fp32's
         with report.stage("HF fp32 reference tokens (untimed), then HF in fp16", 1):
             reference = hf()
             model.half()
+    pad = manifest.data["tokens"].get("pad_token_id")
     results = {}
-    names = list(systems)
-    with report.stage("warm-up (tokens and live state)", len(names), steps=len(names)) as stage:
-        for i, (name, (fn, gen)) in enumerate(systems.items()):  # warm-up: tokens and live state
-            result = SystemResult(name)
-            with RssSampler() as rss:
-                tokens = fn()
-            result.peak_rss_growth = rss.growth
-            if reference is None:
-                reference = tokens
-            result.tokens_equal_hf = bool(tokens.shape == reference.shape and np.array_equal(tokens, reference))
-            result.rows_equal_hf = rows_equal(reference, tokens, manifest.data["tokens"].get("pad_token_id"))
-            if gen is not None:
-                tracked = gen.generate(inputs, track_memory=True, **options).memory
-                result.state_bytes = max(m["state_bytes"] for m in tracked)
-                result.cache_bytes = max(m["cache_bytes"] for m in tracked)
-            if name != hf_name and gen is None and settings.no_repeat_ngram_size \
-                    and not result.tokens_equal_hf:
-                result.note = "n-gram blocking semantics differ from HF's"
-            results[name] = result
-            stage.step(names[i + 1] if i + 1 < len(names) else None)
-        same = sum(bool(r.tokens_equal_hf) for n, r in results.items() if n != hf_name)
-        stage.detail = f"{same} of {len(names) - 1} systems give HF's tokens"
-    # timed rounds: no sampler thread (it would contend for the GIL)
-    for name, seconds in timed_rounds({n: fn for n, (fn, _) in systems.items()}, settings.repeats,
-                                      settings.seed, report).items():
-        results[name].seconds = seconds
-    ffn, gated = _ffn_of(model.config)
+
+    def load(name):
+        """(name as reported, fn, generator) of a loader, or None when a peer cannot run here (said, recorded)."""
+        try:
+            return loaders[name]()
+        except PeerUnavailable as err:
+            skipped[name] = str(err)
+            log(f"bench: peer {name} skipped: {err}")
+            return None
+
+    def warm_up(name, fn, gen) -> SystemResult:
+        nonlocal reference
+        result = SystemResult(name)
+        with RssSampler() as rss:
+            tokens = fn()
+        result.peak_rss_growth = rss.growth
+        if reference is None:
+            reference = tokens
+        result.tokens_equal_hf = bool(tokens.shape == reference.shape and np.array_equal(tokens, reference))
+        result.rows_equal_hf = rows_equal(reference, tokens, pad)
+        if gen is not None:
+            tracked = gen.generate(inputs, track_memory=True, **options).memory
+            result.state_bytes = max(m["state_bytes"] for m in tracked)
+            result.cache_bytes = max(m["cache_bytes"] for m in tracked)
+        if name != hf_name and gen is None and settings.no_repeat_ngram_size and not result.tokens_equal_hf:
+            result.note = "n-gram blocking semantics differ from HF's"
+        results[name] = result
+        return result
+
+    if not settings.one_at_a_time:  # every system loaded, then warm-up and rounds interleaved
+        systems = {}
+        for name in list(loaders):
+            loaded = load(name)
+            if loaded:
+                systems[loaded[0]] = loaded[1:]
+        _warm_up_all(systems, warm_up, report, hf_name)
+        for name, seconds in timed_rounds({n: fn for n, (fn, _) in systems.items()}, settings.repeats,
+                                          settings.seed, report).items():
+            results[name].seconds = seconds
+    else:  # each system loaded, warmed up, timed and released before the next
+        elx_keys = {system_name(Manifest.load(folder), settings) for folder in folders}
+        for key in [k for k in loaders if k not in elx_keys] + [k for k in loaders if k in elx_keys]:
+            if key in elx_keys and model is not None:  # HF and the peers (converted from its model) are done
+                model = t_inputs = None
+                gc.collect()
+            loaded = load(key)
+            if not loaded:
+                continue
+            name, fn, gen = loaded
+            _warm_up_all({name: (fn, gen)}, warm_up, report, hf_name)
+            results[name].seconds = timed_rounds({name: fn}, settings.repeats, settings.seed, report)[name]
+            del loaded, fn, gen
+            gc.collect()
+    ffn, gated = _ffn_of(config)
     if manifest.data.get("is_encoder_decoder", True):
         shape = (manifest.dims, ffn, settings.batch_size, settings.input_length, settings.num_beams,
                  settings.new_tokens, gated)
@@ -525,6 +548,83 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
             "read_bandwidth_gb_s": bandwidth / 1e9, "roofline": roof, "skipped_peers": skipped,
             "hf_precision": hf_precision(settings), "hf_precision_note": hf_precision_note(settings),
             "systems": [r.summary(settings, hf_median, flops, peak, roof and roof["floor_s"]) for r in results.values()]}
+
+
+def system_name(manifest: Manifest, settings: BenchSettings) -> str:
+    """An elx system's name in the table: its passes, a precision other than fp32, a decoder's prompt cache form."""
+    name = "elx " + ("+".join(manifest.pass_names()) or "baseline")
+    precision = manifest.data.get("precision", "fp32")
+    if settings.backend == "tensorrt":  # engines carry their own precision
+        precision = (manifest.data.get("engines") or {}).get("precision", precision)
+    if precision != "fp32":
+        name += f"@{precision}"
+    prompt = manifest.data["cache"].get("prompt")
+    if prompt:  # decoder-only: where the prompt's K/V live
+        name += f" (prompt {prompt['kind']})"
+    return name
+
+
+def held_bytes(folder: Path) -> int:
+    """Bytes an elx runner of ``folder`` holds: each graph's file and external data (one session per graph,
+    each with its own copy of the weights)."""
+    graphs = Manifest.load(folder).data["graphs"].values()
+    return sum((folder / g["file"]).stat().st_size + sum((folder / d).stat().st_size for d in g.get("external_data", []))
+               for g in graphs)
+
+
+def model_bytes(model) -> int:
+    """Bytes of a PyTorch model's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def check_memory(folders: list[Path], peers: int, hf_bytes: int, one_at_a_time: bool,
+                 available: int | None = None) -> None:
+    """Refuse, before anything runs, a bench whose systems cannot be held in this machine's memory: together
+    (interleaved rounds), or, with ``one_at_a_time``, the largest alone (HF's model, then each peer beside it,
+    then each elx runner after HF's model is released).  Counted: weights only (each peer as large as HF's
+    model), so a bench that passes may still run short at long inputs."""
+    from elx.runners.inputs.validation import available_memory
+
+    available = available_memory() if available is None else available
+    if available is None:
+        return
+    elx = [held_bytes(f) for f in folders]
+    if one_at_a_time:  # a peer beside HF's model; an elx runner after it is released
+        needs = [(hf_bytes, available, "a peer")] * (peers > 0) + [(max(elx, default=0), available + hf_bytes,
+                                                                      "the largest elx export")]
+        for need, room, what in needs:
+            if need > room:
+                raise ElxError(f"{what} needs about {need / 2**30:.1f} GiB of weights and this machine has "
+                               f"{room / 2**30:.1f} GiB for it even one system at a time; bench a smaller model"
+                               + (" or drop --peers" if what == "a peer" else ""))
+        return
+    need = sum(elx) + peers * hf_bytes
+    if need > available:
+        raise ElxError(f"the systems hold about {need / 2**30:.1f} GiB of weights together "
+                       f"({len(folders)} elx export(s) {sum(elx) / 2**30:.1f} GiB, {peers} peer(s) "
+                       f"{peers * hf_bytes / 2**30:.1f} GiB) beside HF's model and this machine has "
+                       f"{available / 2**30:.1f} GiB available: add --one-at-a-time (each system loaded, timed "
+                       "and released in turn) or bench fewer pass sets and peers")
+
+
+def _elx_system(folder: Path, settings: BenchSettings, inputs: dict, options: dict):
+    g = generator_for(folder, settings)
+    return (lambda: g.generate(inputs, **options).sequences), g
+
+
+def _warm_up_all(systems: dict, warm_up, report: Progress, hf_name: str) -> None:
+    """The warm-up stage of ``systems`` (name → (fn, generator)): ``warm_up`` records each one's tokens and live
+    state and returns its ``SystemResult``."""
+    names = list(systems)
+    same = 0
+    with report.stage("warm-up (tokens and live state)", len(names), steps=len(names)) as stage:
+        for i, (name, (fn, gen)) in enumerate(systems.items()):
+            equal = bool(warm_up(name, fn, gen).tokens_equal_hf)
+            same += name != hf_name and equal
+            stage.step(names[i + 1] if i + 1 < len(names) else None)
+        others = sum(n != hf_name for n in names)
+        if others:
+            stage.detail = f"{same} of {others} systems give HF's tokens"
 
 
 def rows_equal(reference: np.ndarray, tokens: np.ndarray, pad: int | None) -> tuple[int, int]:
@@ -635,6 +735,9 @@ def markdown_table(report: dict) -> str:
     note = peer_lead_note(report)
     if note:
         head += f"\n{note}\n"
+    if report["settings"].get("one_at_a_time"):
+        head += ("\nsystems ran one at a time (--one-at-a-time: each loaded, warmed up, timed and released before "
+                 "the next), not interleaved\n")
     lines = ["| system | median s | samples/s | tokens/s | vs HF | input state MB | self cache MB | "
              "peak RSS +MB | GFLOP/s | time / floor | tokens = HF |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

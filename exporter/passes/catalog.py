@@ -103,6 +103,16 @@ def _el_self_refuses(family: str, kind: str, dims: dict | None) -> str | None:
     return ROPE if _is_rotary(family) else None
 
 
+def _unpad_refuses(family: str, kind: str, dims: dict | None) -> str | None:
+    """Families whose inputs are never a padded batch (Whisper's fixed-length features): nothing to remove."""
+    from elx.exporter.families import family_named
+
+    rules = family_named(family)
+    if rules is not None and not rules.padded_inputs:
+        return "its inputs are never padded (fixed-length features, no attention mask): there is nothing to remove"
+    return None
+
+
 EL = PassSpec("el", "el", 10, _no_argument("el"),
               conflicts={"slim-cross": "el removes the cross-attention cache that slim-cross shrinks"},
               refuses=_refuses_kind({"decoder-only": "EL-attention rewrites cross-attention, which decoder-only "
@@ -121,4 +131,7 @@ NGRAM = PassSpec("ngram", "ngram", 90, _ngram_size,  # last: it consumes the fin
                                                         "counts the prompt's n-grams for decoder-only models; their "
                                                         "n-gram blocking runs in the search"}))
 
-PASSES = {spec.name: spec for spec in (EL, SLIM_CROSS, SLIM, EL_SELF, NGRAM)}
+UNPAD = PassSpec("unpad", "unpad", 80, _no_argument("unpad"),  # after the passes that match projections by structure
+                 refuses=_unpad_refuses)
+
+PASSES = {spec.name: spec for spec in (EL, SLIM_CROSS, SLIM, EL_SELF, UNPAD, NGRAM)}

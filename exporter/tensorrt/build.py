@@ -277,6 +277,9 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
         raise ElxError(f"unknown n-gram mode {ngram!r}; choose auto, engine or host")
     limits = Limits(max_batch_size, max_beams, max_input_length, max_new_tokens).checked()
     info = resolve(runtime)
+    if info.name != "tensorrt" and "unpad" in manifest.pass_names():
+        raise ElxError("TensorRT for RTX has no NonZero layer, which --pass unpad's packed rows are indexed by; build "
+                       "engines from an export without --pass unpad (or with NVIDIA TensorRT: --runtime tensorrt)")
     trt = load(info)
     targets = _targets(info.name, compute_capabilities)
     if not os.access(folder, os.W_OK | os.X_OK):

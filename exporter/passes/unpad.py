@@ -1,0 +1,273 @@
+"""``--pass unpad``: the position-wise matrix products of a padded batch run on its real tokens only.
+
+A batch of B inputs padded to N positions holds T = Σ_b n_b real tokens (n_b: row b's mask sum).  In
+a Transformer layer every product with a weight matrix acts on each position alone: for the
+projections Q = X·W_Q, K, V, the output projection and the feed-forward network FFN(x) = φ(x·W_1)·W_2
+(gated: (φ(x·W_1) ⊙ x·W_3)·W_2), row (b, n) of the output depends on row (b, n) of the input only.
+The rows of padded positions are computed and then never read: attention masks them as keys
+(their softmax weight is exactly 0), and their queries' outputs are masked again by every
+later consumer (cross-attention in the decoder, the prompt cache's mask in a decoder-only model).
+At the bench's batches (row lengths drawn in [N/2, N]) about a quarter of the positions are padding,
+and these products are most of an encoder's arithmetic.  CTranslate2 removes the padding from its
+encoder's position-wise layers the same way.
+
+Rewrite (a graph with an ``attention_mask`` input [B, N]: the encoder, a decoder-only prefill):
+
+    idx     = NonZero(Reshape(mask, [-1]))ᵀ                    [T, 1]  the real positions, row-major
+    pack(X) = Gather(Reshape(X, [-1, d]), idx[:, 0])          [T, d]
+    unpack(Y) = Reshape(ScatterND(0_{B·N × d'}, idx, Y), [B, N, d'])
+
+A *region* is a set of nodes that act on positions alone: products with a constant 2-D weight whose
+input is a [B, N, d] activation, and the element-wise nodes (activations, gates, biases, scalings
+by constants that broadcast along the last axis) between such products; it ends at products (a bias
+or scaling after the last one runs on the padded rows as before, where ONNX Runtime fuses it with
+the residual add and norm that follow: packed, it computed (x·W + b) + r instead of the fused
+x·W + r + b, 5e-7 apart on BART's encoder).  Each region's inputs are
+packed once (Q, K and V share theirs) and each tensor leaving it is unpacked: the products run on
+T rows instead of B·N.  Norms, residual additions and attention stay in the padded layout.
+
+Exactness: each output row of a matrix product is the same dot products of the same row, so the real
+rows are what the unpadded graph computes (checked: the verification's logits difference, recorded);
+padded rows hold zeros instead of values that no consumer reads.  The verification compares the
+encoder output at real positions only (``exporter/verify.py``).  With ``--precision int8`` the
+activation's per-tensor quantization scale is then taken over the real rows only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from elx.runners.errors import ElxError
+from elx.runners.manifest import Manifest
+
+from elx.exporter.passes import catalog
+from elx.exporter.passes.rewrite import Builder, commit, constant_value, load_graph, pass_file, refuse_twice, \
+    save_graph
+
+SPEC = catalog.UNPAD
+NAME, parse_argument = SPEC.name, SPEC.parse
+MASK_ROLE = "input:attention_mask"
+MASK_INPUT = "attention_mask"  # added to a graph that reads the positions without their mask (cross K/V)
+
+# element-wise ops a region may hold: unary, or binary with a constant that broadcasts along the last axis
+ELEMENTWISE = {"Relu", "Gelu", "Erf", "Tanh", "Sigmoid", "Softplus", "Exp", "Neg", "Sqrt", "Identity", "Mul",
+               "Add", "Sub", "Div", "Pow", "HardSigmoid", "Softsign", "Elu", "LeakyRelu", "Selu", "Mish"}
+
+
+def _static_shape(tensor) -> list | None:
+    shape = getattr(tensor, "shape", None)
+    return None if shape is None else list(shape)
+
+
+def _weight(node: gs.Node) -> np.ndarray | None:
+    """The constant 2-D weight of ``MatMul(x, W)``, or None."""
+    if node.op != "MatMul" or len(node.inputs) != 2:
+        return None
+    weight = constant_value(node.inputs[1])
+    return weight if weight is not None and weight.ndim == 2 else None
+
+
+def _per_feature(value: np.ndarray) -> bool:
+    """A constant that broadcasts along the last axis only (a scalar, [f], [1, f], [1, 1, f])."""
+    return value.ndim <= 3 and all(s == 1 for s in value.shape[:-1])
+
+
+class Region:
+    """Position-wise nodes fed by one packed input: their products then run on the real rows."""
+
+    def __init__(self, source):
+        self.source, self.nodes, self.tensors = source, [], set()
+
+    def add(self, node: gs.Node) -> None:
+        self.nodes.append(node)
+        self.tensors.update(t.name for t in node.outputs)
+
+    def end_at_products(self) -> None:
+        """Drop the element-wise nodes after the last products (a bias, a scaling): they run on the padded rows as
+        before, so that ONNX Runtime fuses them with what follows (a residual add and norm) exactly as before."""
+        while True:
+            inside = {id(n) for n in self.nodes}
+            trailing = [n for n in self.nodes if n.op != "MatMul"
+                        and any(not t.outputs or any(id(c) not in inside for c in t.outputs) for t in n.outputs)]
+            if not trailing:
+                return
+            for node in trailing:
+                self.nodes.remove(node)
+                self.tensors.difference_update(t.name for t in node.outputs)
+
+    def outputs(self, graph_outputs: set) -> list:
+        """Tensors made here that a node outside the region (or the graph's output) reads."""
+        inside = {id(n) for n in self.nodes}
+        out = []
+        for node in self.nodes:
+            for t in node.outputs:
+                if t.name in graph_outputs or any(id(c) not in inside for c in t.outputs):
+                    out.append(t)
+        return out
+
+
+def _joins(node: gs.Node, region: Region) -> bool:
+    """``node`` acts on positions alone, reading region tensors and constants only."""
+    variable = [t for t in node.inputs if constant_value(t) is None]
+    if not variable or any(t.name not in region.tensors for t in variable):
+        return False
+    if node.op == "MatMul":
+        return _weight(node) is not None and node.inputs[0].name in region.tensors
+    if node.op not in ELEMENTWISE:
+        return False
+    return all(_per_feature(constant_value(t)) for t in node.inputs if constant_value(t) is not None)
+
+
+def find_regions(graph: gs.Graph, dims: tuple) -> list[Region]:
+    """Every region of ``graph`` whose source is a [B, N, d] activation (``dims`` = the mask's two symbolic
+    dims): the products with constant weights reading it, grown over the position-wise nodes after them."""
+    sources = {}
+    for node in graph.nodes:
+        weight = _weight(node)
+        shape = _static_shape(node.inputs[0]) if weight is not None else None
+        if shape and len(shape) == 3 and tuple(shape[:2]) == dims and shape[2] == weight.shape[0]:
+            sources.setdefault(node.inputs[0].name, (node.inputs[0], []))[1].append(node)
+    regions, taken, tensors = [], set(), graph.tensors()
+    for name, (source, first) in sources.items():
+        if any(id(n) in taken for n in first):
+            continue  # already inside an earlier region (a product reading another region's output)
+        region = Region(source)
+        region.tensors.add(name)
+        for node in first:
+            region.add(node)
+        grown = True
+        while grown:
+            grown = False
+            inside = {id(n) for n in region.nodes}
+            for tensor_name in list(region.tensors):
+                for consumer in tensors[tensor_name].outputs:
+                    if id(consumer) not in inside and _joins(consumer, region):
+                        region.add(consumer)
+                        inside.add(id(consumer))
+                        grown = True
+        region.end_at_products()
+        region.tensors.discard(name)
+        taken.update(id(n) for n in region.nodes)
+        regions.append(region)
+    return regions
+
+
+class _Packing:
+    """The real positions of the graph's mask, computed once per graph."""
+
+    def __init__(self, build: Builder, mask):
+        op, const = build.op, build.const
+        flat = op("Reshape", [mask, const("flat", np.array([-1], np.int64))], "mask_flat")
+        nonzero = op("NonZero", [flat], "real")  # [1, T]
+        self.idx = op("Transpose", [nonzero], "real_rows", perm=[1, 0])  # [T, 1] for ScatterND
+        self.rows = op("Reshape", [nonzero, const("rows", np.array([-1], np.int64))], "real_list")  # [T]
+        self.positions = op("Size", [mask], "positions")  # B·N
+        self.mask_shape = op("Shape", [mask], "mask_shape")  # [B, N]
+        self.build = build
+
+    def pack(self, x, width: int):
+        op, const = self.build.op, self.build.const
+        flat = op("Reshape", [x, const("flat_rows", np.array([-1, width], np.int64))], "rows")
+        packed = op("Gather", [flat, self.rows], "packed", axis=0)
+        # [1, T, d]: the products keep the rank they had ([B, N, d]), so that ONNX Runtime fuses (or not) each
+        # product and its bias exactly as before (a 2-D input became a Gemm with the bias inside: other rounding)
+        return op("Unsqueeze", [packed, const("axis0", np.array([0], np.int64))], "packed_3d")
+
+    def unpack(self, y, width: int):
+        op, const = self.build.op, self.build.const
+        flat = op("Reshape", [y, const("flat_rows", np.array([-1, width], np.int64))], "packed_rows")
+        size = op("Concat", [op("Unsqueeze", [self.positions, const("axis0", np.array([0], np.int64))]),
+                             const("width", np.array([width], np.int64))], "padded_size", axis=0)
+        zero = op("CastLike", [const("zero", np.array(0, np.float32)), flat], "zero")
+        zeros = op("Expand", [zero, size], "zeros")
+        scattered = op("ScatterND", [zeros, self.idx, flat], "unpacked")
+        shape = op("Concat", [self.mask_shape, const("width", np.array([width], np.int64))], "padded_shape", axis=0)
+        return op("Reshape", [scattered, shape], "padded")
+
+
+def _width(tensor, region: Region) -> int:
+    shape = _static_shape(tensor)
+    if shape and isinstance(shape[-1], (int, np.integer)) and shape[-1] > 0:
+        return int(shape[-1])
+    producer = tensor.inputs[0] if tensor.inputs else None
+    weight = _weight(producer) if producer is not None else None
+    if weight is not None:
+        return int(weight.shape[1])
+    raise ElxError(f"pass unpad: the width of {tensor.name} is unknown; report this model")
+
+
+def rewrite_graph(graph: gs.Graph, mask_name: str) -> dict:
+    """Pack the inputs and unpack the outputs of every region of ``graph``; returns what was rewritten."""
+    mask = next((t for t in graph.inputs if t.name == mask_name), None)
+    if mask is None or _static_shape(mask) is None or len(mask.shape) != 2:
+        raise ElxError(f"pass unpad needs a [batch, sequence] {mask_name} input; this graph has none")
+    regions = find_regions(graph, tuple(mask.shape))
+    if not regions:
+        raise ElxError("pass unpad found no products with constant weights on [batch, sequence, d] activations; "
+                       "report this model")
+    build = Builder(graph, "unpad")
+    packing = _Packing(build, mask)
+    graph_outputs = {t.name for t in graph.outputs}
+    products = 0
+    for region in regions:
+        outputs = region.outputs(graph_outputs)  # before rewiring: consumers outside the region
+        packed = packing.pack(region.source, int(_static_shape(region.source)[-1]))
+        for node in region.nodes:
+            node.inputs = [packed if t is region.source else t for t in node.inputs]
+        for tensor in outputs:
+            consumers = [c for c in tensor.outputs if c not in region.nodes]
+            padded = packing.unpack(tensor, _width(tensor, region))
+            for consumer in consumers:
+                consumer.inputs = [padded if t is tensor else t for t in consumer.inputs]
+            if tensor.name in graph_outputs:
+                graph.outputs = [padded if t is tensor else t for t in graph.outputs]
+                padded.name, tensor.name = tensor.name, tensor.name + "/packed"
+        products += sum(n.op == "MatMul" for n in region.nodes)
+    return {"regions": len(regions), "products": products}
+
+
+def graphs_with_mask(manifest: Manifest) -> list[tuple[str, str | None]]:
+    """(graph, its mask input) of every stage graph fed the input's attention mask, and (graph, None) of every
+    other stage graph reading a [batch, sequence, d] activation of those positions (cross K/V from the encoder
+    output): it is given the mask as a new input."""
+    found, dims = [], set()
+    for name in manifest.stages:
+        for input_name, spec in manifest.graphs[name]["inputs"].items():
+            if spec.get("from") == MASK_ROLE:
+                found.append((name, input_name))
+                dims.add(tuple(spec["shape"]))
+    for name in manifest.stages:
+        specs = manifest.graphs[name]["inputs"].values()
+        if all(name != f[0] for f in found) and any(tuple(s["shape"][:2]) in dims and len(s["shape"]) == 3
+                                                    for s in specs):
+            found.append((name, None))
+    return found
+
+
+def _mask_input(graph: gs.Graph, manifest: Manifest, name: str) -> str:
+    """Add the input's attention mask to a stage graph that has none (its name in the encoder's graphs)."""
+    spec = next(s for g in manifest.stages for s in manifest.graphs[g]["inputs"].values() if s.get("from") == MASK_ROLE)
+    graph.inputs.append(gs.Variable(MASK_INPUT, dtype=np.int64, shape=list(spec["shape"])))
+    manifest.graphs[name]["inputs"][MASK_INPUT] = dict(spec)
+    return MASK_INPUT
+
+
+def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
+    refuse_twice(manifest, NAME)
+    parse_argument(argument)
+    targets = graphs_with_mask(manifest)
+    if not targets:
+        raise ElxError("pass unpad needs a graph fed the input's attention mask (an encoder or a decoder-only "
+                       "prefill); this export has none (Whisper's encoder reads fixed-length features)")
+    before = manifest.copy()
+    rewritten = {}
+    for name, mask_name in targets:
+        graph = load_graph(manifest, name)
+        rewritten[name] = rewrite_graph(graph, mask_name or _mask_input(graph, manifest, name))
+        file = pass_file(manifest.graphs[name]["file"], NAME)
+        manifest.graphs[name]["external_data"] = save_graph(graph, folder, file)
+        manifest.graphs[name]["file"] = file
+    report = commit(folder, before, manifest, what="pass unpad")
+    return {"name": NAME, "graphs": rewritten, **report}

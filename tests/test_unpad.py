@@ -1,0 +1,105 @@
+"""``--pass unpad`` (exporter/passes/unpad.py): the position-wise products of a padded batch run on its real
+tokens only; the rewritten graphs compute the same real rows bit for bit, and generation stays HF's."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from elx.runners.manifest import Manifest
+
+
+def _products_on_packed_rows(folder, graph_name: str) -> tuple[int, int]:
+    """(constant-weight MatMuls of a graph reading packed rows, all of them): a product reads packed rows when
+    its input comes from the pass's Gather or from another node of its region (named ``unpad/...`` or not)."""
+    model = onnx.load(str(Manifest.load(folder).graph_path(graph_name)), load_external_data=False)
+    weights = {i.name for i in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    packed, total = 0, 0
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in weights:
+            continue
+        total += 1
+        seen, todo = set(), [node.input[0]]
+        while todo:  # walk up to the Gather of packed rows or to anything else
+            tensor = todo.pop()
+            source = producers.get(tensor)
+            if source is None or tensor in seen:
+                continue
+            seen.add(tensor)
+            if source.op_type == "Gather" and source.name.startswith("unpad/"):
+                packed += 1
+                break
+            if source.op_type in ("Unsqueeze", "Relu", "Mul", "Add", "Tanh", "Pow", "Div", "Erf", "Sigmoid", "MatMul"):
+                todo.extend(source.input)
+    return packed, total
+
+
+@pytest.mark.parametrize("family", ["t5", "llama", "bart"])
+def test_unpad_is_bit_identical_and_hf_identical(exported, family):
+    """The pass rewrites the graphs fed the mask (T5/BART: encoder and cross K/V; Llama: the prefill) so that every
+    constant-weight product there reads packed rows; its verification finds the logits and the encoder output at
+    real positions unchanged to the bit, and generation on padded batches is HF's."""
+    from elx.exporter.compare import compare
+
+    folder = exported(family, "unpad")
+    manifest = Manifest.load(folder)
+    record = next(p for p in manifest.data["passes"] if p["name"] == "unpad")
+    expected = ["prefill"] if family == "llama" else ["encoder", "cross_kv"]
+    assert sorted(record["graphs"]) == sorted(expected)
+    assert record["max_abs_logits_diff"] == 0.0
+    assert record.get("max_abs_encoder_diff", 0.0) == 0.0
+    for graph in expected:
+        packed, total = _products_on_packed_rows(folder, graph)
+        assert record["graphs"][graph]["products"] == packed
+        # the prefill's LM head reads the last position only ([B, d]: no padding to remove)
+        assert packed == total - (family == "llama"), (graph, packed, total)
+    report = compare(folder, batch_size=3, input_length=9, num_beams=2, max_new_tokens=5)
+    assert report.all_identical
+
+
+def test_padded_rows_are_never_computed(exported):
+    """What the rewritten encoder computes at real positions does not depend on the padding it is batched with:
+    the same row padded to 8 or to 14 positions gives the same bits at its real positions."""
+    import onnxruntime as ort
+
+    folder = exported("t5", "unpad")
+    session = ort.InferenceSession(str(Manifest.load(folder).graph_path("encoder")))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 128, (2, 14))
+    mask = np.ones((2, 14), np.int64)
+    mask[0, 6:] = 0
+    short = session.run(None, {"input_ids": ids[:, :8].copy(), "attention_mask": mask[:, :8].copy()})[0]
+    long = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+    np.testing.assert_array_equal(short[0, :6], long[0, :6])
+
+
+def test_unpad_composes_with_int8(model_folders, tmp_path):
+    """``unpad`` then ``--precision int8``: the quantizer finds the packed products (weights in int8) and the
+    export records its agreement as any int8 export does."""
+    from elx.exporter.export import export_model
+
+    folder = export_model(str(model_folders["t5"]), tmp_path / "t5-unpad-int8", passes="unpad", precision="int8",
+                          quiet=True)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["precision"] == "int8" and [p["name"] for p in manifest["passes"]] == ["unpad"]
+    encoder = onnx.load(str(folder / manifest["graphs"]["encoder"]["file"]), load_external_data=False)
+    ops = {n.op_type for n in encoder.graph.node}
+    assert "MatMulInteger" in ops and "NonZero" in ops and "ScatterND" in ops
+    assert manifest["verification"]["int8"]["searches"]["beam4"]["rows"] > 0
+
+
+def test_tensorrt_for_rtx_refuses_an_unpad_export_in_one_line(exported):
+    """TensorRT for RTX has no NonZero layer: the build is refused before any engine is built, nothing written."""
+    pytest.importorskip("tensorrt_rtx")
+    from elx.exporter.tensorrt.build import build_engine
+    from elx.runners.errors import ElxError
+
+    folder = exported("t5", "unpad")
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(ElxError, match="no NonZero layer.*without --pass unpad"):
+        build_engine(folder, compute_capabilities="8.6", max_batch_size=2, max_beams=2, max_input_length=16,
+                     max_new_tokens=8, quiet=True)
+    assert sorted(p.name for p in folder.iterdir()) == before

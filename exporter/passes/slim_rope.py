@@ -62,10 +62,10 @@ import onnx_graphsurgeon as gs
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
-from elx.exporter.verify import RuntimeSide, default_shapes, measure
+from elx.exporter.verify import RecordedSide, RuntimeSide, default_shapes, measure
 from elx.exporter.passes import slim
 from elx.exporter.passes.catalog import GQA
-from elx.exporter.passes.culprits import verified_rewrite
+from elx.exporter.passes.culprits import VERIFY_SEEDS, verified_rewrite
 from elx.exporter.passes.el_self_decoder_only import PromptLayer, _check_value_parts, _reader, layers_of, prefill_stage
 from elx.exporter.passes.qkv import head_projection
 from elx.exporter.passes.rewrite import Builder, adopt, load_graph, pass_file, producer, refuse_twice, save_graph
@@ -444,8 +444,10 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
         layer.analysis = analyse(layer.parts["k"], layer.parts["v"], heads, d_kv)
         if layer.analysis.problem:
             bad[layer.index] = layer.analysis.problem
-    reference = RuntimeSide(manifest.copy(), prefill=True)
     shapes = default_shapes(manifest)
+    # the graphs before the rewrite, run once on every case the verification draws; their sessions go before
+    # any candidate's load (both at once did not fit in memory at SmolLM2-1.7B)
+    reference = RecordedSide(RuntimeSide(manifest.copy(), prefill=True), manifest, shapes, VERIFY_SEEDS)
     after, done, report = verified_rewrite(
         folder, manifest, NAME, "decoder self-attention", layers, bad, skip_bad,
         candidate=lambda todo, suffix: candidate(manifest, todo, suffix),

@@ -64,7 +64,7 @@ def _weight_matmuls(path) -> tuple[int, int]:
     return plain, quantized
 
 
-@pytest.mark.parametrize("passes", [None, "el"])
+@pytest.mark.parametrize("passes", [None, "el", "unpad"])  # unpad: its packed products are quantized too
 def test_int8_quantizes_every_weight_matmul_and_keeps_io(exported, int8_export, passes):
     fp32, int8 = Manifest.load(exported("t5", passes)), Manifest.load(int8_export("t5", passes))
     assert int8.data["precision"] == "int8" and int8.data["int8"]["lm_head"] == "int8"

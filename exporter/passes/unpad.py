@@ -187,7 +187,7 @@ class _Packing:
         return op("Reshape", [scattered, shape], "padded")
 
 
-def _width(tensor, region: Region) -> int:
+def _width(tensor) -> int:
     shape = _static_shape(tensor)
     if shape and isinstance(shape[-1], (int, np.integer)) and shape[-1] > 0:
         return int(shape[-1])
@@ -218,7 +218,7 @@ def rewrite_graph(graph: gs.Graph, mask_name: str) -> dict:
             node.inputs = [packed if t is region.source else t for t in node.inputs]
         for tensor in outputs:
             consumers = [c for c in tensor.outputs if c not in region.nodes]
-            padded = packing.unpack(tensor, _width(tensor, region))
+            padded = packing.unpack(tensor, _width(tensor))
             for consumer in consumers:
                 consumer.inputs = [padded if t is tensor else t for t in consumer.inputs]
             if tensor.name in graph_outputs:

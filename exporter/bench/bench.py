@@ -435,10 +435,10 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
         stage.detail = f"{peak / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s"
     with report.stage("load the elx runners and the PyTorch model" if not settings.one_at_a_time
                       else "load the PyTorch model (the elx runners one at a time)", 2):
-        manifest: Manifest = Manifest.load(folders[0])
-        for folder in folders[1:]:
-            if Manifest.load(folder).data["source"] != manifest.data["source"]:
-                raise ElxError("all bench folders must come from the same model export source")
+        manifests = {folder: Manifest.load(folder) for folder in folders}
+        manifest: Manifest = manifests[folders[0]]
+        if any(m.data["source"] != manifest.data["source"] for m in manifests.values()):
+            raise ElxError("all bench folders must come from the same model export source")
         model = reload_model(manifest.data["source"]).to(settings.device)
     inputs = random_inputs(manifest, settings.batch_size, settings.input_length, np.random.default_rng(settings.seed))
     t_inputs = {k: torch.from_numpy(v).to(settings.device) for k, v in inputs.items()}
@@ -454,8 +454,8 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
     # every system as a loader: key → () -> (name as reported, fn, elx generator or None); HF's model stays loaded
     hf_name = hf_system_name(settings)
     loaders = {hf_name: lambda: (hf_name, hf, None)}
-    for folder in folders:
-        name = system_name(Manifest.load(folder), settings)
+    elx_keys = {folder: system_name(manifests[folder], settings) for folder in folders}
+    for folder, name in elx_keys.items():
         loaders[name] = lambda folder=folder, name=name: (name, *_elx_system(folder, settings, inputs, options))
     skipped = {}
     for peer_name in peer_names:
@@ -517,9 +517,9 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
                                           settings.seed, report).items():
             results[name].seconds = seconds
     else:  # each system loaded, warmed up, timed and released before the next
-        elx_keys = {system_name(Manifest.load(folder), settings) for folder in folders}
-        for key in [k for k in loaders if k not in elx_keys] + [k for k in loaders if k in elx_keys]:
-            if key in elx_keys and model is not None:  # HF and the peers (converted from its model) are done
+        elx_names = set(elx_keys.values())
+        for key in [k for k in loaders if k not in elx_names] + [k for k in loaders if k in elx_names]:
+            if key in elx_names and model is not None:  # HF and the peers (converted from its model) are done
                 model = t_inputs = None
                 gc.collect()
             loaded = load(key)

@@ -156,3 +156,43 @@ def test_force_replaces_a_shared_weights_export_and_nothing_else(exported, tmp_p
     (folder / "notes.txt").write_text("mine")
     with pytest.raises(ElxError, match="notes.txt"):
         check_output(folder, force=True)
+
+
+def test_a_pass_graph_reads_its_weights_from_the_folder_until_a_pass_reads_them(exported, tmp_path):
+    """``load_graph`` leaves weights on disk (a 1.7B model's slim candidates held 6.8 GB per loaded graph):
+    a graph saved untouched points at ``weights.data`` and its data files name it; a weight the pass read
+    is saved inside the new graph; ONNX Runtime runs both to the same outputs as the original."""
+    import onnxruntime as ort
+    from elx.exporter.passes.rewrite import load_graph, save_graph
+
+    folder = Path(shutil.copytree(exported("gpt2"), tmp_path / "gpt2"))
+    manifest = Manifest.load(folder)
+    graph = load_graph(manifest, manifest.step)
+    weights = [t for t in graph.tensors().values() if isinstance(getattr(t, "_values", None), onnx_lazy())
+               and uses_external_data(t._values.tensor)]
+    assert len(weights) >= 10  # nothing read yet: every large weight still an external reference
+    read = max(weights, key=lambda t: np.prod(t.shape))
+    original = onnx.numpy_helper.to_array(next(t for t in onnx.load(str(manifest.graph_path(manifest.step)))
+                                               .graph.initializer if t.name == read.name))
+    assert np.array_equal(read.values, original)  # read from weights.data on demand
+    files = save_graph(graph, folder, "decoder.read.onnx")
+    assert files == [WEIGHTS_FILE]  # no copy of the weights: the new graph reads the folder's file
+    saved = onnx.load(str(folder / "decoder.read.onnx"), load_external_data=False)
+    inside = {t.name for t in saved.graph.initializer if not uses_external_data(t)}
+    outside = {t.name for t in saved.graph.initializer if uses_external_data(t)}
+    assert read.name in inside and len(outside) == len(weights) - 1
+    feeds = {}
+    rng = np.random.default_rng(0)
+    session = ort.InferenceSession(str(manifest.graph_path(manifest.step)), providers=["CPUExecutionProvider"])
+    for spec in session.get_inputs():
+        shape = [2 if not isinstance(d, int) else d for d in spec.shape]
+        feeds[spec.name] = (rng.integers(0, 5, shape) if "int" in spec.type else rng.standard_normal(shape)).astype(
+            np.int64 if "int" in spec.type else np.float32)
+    rewritten = ort.InferenceSession(str(folder / "decoder.read.onnx"), providers=["CPUExecutionProvider"])
+    for a, b in zip(session.run(None, feeds), rewritten.run(None, feeds)):
+        assert np.array_equal(a, b)
+
+
+def onnx_lazy():
+    import onnx_graphsurgeon as gs
+    return gs.ir.tensor.LazyValues

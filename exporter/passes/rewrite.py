@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
@@ -17,15 +18,73 @@ from elx.exporter.verify import require_within_tolerance, verify_rewrite
 SHAPE_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
 
+class _StoredValues(gs.ir.tensor.LazyValues):
+    """A weight left in its external-data file (``weights.data``) until a pass reads its values.
+
+    Passes rewrite structure and read a few weights (W_K and W_V for slim); loading every weight of a
+    graph for that held the whole model once per loaded graph (a 1.7B model's slim candidates: two
+    graphs of 6.8 GB each, and as much again to serialize them).  A weight never read is exported as
+    the same external reference (onnx-graphsurgeon reuses a ``LazyValues``' TensorProto), so the
+    rewritten graph points at the bytes already on disk; a weight read is held as an array from then on
+    and saved with the new graph's data."""
+
+    def __init__(self, tensor, folder: Path):
+        super().__init__(tensor)
+        self.folder = folder
+
+    def load(self):
+        copy = onnx.TensorProto()
+        copy.CopyFrom(self.tensor)
+        load_external_data_for_tensor(copy, str(self.folder))
+        return np.array(onnx.numpy_helper.to_array(copy))
+
+
 def load_graph(manifest: Manifest, name: str) -> gs.Graph:
-    return gs.import_onnx(onnx.load(str(manifest.graph_path(name))))
+    """The graph ``name`` of ``manifest`` with its weights left on disk until read (``_StoredValues``)."""
+    path = manifest.graph_path(name)
+    graph = gs.import_onnx(onnx.load(str(path), load_external_data=False))
+    for each in (graph, *graph.subgraphs(recursive=True)):
+        for tensor in each.tensors().values():
+            values = getattr(tensor, "_values", None)
+            if type(values) is gs.ir.tensor.LazyValues and uses_external_data(values.tensor):
+                tensor._values = _StoredValues(values.tensor, path.parent)
+    return graph
+
+
+def external_files(model: onnx.ModelProto) -> list[str]:
+    """The external-data files ``model``'s initializers point at (relative to the graph's folder)."""
+    files = []
+    for each in (model.graph, *_subgraphs(model.graph)):
+        for tensor in each.initializer:
+            if uses_external_data(tensor):
+                location = next(e.value for e in tensor.external_data if e.key == "location")
+                if location not in files:
+                    files.append(location)
+    return files
+
+
+def _subgraphs(graph: onnx.GraphProto):
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield sub
+                yield from _subgraphs(sub)
 
 
 def save_graph(graph: gs.Graph, folder: Path, file: str) -> list[str]:
+    """Save ``graph`` as ``folder/file``; returns every data file it reads: the new weights' own file
+    (if any) and the files of the weights it still points at (``load_graph``), so that dropping the
+    replaced graphs' files never drops bytes this one reads."""
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     model = gs.export_onnx(graph)
     model.ir_version = min(model.ir_version, 10)  # readable by older runtimes and polygraphy
-    return save_model(model, Path(folder) / file)
+    for each in (model.graph, *_subgraphs(model.graph)):
+        for tensor in each.initializer:  # a weight read in (now bytes in the graph) keeps its import's flag
+            if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.HasField("raw_data"):
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.external_data[:]
+    written = save_model(model, Path(folder) / file)
+    return written + [f for f in external_files(model) if f not in written]
 
 
 def producer(tensor) -> gs.Node | None:

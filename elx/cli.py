@@ -463,7 +463,8 @@ def add_bench_parser(sub) -> None:
                         "folder first when missing; needs --device cuda and a TensorRT runtime)")
     p.add_argument("--peers", default="", help="other systems on the same weights, comma-separated: "
                                                "ort-beamsearch (ONNX Runtime's BeamSearch op, T5), ct2 (CTranslate2), "
-                                               "ct2-int8 (CTranslate2 with int8 weights)")
+                                               "ct2-int8 (CTranslate2 with int8 weights), ort-genai (onnxruntime-genai's "
+                                               "model builder and search; Llama-family decoders)")
     p.add_argument("--ct2", action="store_true", help="the same as adding ct2 to --peers")
     p.add_argument("--sweep", choices=["none", "input", "beam", "budget", "all"], default="none",
                    help="input lengths, beam counts or the memory-budget table, with PNG plots (needs matplotlib)")

@@ -358,3 +358,27 @@ def test_a_bench_that_cannot_fit_in_memory_is_refused_before_it_runs(exported):
         check_memory([folder], 0, 100, True, available=size - 101)
     with pytest.raises(ElxError, match="a peer needs .* drop --peers"):
         check_memory([folder], 1, 2**31, True, available=2**30)
+
+
+def test_a_pass_set_is_made_from_the_baseline_without_loading_the_model_again(tmp_path, monkeypatch):
+    """The 1.7B slim bench exported the model a second time for ``slim`` after the baseline, in the same
+    process, and was killed for memory: a pass set whose baseline is cached or asked for is now the baseline
+    with the passes applied (their verification as in ``elx export --pass``); pass sets come back in the order
+    asked, and a second call reuses every folder."""
+    import elx.exporter.export as export
+    from elx.exporter.bench.bench import ensure_exports
+
+    exports, applied = [], []
+    real_export, real_apply = export.export_model, export.apply_passes
+    monkeypatch.setattr(export, "export_model", lambda *a, **k: exports.append(a[1].name) or real_export(*a, **k))
+    monkeypatch.setattr(export, "apply_passes", lambda *a, **k: applied.append(a[1].name) or real_apply(*a, **k))
+    folders = ensure_exports("t5-tiny", True, ["el", "baseline", "el@int8"], tmp_path)
+    assert [f.name for f in folders] == ["el", "baseline", "el-int8"]
+    assert exports == ["baseline", "el-int8"] and applied == ["el"]  # int8 quantizes after the passes: its own
+    from elx.runners.manifest import Manifest
+
+    manifest = Manifest.load(folders[0])
+    assert [p["name"] for p in manifest.data["passes"]] == ["el"] and "max_abs_logits_diff" in manifest.data["passes"][0]
+    assert Manifest.load(folders[1]).data["verification"] == manifest.data["verification"]  # the baseline's, vs PyTorch
+    assert ensure_exports("t5-tiny", True, ["baseline", "el", "el@int8"], tmp_path) == [folders[1], folders[0], folders[2]]
+    assert len(exports) == 2 and len(applied) == 1

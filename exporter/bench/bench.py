@@ -366,45 +366,76 @@ def export_precision(settings: BenchSettings) -> str:
     return "fp32" if settings.backend == "tensorrt" else settings.precision
 
 
+def _cached(folder: Path, model: str, random_init: bool, seed: int, passes: str | None, precision: str,
+            form: str | None) -> bool:
+    """Whether ``folder`` holds an export of ``model`` with exactly these passes, precision and prompt cache form."""
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        return False
+    data = json.loads(manifest.read_text())
+    source = data.get("source", {})
+    kind = data.get("cache", {}).get("prompt", {}).get("kind")
+    wanted = sorted(p.split("=")[0] for p in (passes or "").split(",") if p)
+    return (source.get("model") == model and source.get("random_init") == random_init
+            and source.get("seed") == (seed if random_init else None)
+            and sorted(p["name"] for p in data.get("passes", [])) == wanted
+            and data.get("precision", "fp32") == precision
+            and kind == {None: kind, "shared": "beam-shared", "per-beam": "per-beam"}[form])
+
+
+def _release_memory() -> None:
+    """Give the memory of a finished export back to the system before the next one (a 1.7B export leaves
+    gigabytes in the allocator's free lists: a second export in the same process was killed for memory)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Path, seed: int = 0,
                    quiet: bool = True, prompt_caches: list | None = None, progress=None,
                    precision: str = "fp32") -> list[Path]:
     """Export ``model`` once per pass set (and, for decoder-only models, prompt cache form: None is the
     default, shared) into ``work``; reused when an export with the same source exists.  A pass set may end
     in ``@<precision>`` (``baseline@int8``, ``el@int8``): that export's ``--precision``; the others are exported
-    at ``precision`` (``elx bench --precision``).  ``progress``: the
-    exports' stages (``exporter/progress.py``; ``quiet`` says nothing), and a line per reused export."""
-    from elx.exporter.export import export_model
+    at ``precision`` (``elx bench --precision``).  An fp32 pass set whose baseline (same form) is cached or
+    asked for is made from that baseline (``apply_passes``: the same passes and verification as ``elx export
+    --pass``, without loading the model again).  ``progress``: the exports' stages (``exporter/progress.py``;
+    ``quiet`` says nothing), and a line per reused export."""
+    from elx.exporter.export import apply_passes, export_model
     from elx.exporter.precision_export import check_precision
 
-    folders = []
+    folders = {}
     for form in prompt_caches or [None]:
+        suffix = f"-prompt-{form}" if form else ""
+        requests = []
         for pass_set in pass_sets:
             passes, wanted_precision = split_precision(pass_set, precision)
             check_precision(wanted_precision)
             name = passes.replace(",", "+").replace("=", "") if passes else "baseline"
             name += "" if wanted_precision == "fp32" else f"-{wanted_precision}"
-            folder = work / (name + (f"-prompt-{form}" if form else ""))
-            wanted = sorted(p.split("=")[0] for p in (passes or "").split(",") if p)
-            manifest = folder / "manifest.json"
-            if manifest.is_file():
-                data = json.loads(manifest.read_text())
-                source = data.get("source", {})
-                kind = data.get("cache", {}).get("prompt", {}).get("kind")
-                if (source.get("model") == model and source.get("random_init") == random_init
-                        and source.get("seed") == (seed if random_init else None)
-                        and sorted(p["name"] for p in data.get("passes", [])) == wanted
-                        and data.get("precision", "fp32") == wanted_precision
-                        and kind == {None: kind, "shared": "beam-shared", "per-beam": "per-beam"}[form]):
-                    if not quiet:
-                        say(f"elx bench: reusing the export {folder}", progress)
-                    folders.append(folder)
-                    continue
+            requests.append((pass_set, passes, wanted_precision, work / (name + suffix)))
+        baseline = work / ("baseline" + suffix)
+        # pass-less sets first: a pass set may be made from the baseline exported here
+        for pass_set, passes, wanted_precision, folder in sorted(requests, key=lambda r: bool(r[1])):
+            if _cached(folder, model, random_init, seed, passes, wanted_precision, form):
+                if not quiet:
+                    say(f"elx bench: reusing the export {folder}", progress)
+                folders[(form, pass_set)] = folder
+                continue
             check_work_folder(folder)
-            folders.append(export_model(model, folder, random_init=random_init, passes=passes or None, seed=seed,
-                                        force=True, quiet=quiet, prompt_cache=form, progress=progress,
-                                        precision=wanted_precision))
-    return folders
+            if passes and wanted_precision == "fp32" and _cached(baseline, model, random_init, seed, None, "fp32", form):
+                folders[(form, pass_set)] = apply_passes(baseline, folder, passes, quiet=quiet, progress=progress)
+            else:
+                folders[(form, pass_set)] = export_model(model, folder, random_init=random_init, passes=passes or None,
+                                                         seed=seed, force=True, quiet=quiet, prompt_cache=form,
+                                                         progress=progress, precision=wanted_precision)
+            _release_memory()
+    return [folders[(form, pass_set)] for form in prompt_caches or [None] for pass_set in pass_sets]
 
 
 def run_bench(folders: list[Path], settings: BenchSettings, peer_names: list[str] = (), work: Path | None = None,

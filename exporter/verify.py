@@ -315,11 +315,36 @@ def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0) -> dict
 
 
 def verify_rewrite(before: Manifest, after: Manifest, shapes=None, seed: int = 0, past_from=None, expect=None,
-                   no_repeat_ngram_size: int = 0, reference: RuntimeSide | None = None) -> dict:
-    """The graphs after a pass against the graphs before it (``reference`` reuses loaded sessions)."""
+                   no_repeat_ngram_size: int = 0, reference: RuntimeSide | None = None, sides=None) -> dict:
+    """The graphs after a pass against the graphs before it (``reference`` reuses loaded sessions; ``sides``, a
+    ``CandidateSides``, loads ``after``'s once for all the seeds it is verified at)."""
     reference = reference or RuntimeSide(before)
-    return measure(reference, RuntimeSide(after, no_repeat_ngram_size), before, shapes or default_shapes(before), seed,
-                   past_from, expect)
+    side = sides(after) if sides is not None else RuntimeSide(after, no_repeat_ngram_size)
+    return measure(reference, side, before, shapes or default_shapes(before), seed, past_from, expect)
+
+
+class CandidateSides:
+    """The runtime side of the candidate being verified, loaded once for every seed it is verified at (a side per
+    seed loaded a 1.7B candidate's two sessions three times: 5 minutes a layer probe); the previous candidate's
+    sessions are released before the next one loads, and all of them by ``release`` (or leaving a ``with``)."""
+
+    def __init__(self, **options):
+        self.options, self._manifest, self._side = options, None, None
+
+    def __call__(self, manifest: Manifest) -> RuntimeSide:
+        if self._manifest is not manifest:
+            self.release()
+            self._side, self._manifest = RuntimeSide(manifest, **self.options), manifest
+        return self._side
+
+    def release(self) -> None:
+        self._side = self._manifest = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def worst_report(reports: list) -> dict:

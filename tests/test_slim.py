@@ -388,3 +388,40 @@ def test_bad_argument_refused(exported):
         with pytest.raises(ElxError, match="skip-bad"):
             module.apply(original, Manifest.load(original), "sometimes")
     assert _snapshot(original) == before
+
+
+def test_a_candidate_is_loaded_once_for_all_its_seeds(exported, tmp_path, monkeypatch):
+    """Each candidate is verified at three seeds; a side (its ONNX Runtime sessions) per seed loaded a 1.7B
+    candidate's weights three times (5 minutes a layer probe).  Now: the reference once, each candidate once,
+    the previous candidate released before the next loads."""
+    import weakref
+
+    import elx.exporter.verify as verify
+
+    made, (_, original) = [], exported("t5")
+    real = verify.RuntimeSide
+
+    def counting(manifest, *args, **kwargs):
+        side = real(manifest, *args, **kwargs)
+        made.append(weakref.ref(side))
+        return side
+
+    monkeypatch.setattr(verify, "RuntimeSide", counting)
+    monkeypatch.setattr(slim, "RuntimeSide", counting)
+    folder = apply_passes(original, tmp_path / "slim", "slim")
+    assert record_of(folder, "slim")["skipped"] == {}  # every layer slimmed by the first candidate
+    assert len(made) == 2  # the graphs before the pass, and the one candidate (verified at every seed)
+    assert made[1]() is None  # the candidate's sessions were released with the pass
+
+    class Side:
+        def __init__(self, manifest, **options):
+            self.manifest, self.options = manifest, options
+
+    monkeypatch.setattr(verify, "RuntimeSide", Side)
+    a, b = object(), object()
+    with verify.CandidateSides(prefill=True) as sides:
+        first = weakref.ref(sides(a))
+        assert sides(a) is first() and first().options == {"prefill": True}
+        assert sides(b).manifest is b and first() is None  # the previous candidate's side went first
+        last = weakref.ref(sides(b))
+    assert last() is None

@@ -73,7 +73,7 @@ import onnx_graphsurgeon as gs
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
-from elx.exporter.verify import RuntimeSide, verify_rewrite
+from elx.exporter.verify import CandidateSides, RuntimeSide, verify_rewrite
 from elx.exporter.passes import catalog
 from elx.exporter.passes.culprits import verified_rewrite
 from elx.exporter.passes.rewrite import Builder, adopt, constant_value, load_graph, pass_file, producer, refuse_twice, save_graph
@@ -334,11 +334,13 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     heads, d_kv = manifest.dims["num_heads"], manifest.dims["d_kv"]
     bad = _analyse_layers(load_graph(manifest, manifest.step), layers, heads, d_kv)
     step_file, reference = manifest.graphs[manifest.step]["file"], RuntimeSide(manifest.copy())
-    after, done, report = verified_rewrite(
-        folder, manifest, NAME, "decoder self-attention", layers, bad, skip_bad,
-        candidate=lambda todo, suffix: _candidate(manifest, pass_file(step_file, suffix), todo),
-        verify=lambda candidate, todo, seed: verify_rewrite(
-            manifest, candidate, seed=seed, reference=reference, past_from=consistent_past(todo, heads, d_kv, seed + 1)))
+    with CandidateSides() as sides:
+        after, done, report = verified_rewrite(
+            folder, manifest, NAME, "decoder self-attention", layers, bad, skip_bad,
+            candidate=lambda todo, suffix: _candidate(manifest, pass_file(step_file, suffix), todo),
+            verify=lambda candidate, todo, seed: verify_rewrite(
+                manifest, candidate, seed=seed, reference=reference, sides=sides,
+                past_from=consistent_past(todo, heads, d_kv, seed + 1)))
     adopt(folder, manifest, after)
     return record(NAME, argument, layers, done, bad, report,
                   cache="keys only: past_key_values.{i}.decoder.key [rows, h, P, d_kv] (full-width K split "

@@ -39,7 +39,7 @@ import onnx_graphsurgeon as gs
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
-from elx.exporter.verify import RuntimeSide, verify_rewrite
+from elx.exporter.verify import CandidateSides, RuntimeSide, verify_rewrite
 from elx.exporter.passes import catalog
 from elx.exporter.passes.culprits import verified_rewrite
 from elx.exporter.passes.rewrite import Builder, adopt, load_graph, pass_file, refuse_twice, save_graph
@@ -162,10 +162,12 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
         raise ElxError("pass slim-cross: the decoder reads no cross-attention values (already applied?); "
                        "export again from the model")
     bad, reference = _analyse_layers(manifest, layers), RuntimeSide(manifest.copy())
-    after, done, report = verified_rewrite(
-        folder, manifest, NAME, WHERE, layers, bad, skip_bad,
-        candidate=lambda todo, suffix: _candidate(manifest, todo, suffix),
-        verify=lambda candidate, todo, seed: verify_rewrite(manifest, candidate, seed=seed, reference=reference))
+    with CandidateSides() as sides:
+        after, done, report = verified_rewrite(
+            folder, manifest, NAME, WHERE, layers, bad, skip_bad,
+            candidate=lambda todo, suffix: _candidate(manifest, todo, suffix),
+            verify=lambda candidate, todo, seed: verify_rewrite(manifest, candidate, seed=seed, reference=reference,
+                                                                sides=sides))
     adopt(folder, manifest, after)
     return record(NAME, argument, layers, done, bad, report,
                   cache="cross keys only: past_key_values.{i}.encoder.key [batch, h, N, d_kv] from cross_kv; "

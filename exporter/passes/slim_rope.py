@@ -62,7 +62,7 @@ import onnx_graphsurgeon as gs
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
-from elx.exporter.verify import RecordedSide, RuntimeSide, default_shapes, measure
+from elx.exporter.verify import CandidateSides, RecordedSide, RuntimeSide, default_shapes, measure
 from elx.exporter.passes import slim
 from elx.exporter.passes.catalog import GQA
 from elx.exporter.passes.culprits import VERIFY_SEEDS, verified_rewrite
@@ -448,10 +448,11 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     # the graphs before the rewrite, run once on every case the verification draws; their sessions go before
     # any candidate's load (both at once did not fit in memory at SmolLM2-1.7B)
     reference = RecordedSide(RuntimeSide(manifest.copy(), prefill=True), manifest, shapes, VERIFY_SEEDS)
-    after, done, report = verified_rewrite(
-        folder, manifest, NAME, "decoder self-attention", layers, bad, skip_bad,
-        candidate=lambda todo, suffix: candidate(manifest, todo, suffix),
-        verify=lambda after, todo, seed: measure(reference, RuntimeSide(after, prefill=True), manifest, shapes, seed))
+    with CandidateSides(prefill=True) as sides:
+        after, done, report = verified_rewrite(
+            folder, manifest, NAME, "decoder self-attention", layers, bad, skip_bad,
+            candidate=lambda todo, suffix: candidate(manifest, todo, suffix),
+            verify=lambda after, todo, seed: measure(reference, sides(after), manifest, shapes, seed))
     adopt(folder, manifest, after)
     record = slim.record(NAME, argument, layers, done, bad, report,
                          cache="keys only, before RoPE: past_key_values.{i}.key [rows, h, P, d_kv] (and the prompt's "

@@ -21,6 +21,7 @@ from elx.exporter.onnx_export import export_cross_kv, export_decoder, export_enc
 from elx.exporter.passes import check_model_kind, check_not_applied, parse_passes
 from elx.exporter.precision_export import check_precision, fp16_checks, refuse_fp16
 from elx.exporter.progress import WEIGHTS, Progress
+from elx.exporter.memory import release_memory
 from elx.exporter.shared_weights import folder_bytes, store_weights_once
 from elx.exporter.sources import resolve_model
 from elx.exporter.verify import require_within_tolerance, tolerance_record, verify_export
@@ -245,6 +246,9 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                            if "max_abs_encoder_diff" in verification else " (prefill and step)")
                 stage.detail = (f"max abs logits diff {verification['max_abs_logits_diff']:.2e}{encoder} (tolerance "
                                 f"{verification['tolerance']:.2e} at max |logit| {verification['logits_magnitude']:.3g})")
+            if precision == "fp32":  # passes verify graphs against graphs: HF's model goes first (6.8 GB at
+                loaded.model = None  # SmolLM2-1.7B, beside the passes' sessions and the weights stored once)
+                release_memory()
             with fp16_checks(precision, loaded.model, manifest, report) as fp16:
                 run_passes(folder, manifest, requests, report, fp16.check_pass if fp16 else None)
                 if fp16 is not None:

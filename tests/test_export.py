@@ -106,3 +106,32 @@ def test_external_data_path(tmp_path, model_folders, monkeypatch):
     assert sorted(p.name for p in folder.iterdir()) == sorted(set(manifest.graph_files()) | {"manifest.json"})
     assert not list(folder.glob("*.onnx.data"))
     assert compare(folder, batch_size=2, input_length=7, num_beams=2, max_new_tokens=5).all_identical
+
+
+@pytest.mark.parametrize("precision,freed", [("fp32", True), ("fp16", False)])
+def test_the_model_is_released_before_the_passes_run(tmp_path, model_folders, monkeypatch, precision, freed):
+    """``elx export --pass slim=skip-bad`` at SmolLM2-1.7B held HF's model (6.8 GB) beside the pass's sessions:
+    an fp32 export releases it once verified against it (the passes verify graphs against graphs); fp16
+    keeps it (each pass is checked in fp16 against PyTorch)."""
+    import weakref
+
+    import elx.exporter.export as export
+
+    refs, seen = [], []
+    real_resolve, real_run = export.resolve_model, export.run_passes
+
+    def resolve(*args, **kwargs):
+        loaded = real_resolve(*args, **kwargs)
+        refs.append(weakref.ref(loaded.model))
+        return loaded
+
+    def run(*args, **kwargs):
+        seen.append(refs[0]() is None)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(export, "resolve_model", resolve)
+    monkeypatch.setattr(export, "run_passes", run)
+    folder = export.export_model(str(model_folders["t5"]), tmp_path / "out", passes="el", quiet=True,
+                                 precision=precision)
+    assert seen == [freed]
+    assert [p["name"] for p in Manifest.load(folder).data["passes"]] == ["el"]

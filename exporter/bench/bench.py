@@ -383,19 +383,6 @@ def _cached(folder: Path, model: str, random_init: bool, seed: int, passes: str 
             and kind == {None: kind, "shared": "beam-shared", "per-beam": "per-beam"}[form])
 
 
-def _release_memory() -> None:
-    """Give the memory of a finished export back to the system before the next one (a 1.7B export leaves
-    gigabytes in the allocator's free lists: a second export in the same process was killed for memory)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Path, seed: int = 0,
                    quiet: bool = True, prompt_caches: list | None = None, progress=None,
                    precision: str = "fp32") -> list[Path]:
@@ -407,6 +394,7 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
     --pass``, without loading the model again).  ``progress``: the exports' stages (``exporter/progress.py``;
     ``quiet`` says nothing), and a line per reused export."""
     from elx.exporter.export import apply_passes, export_model
+    from elx.exporter.memory import release_memory
     from elx.exporter.precision_export import check_precision
 
     folders = {}
@@ -420,8 +408,8 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
             name += "" if wanted_precision == "fp32" else f"-{wanted_precision}"
             requests.append((pass_set, passes, wanted_precision, work / (name + suffix)))
         baseline = work / ("baseline" + suffix)
-        # pass-less sets first: a pass set may be made from the baseline exported here
-        for pass_set, passes, wanted_precision, folder in sorted(requests, key=lambda r: bool(r[1])):
+        # the fp32 pass sets last (in the order asked): each may be made from the baseline exported here
+        for pass_set, passes, wanted_precision, folder in sorted(requests, key=lambda r: bool(r[1]) and r[2] == "fp32"):
             if _cached(folder, model, random_init, seed, passes, wanted_precision, form):
                 if not quiet:
                     say(f"elx bench: reusing the export {folder}", progress)
@@ -434,7 +422,7 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
                 folders[(form, pass_set)] = export_model(model, folder, random_init=random_init, passes=passes or None,
                                                          seed=seed, force=True, quiet=quiet, prompt_cache=form,
                                                          progress=progress, precision=wanted_precision)
-            _release_memory()
+            release_memory()
     return [folders[(form, pass_set)] for form in prompt_caches or [None] for pass_set in pass_sets]
 
 

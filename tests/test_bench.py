@@ -365,6 +365,8 @@ def test_a_pass_set_is_made_from_the_baseline_without_loading_the_model_again(tm
     process, and was killed for memory: a pass set whose baseline is cached or asked for is now the baseline
     with the passes applied (their verification as in ``elx export --pass``); pass sets come back in the order
     asked, and a second call reuses every folder."""
+    import shutil
+
     import elx.exporter.export as export
     from elx.exporter.bench.bench import ensure_exports
 
@@ -382,3 +384,8 @@ def test_a_pass_set_is_made_from_the_baseline_without_loading_the_model_again(tm
     assert Manifest.load(folders[1]).data["verification"] == manifest.data["verification"]  # the baseline's, vs PyTorch
     assert ensure_exports("t5-tiny", True, ["baseline", "el", "el@int8"], tmp_path) == [folders[1], folders[0], folders[2]]
     assert len(exports) == 2 and len(applied) == 1
+    # a damaged cached baseline (a file its manifest lists is gone) is exported again, never derived from
+    (folders[1] / "weights.data").unlink()
+    shutil.rmtree(folders[0])
+    assert ensure_exports("t5-tiny", True, ["baseline", "el"], tmp_path) == folders[1:2] + folders[:1]
+    assert exports[2:] == ["baseline"] and applied[1:] == ["el"] and (folders[1] / "weights.data").is_file()

@@ -95,11 +95,31 @@ class _Store:
         return offset
 
 
+def external_files(model: onnx.ModelProto) -> list[str]:
+    """The external-data files ``model``'s initializers point at (relative to the graph's folder)."""
+    files = []
+    for each in (model.graph, *subgraphs(model.graph)):
+        for tensor in each.initializer:
+            if uses_external_data(tensor):
+                location = next(e.value for e in tensor.external_data if e.key == "location")
+                if location not in files:
+                    files.append(location)
+    return files
+
+
+def subgraphs(graph: onnx.GraphProto):
+    """Every graph nested in ``graph``'s node attributes (If and Loop bodies), depth first."""
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield sub
+                yield from subgraphs(sub)
+
+
 def _load(path: Path) -> tuple[onnx.ModelProto, set[str]]:
     """The graph at ``path`` with its external data read in, and the data files it read it from."""
     model = onnx.load(str(path), load_external_data=False)
-    locations = {entry.value for tensor in model.graph.initializer if uses_external_data(tensor)
-                 for entry in tensor.external_data if entry.key == "location"}
+    locations = set(external_files(model))
     load_external_data_for_model(model, str(path.parent))
     return model, locations
 

@@ -373,7 +373,7 @@ def _cached(folder: Path, model: str, random_init: bool, seed: int, passes: str 
     if not manifest.is_file():
         return False
     data = json.loads(manifest.read_text())
-    files = [f for g in data.get("graphs", {}).values() for f in [g.get("file"), *g.get("external_data", [])] if f]
+    files = Manifest(data, folder).graph_files()
     if not files or not all((folder / f).is_file() for f in files):  # damaged: exported again, not reused
         return False
     source = data.get("source", {})

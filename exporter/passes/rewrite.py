@@ -13,6 +13,7 @@ from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
 from elx.exporter.onnx_export import save_model
+from elx.exporter.shared_weights import external_files, subgraphs
 from elx.exporter.verify import require_within_tolerance, verify_rewrite
 
 SHAPE_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
@@ -51,26 +52,6 @@ def load_graph(manifest: Manifest, name: str) -> gs.Graph:
     return graph
 
 
-def external_files(model: onnx.ModelProto) -> list[str]:
-    """The external-data files ``model``'s initializers point at (relative to the graph's folder)."""
-    files = []
-    for each in (model.graph, *_subgraphs(model.graph)):
-        for tensor in each.initializer:
-            if uses_external_data(tensor):
-                location = next(e.value for e in tensor.external_data if e.key == "location")
-                if location not in files:
-                    files.append(location)
-    return files
-
-
-def _subgraphs(graph: onnx.GraphProto):
-    for node in graph.node:
-        for attribute in node.attribute:
-            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield sub
-                yield from _subgraphs(sub)
-
-
 def save_graph(graph: gs.Graph, folder: Path, file: str) -> list[str]:
     """Save ``graph`` as ``folder/file``; returns every data file it reads: the new weights' own file
     (if any) and the files of the weights it still points at (``load_graph``), so that dropping the
@@ -78,7 +59,7 @@ def save_graph(graph: gs.Graph, folder: Path, file: str) -> list[str]:
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     model = gs.export_onnx(graph)
     model.ir_version = min(model.ir_version, 10)  # readable by older runtimes and polygraphy
-    for each in (model.graph, *_subgraphs(model.graph)):
+    for each in (model.graph, *subgraphs(model.graph)):
         for tensor in each.initializer:  # a weight read in (now bytes in the graph) keeps its import's flag
             if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.HasField("raw_data"):
                 tensor.data_location = onnx.TensorProto.DEFAULT

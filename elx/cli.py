@@ -454,8 +454,9 @@ def add_bench_parser(sub) -> None:
                    help="timed rounds after the warm-up, systems interleaved; the median is reported (default 3)")
     p.add_argument("--threads", type=positive_int, help="intra-op threads of every system (default: all cores)")
     p.add_argument("--one-at-a-time", action="store_true",
-                   help="load, warm up, time and release each system before the next (HF's model stays loaded): for "
-                        "models whose systems do not fit in memory together; rounds are then not interleaved")
+                   help="load, warm up, time and release each system before the next (peers converted first, HF's model "
+                        "released after HF runs): for models whose systems do not fit in memory together; rounds are "
+                        "then not interleaved")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: HF on PyTorch CUDA, elx on ONNX Runtime's CUDA EP with IOBinding (needs onnxruntime-gpu)")
     p.add_argument("--backend", choices=["ort", "tensorrt"], default="ort",

@@ -340,6 +340,53 @@ def test_one_at_a_time_runs_each_system_alone_with_the_same_tokens(exported, cap
     assert "one at a time" not in markdown_table(together)
 
 
+def test_one_at_a_time_converts_the_peers_before_hf_and_loads_them_after_its_model_is_released(exported,
+                                                                                                 monkeypatch):
+    """At SmolLM2-1.7B a peer ran beside HF's model (22.7 GB, past this machine's memory for onnxruntime-genai's
+    preallocated beam cache): under ``--one-at-a-time`` each peer is now converted from HF's model first, and
+    loaded only after HF has run and its model is gone; an unavailable peer is skipped with its reason."""
+    import gc
+    import weakref
+
+    import elx.exporter.bench.peers as peers
+    import elx.exporter.sources as sources
+    from elx.exporter.bench.bench import BenchSettings, run_bench
+    from elx.runners.generate import Generator
+
+    folder = exported("t5")
+    settings = BenchSettings(batch_size=2, input_length=6, num_beams=2, new_tokens=2, repeats=1, threads=1,
+                             one_at_a_time=True)
+    gen, events, hf = Generator.from_folder(folder, threads=1), [], []
+    reload = sources.reload_model
+    monkeypatch.setattr(sources, "reload_model", lambda source: hf.append(weakref.ref(m := reload(source))) or m)
+
+    class Stand(peers.Peer):
+        name = "stand-in"
+
+        def __init__(self, hf_model, source, work, settings):
+            events.append(("convert", hf_model is hf[0]()))
+
+        def load(self):
+            gc.collect()
+            events.append(("load", hf[0]() is None))
+            self.model = gen
+
+        def _generate(self, inputs, settings):
+            return self.model.generate(inputs, **settings.generation()).sequences
+
+    class Missing(peers.Peer):
+        def __init__(self, *args):
+            raise peers.PeerUnavailable("not here")
+
+    monkeypatch.setitem(peers.PEERS, "ct2", Stand)
+    monkeypatch.setitem(peers.PEERS, "ort-genai", Missing)
+    report = run_bench([folder], settings, peer_names=["ct2", "ort-genai"], progress="none")
+    assert events == [("convert", True), ("load", True)]  # converted from HF's model; loaded once it was released
+    assert [s["system"] for s in report["systems"]] == ["HF generate (PyTorch)", "stand-in", "elx baseline"]
+    assert all(s["tokens_equal_hf"] for s in report["systems"])
+    assert report["skipped_peers"] == {"ort-genai": "not here"}
+
+
 def test_a_bench_that_cannot_fit_in_memory_is_refused_before_it_runs(exported):
     """Weights that cannot be held together refuse the interleaved bench in one line naming --one-at-a-time;
     one at a time, only a system larger than the memory left is refused."""
@@ -356,8 +403,12 @@ def test_a_bench_that_cannot_fit_in_memory_is_refused_before_it_runs(exported):
     check_memory([folder, folder], 1, 100, True, available=size - 100)  # HF's model released before elx runs
     with pytest.raises(ElxError, match="the largest elx export needs"):
         check_memory([folder], 0, 100, True, available=size - 101)
-    with pytest.raises(ElxError, match="a peer needs .* drop --peers"):
-        check_memory([folder], 1, 2**31, True, available=2**30)
+    check_memory([folder], 1, 2**31, True, available=size)  # a peer loads after HF's model is released
+    with pytest.raises(ElxError, match="HF generate's cache beside its model needs"):  # HF's run: model + cache
+        check_memory([folder], 1, 2**31, True, available=size, cache=size + 1)
+    check_memory([folder], 1, 100, False, available=size + 202, cache=51)  # interleaved: HF's cache and the peer's
+    with pytest.raises(ElxError, match="HF's cache"):
+        check_memory([folder], 1, 100, False, available=size + 201, cache=51)
 
 
 def test_a_pass_set_is_made_from_the_baseline_without_loading_the_model_again(tmp_path, monkeypatch):

@@ -76,7 +76,8 @@ class BenchSettings:
     backend: str = "ort"  # "tensorrt": elx on the folders' TensorRT engines (``ensure_engines``; cuda only)
     precision: str = "fp32"  # --precision: of the exports (or engines) and, where it can, of HF (``hf_precision``)
     smoke: bool = False  # a --quick run: labelled as a smoke run everywhere, not a measurement
-    # --one-at-a-time: each system loaded, warmed up, timed and released before the next (HF's model stays),
+    # --one-at-a-time: each system loaded, warmed up, timed and released before the next (the peers converted
+    # first; HF's model released once HF has run),
     # for models whose systems do not fit in memory together; rounds are then not interleaved
     one_at_a_time: bool = False
 
@@ -446,6 +447,7 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
     import torch
 
     from elx.exporter.bench.peers import PeerUnavailable, make_peer
+    from elx.exporter.memory import release_memory
     from elx.exporter.sources import reload_model
 
     if settings.threads:
@@ -479,18 +481,23 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
     elx_keys = {folder: system_name(manifests[folder], settings) for folder in folders}
     for folder, name in elx_keys.items():
         loaders[name] = lambda folder=folder, name=name: (name, *_elx_system(folder, settings, inputs, options))
-    skipped = {}
+    skipped, converted = {}, {}
+
+    def convert_peer(peer_name):
+        with report.stage(f"peer {peer_name} (convert or reuse its model)", 5):
+            return make_peer(peer_name, model, manifest.data["source"], Path(work or "out/bench") / "peers", settings)
+
     for peer_name in peer_names:
         def load_peer(peer_name=peer_name):
-            with report.stage(f"peer {peer_name} (convert or reuse its model)", 5):
-                peer = make_peer(peer_name, model, manifest.data["source"], Path(work or "out/bench") / "peers",
-                                 settings)
+            peer = converted.pop(peer_name, None) or convert_peer(peer_name)
+            peer.load()
             return peer.name, (lambda: peer.generate(inputs, settings)), None
         loaders[peer_name] = load_peer
     for name, fn in (peers or {}).items():
         loaders[name] = lambda fn=fn, name=name: (name, (lambda: fn(inputs)), None)
 
-    check_memory(folders, len(loaders) - 1 - len(folders), model_bytes(model), settings.one_at_a_time)
+    check_memory(folders, len(loaders) - 1 - len(folders), model_bytes(model), settings.one_at_a_time,
+                 cache=cache_bytes(manifest.dims, settings))
     config = model.config
     reference = None
     if hf_precision(settings) == "fp16":  # the tokens every system is compared with stay HF fp32's
@@ -539,11 +546,18 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
                                           settings.seed, report).items():
             results[name].seconds = seconds
     else:  # each system loaded, warmed up, timed and released before the next
+        for peer_name in peer_names:  # converted from HF's model while it is here; each loads after it is gone
+            try:
+                converted[peer_name] = convert_peer(peer_name)
+            except PeerUnavailable as err:
+                skipped[peer_name] = str(err)
+                log(f"bench: peer {peer_name} skipped: {err}")
+                del loaders[peer_name]
         elx_names = set(elx_keys.values())
         for key in [k for k in loaders if k not in elx_names] + [k for k in loaders if k in elx_names]:
-            if key in elx_names and model is not None:  # HF and the peers (converted from its model) are done
+            if key != hf_name and model is not None:  # HF's tokens are kept; its model goes before the next loads
                 model = t_inputs = None
-                gc.collect()
+                release_memory()
             loaded = load(key)
             if not loaded:
                 continue
@@ -599,32 +613,47 @@ def model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
+def cache_bytes(dims: dict, settings: BenchSettings) -> int:
+    """A full fp32 key/value cache of the bench's shape with one copy per beam (what HF's search and a peer that
+    preallocates its cache, as onnxruntime-genai does for beams, hold at the last step): self-attention over the
+    input and the new tokens for a decoder-only model; self-attention over the new tokens and cross-attention
+    over the input for an encoder-decoder one."""
+    rows = settings.batch_size * settings.num_beams
+    heads = dims.get("num_kv_heads") or dims["num_heads"]
+    per_position = 2 * dims["num_decoder_layers"] * heads * dims["d_kv"] * 4  # K and V, every layer, float32
+    positions = settings.input_length + settings.new_tokens
+    return rows * per_position * positions
+
+
 def check_memory(folders: list[Path], peers: int, hf_bytes: int, one_at_a_time: bool,
-                 available: int | None = None) -> None:
+                 available: int | None = None, cache: int = 0) -> None:
     """Refuse, before anything runs, a bench whose systems cannot be held in this machine's memory: together
-    (interleaved rounds), or, with ``one_at_a_time``, the largest alone (HF's model, then each peer beside it,
-    then each elx runner after HF's model is released).  Counted: weights only (each peer as large as HF's
-    model), so a bench that passes may still run short at long inputs."""
+    (interleaved rounds), or, with ``one_at_a_time``, the largest alone (HF's model with its cache, then each
+    peer and each elx runner after HF's model is released: a peer then fits where HF's model and cache did).  Counted: weights, and ``cache`` bytes (``cache_bytes``)
+    for HF and for each peer (as large as HF's model); elx runners by their weights, so a bench that passes may
+    still run short at long inputs.  ``available`` is measured with HF's model loaded."""
     from elx.runners.inputs.validation import available_memory
 
     available = available_memory() if available is None else available
     if available is None:
         return
     elx = [held_bytes(f) for f in folders]
-    if one_at_a_time:  # a peer beside HF's model; an elx runner after it is released
-        needs = [(hf_bytes, available, "a peer")] * (peers > 0) + [(max(elx, default=0), available + hf_bytes,
-                                                                      "the largest elx export")]
+    if one_at_a_time:  # HF's run beside its model; a peer or an elx runner after the model is released
+        # a peer (as large as HF's model, with the same cache) fits where HF's model with its cache fits
+        needs = [(cache, available, "HF generate's cache beside its model"),
+                 (max(elx, default=0), available + hf_bytes, "the largest elx export")]
         for need, room, what in needs:
             if need > room:
-                raise ElxError(f"{what} needs about {need / 2**30:.1f} GiB of weights and this machine has "
-                               f"{room / 2**30:.1f} GiB for it even one system at a time; bench a smaller model"
-                               + (" or drop --peers" if what == "a peer" else ""))
+                raise ElxError(f"{what} needs about {need / 2**30:.1f} GiB and this machine has "
+                               f"{room / 2**30:.1f} GiB for it even one system at a time; bench a smaller model, "
+                               "batch or input length")
         return
-    need = sum(elx) + peers * hf_bytes
+    need = sum(elx) + peers * (hf_bytes + cache) + cache
     if need > available:
-        raise ElxError(f"the systems hold about {need / 2**30:.1f} GiB of weights together "
+        raise ElxError(f"the systems hold about {need / 2**30:.1f} GiB together "
                        f"({len(folders)} elx export(s) {sum(elx) / 2**30:.1f} GiB, {peers} peer(s) "
-                       f"{peers * hf_bytes / 2**30:.1f} GiB) beside HF's model and this machine has "
+                       f"{peers * (hf_bytes + cache) / 2**30:.1f} GiB, HF's cache {cache / 2**30:.1f} GiB) beside "
+                       "HF's model and this machine has "
                        f"{available / 2**30:.1f} GiB available: add --one-at-a-time (each system loaded, timed "
                        "and released in turn) or bench fewer pass sets and peers")
 

@@ -24,6 +24,7 @@
   copy (with a placeholder tokenizer: the builder reads one) and its own greedy/beam search runs the
   left-padded prompts (GenAI masks the pad id).  Decoder-only RoPE models only.
 
+A peer is converted when made (from HF's model) and loads its runtime in ``load()``, dropped by ``release()``.
 Each peer caches its converted model in ``work/<peer>/`` next to a ``source.json`` naming the
 manifest source it was built from and the conversion recipe, and rebuilds when either differs.  A peer that cannot run here
 raises ``PeerUnavailable`` with the reason; the bench prints it and goes on without that peer.
@@ -80,27 +81,51 @@ def _padded(rows: list[list[int]]) -> np.ndarray:
     return np.array([r + [-1] * (width - len(r)) for r in rows], dtype=np.int64)
 
 
-class OrtBeamSearchPeer:
+class Peer:
+    """A converted peer; ``model`` is its loaded runtime (None until ``load``, again after ``release``)."""
+
+    name = "peer"
+    model = None
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        self.model = None
+
+    def generate(self, inputs: dict, settings) -> np.ndarray:
+        """HF's layout of the tokens for ``inputs`` (the runtime loaded first if it is not)."""
+        if self.model is None:
+            self.load()
+        return self._generate(inputs, settings)
+
+    def _generate(self, inputs: dict, settings) -> np.ndarray:
+        raise NotImplementedError
+
+
+class OrtBeamSearchPeer(Peer):
     """ONNX Runtime's BeamSearch op, converted from the bench's PyTorch model (T5 only)."""
 
     name = "ORT BeamSearch op"
 
     def __init__(self, hf_model, source: dict, work: Path, settings):
-        import onnxruntime as ort
-
-        from elx.runners.backends.ort import session_options
-
         if settings.device != "cpu":
             raise PeerUnavailable("elx bench runs it on the CPU only")
         if getattr(hf_model.config, "model_type", "") != "t5":
             raise PeerUnavailable(f"convert_generation converts T5 (and mT5) only, not {hf_model.config.model_type}")
-        path = with_ngram(convert_t5_beam_search(hf_model, source, Path(work)), settings.no_repeat_ngram_size)
-        # elx's own session options (threads, no spinning between runs), so that neither side gains from them
-        self.session = ort.InferenceSession(str(path), session_options(settings.threads),
-                                            providers=["CPUExecutionProvider"])
-        self.start = hf_model.generation_config.decoder_start_token_id
+        self.path = with_ngram(convert_t5_beam_search(hf_model, source, Path(work)), settings.no_repeat_ngram_size)
+        self.threads = settings.threads
 
-    def generate(self, inputs: dict, settings) -> np.ndarray:
+    def load(self) -> None:
+        import onnxruntime as ort
+
+        from elx.runners.backends.ort import session_options
+
+        # elx's own session options (threads, no spinning between runs), so that neither side gains from them
+        self.model = ort.InferenceSession(str(self.path), session_options(self.threads),
+                                          providers=["CPUExecutionProvider"])
+
+    def _generate(self, inputs: dict, settings) -> np.ndarray:
         length = settings.new_tokens + 1  # the decoder start token counts in max_length
         feeds = {"input_ids": inputs["input_ids"].astype(np.int32),
                  "max_length": np.array([length], np.int32), "min_length": np.array([length], np.int32),
@@ -108,7 +133,7 @@ class OrtBeamSearchPeer:
                  "num_return_sequences": np.array([1], np.int32),
                  "length_penalty": np.array([1.0], np.float32), "repetition_penalty": np.array([1.0], np.float32),
                  "attention_mask": inputs["attention_mask"].astype(np.int32)}
-        sequences = self.session.run(["sequences"], feeds)[0][:, 0, :]  # [batch, length], start token first
+        sequences = self.model.run(["sequences"], feeds)[0][:, 0, :]  # [batch, length], start token first
         return sequences.astype(np.int64)
 
 
@@ -171,7 +196,7 @@ def _convert(hf_dir: Path, out: Path) -> None:
     shutil.rmtree(raw.parent)
 
 
-class Ct2Peer:
+class Ct2Peer(Peer):
     """CTranslate2 on the same weights, with a vocabulary of unique placeholder tokens ``<t{id}>``: its
     ``Translator`` for encoder-decoder models, its ``Generator`` for decoder-only ones."""
 
@@ -180,7 +205,7 @@ class Ct2Peer:
 
     def __init__(self, hf_model, source: dict, work: Path, settings):
         try:
-            import ctranslate2
+            import ctranslate2  # noqa: F401 - installed, or this peer cannot run
             from ctranslate2.converters import TransformersConverter
         except ImportError as err:
             raise PeerUnavailable(f"ctranslate2 is not installed ({err}); pip install 'elx[bench]'")
@@ -207,12 +232,17 @@ class Ct2Peer:
             shutil.rmtree(src)
             (work / "source.json").write_text(json.dumps(_key(source)))
         self.decoder_only = not hf_model.config.is_encoder_decoder
-        kind = ctranslate2.Generator if self.decoder_only else ctranslate2.Translator
-        self.model = kind(str(out), device=settings.device, intra_threads=settings.threads or 0,
-                          compute_type=self.compute_type)
+        self.out, self.device, self.threads = out, settings.device, settings.threads
         self.start = hf_model.generation_config.decoder_start_token_id
 
-    def generate(self, inputs: dict, settings) -> np.ndarray:
+    def load(self) -> None:
+        import ctranslate2
+
+        kind = ctranslate2.Generator if self.decoder_only else ctranslate2.Translator
+        self.model = kind(str(self.out), device=self.device, intra_threads=self.threads or 0,
+                          compute_type=self.compute_type)
+
+    def _generate(self, inputs: dict, settings) -> np.ndarray:
         batch = []
         for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"]):
             batch.append([f"<t{i}>" for i in ids[mask.astype(bool)]])
@@ -246,7 +276,7 @@ def _first_line(err: BaseException) -> str:
 GENAI_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")  # what GenAI's model builder converts
 
 
-class GenAiPeer:
+class GenAiPeer(Peer):
     """ONNX Runtime GenAI's own search on its model builder's conversion (fp32, CPU) of the same weights."""
 
     name = "onnxruntime-genai"
@@ -266,9 +296,12 @@ class GenAiPeer:
         if not _fresh_folder(work, source, "model/genai_config.json"):
             _genai_convert(hf_model, work, out)
             (work / "source.json").write_text(json.dumps(_key(source)))
-        self.og, self.model = og, og.Model(str(out))
+        self.og, self.out = og, out
 
-    def generate(self, inputs: dict, settings) -> np.ndarray:
+    def load(self) -> None:
+        self.model = self.og.Model(str(self.out))
+
+    def _generate(self, inputs: dict, settings) -> np.ndarray:
         ids = np.ascontiguousarray(inputs["input_ids"], dtype=np.int32)
         batch, width = ids.shape
         params = self.og.GeneratorParams(self.model)
@@ -310,6 +343,9 @@ PEERS = {"ort-beamsearch": OrtBeamSearchPeer, "ct2": Ct2Peer, "ct2-int8": Ct2Int
 
 
 def make_peer(name: str, hf_model, source: dict, work: Path, settings):
+    """The peer ``name``, converted from ``hf_model`` (or its cached conversion reused); ``load()`` loads its runtime
+    (which needs no HF model: ``elx bench --one-at-a-time`` releases HF's model before any peer loads) and
+    ``release()`` drops it."""
     return PEERS[name](hf_model, source, Path(work) / name, settings)
 
 

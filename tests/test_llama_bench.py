@@ -88,3 +88,22 @@ def test_ct2_llama_tokens_and_rope_scaling(tmp_path, scaled):
     np.testing.assert_array_equal(out, hf(resolve_model(str(unscaled)).model))
     if scaled:
         assert not np.array_equal(out, hf(model))  # HF with the scaling: other tokens
+
+
+def test_the_memory_check_counts_hfs_cache_as_hf_holds_it(tiny):
+    """``cache_bytes`` (what ``check_memory`` counts for HF and each peer beside the weights) is the key/value cache
+    HF's beam search holds at its end, plus the one position of the last token (never fed back): no more."""
+    from elx.exporter.bench.bench import cache_bytes
+
+    model, inputs, _, _ = tiny
+    settings = BenchSettings(batch_size=3, input_length=9, num_beams=3, new_tokens=4)
+    with torch.no_grad():
+        out = model.generate(**{k: torch.from_numpy(v) for k, v in inputs.items()}, **settings.generation(),
+                             return_dict_in_generate=True)
+    held = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    config = model.config
+    rows, heads, d_kv = 9, config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    dims = {"num_decoder_layers": config.num_hidden_layers, "num_heads": config.num_attention_heads,
+            "num_kv_heads": heads, "d_kv": d_kv}
+    one_position = rows * config.num_hidden_layers * 2 * heads * d_kv * 4
+    assert cache_bytes(dims, settings) == held + one_position

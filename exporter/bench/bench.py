@@ -629,9 +629,10 @@ def check_memory(folders: list[Path], peers: int, hf_bytes: int, one_at_a_time: 
                  available: int | None = None, cache: int = 0) -> None:
     """Refuse, before anything runs, a bench whose systems cannot be held in this machine's memory: together
     (interleaved rounds), or, with ``one_at_a_time``, the largest alone (HF's model with its cache, then each
-    peer and each elx runner after HF's model is released: a peer then fits where HF's model and cache did).  Counted: weights, and ``cache`` bytes (``cache_bytes``)
-    for HF and for each peer (as large as HF's model); elx runners by their weights, so a bench that passes may
-    still run short at long inputs.  ``available`` is measured with HF's model loaded."""
+    peer and each elx runner after HF's model is released: a peer then fits where HF's model and cache did).
+    Counted: weights, and ``cache`` bytes (``cache_bytes``) for HF and for each peer (as large as HF's model);
+    elx runners by their weights, so a bench that passes may still run short at long inputs.  ``available`` is
+    measured with HF's model loaded."""
     from elx.runners.inputs.validation import available_memory
 
     available = available_memory() if available is None else available

@@ -97,6 +97,40 @@ def test_verification_sees_the_key_positions(qwen2_exports, tmp_path, monkeypatc
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_candidates_graphs_die_before_the_next_candidate(qwen2_exports, tmp_path, monkeypatch):
+    """At SmolLM2-1.7B the single-layer probes of ``slim=skip-bad`` grew the pass by 0.5 GB each (23.3 GB after 24
+    probes: each layer object kept its probe's graphs).  Here every candidate is rejected (a limit of 0), so the
+    pass makes the all-layers candidate and a probe per layer; when each starts, no earlier one's graph lives."""
+    import gc
+    import weakref
+
+    import elx.exporter.passes.culprits as culprits
+    import elx.exporter.passes.slim_rope as slim_rope
+    from elx.exporter.export import apply_passes
+
+    made, alive_at_start = [], []
+    load, make = slim_rope.load_graph, slim_rope.candidate
+
+    def tracked_load(manifest, name):
+        graph = load(manifest, name)
+        made.append(weakref.ref(graph.nodes[-1]))  # nodes and tensors link each other: one alive keeps the graph's
+        return graph
+
+    def tracked_candidate(manifest, layers, suffix):
+        gc.collect()
+        alive_at_start.append(sum(ref() is not None for ref in made))
+        return make(manifest, layers, suffix)
+
+    monkeypatch.setattr(slim_rope, "load_graph", tracked_load)
+    monkeypatch.setattr(slim_rope, "candidate", tracked_candidate)
+    monkeypatch.setattr(culprits, "verify_limit", lambda report: 0.0)
+    with pytest.raises(ElxError, match="no decoder self-attention layer is accurate enough"):
+        apply_passes(qwen2_exports["shared"], tmp_path / "none", "slim=skip-bad")
+    layers = Manifest.load(qwen2_exports["shared"]).dims["num_decoder_layers"]
+    assert len(alive_at_start) == 1 + layers  # all layers, then each alone (all beyond the limit: none left)
+    assert alive_at_start == [1] * len(alive_at_start)  # only the pass's own analysis graph, loaded first
+
+
 @pytest.mark.parametrize("family,passes,expected", [("llama", "slim", "GQA/MQA"),
                                                      ("qwen2", "el-self", "RoPE rotates each cached key")],
                          ids=["slim-gqa", "el-self-rope"])

@@ -53,6 +53,7 @@ within half the 1e-4 tolerance; ``slim=skip-bad`` keeps K and V (rotated) for th
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -373,7 +374,11 @@ def rewrite_prefill(graph: gs.Graph, layers: list[RopeLayer]) -> None:
 # -- the candidate manifest -----------------------------------------------------------------------------------
 
 def candidate(manifest: Manifest, layers: list[RopeLayer], suffix: str) -> Manifest:
-    """A copy of ``manifest`` with ``layers`` slimmed in the step and prefill graphs (saved as new files)."""
+    """A copy of ``manifest`` with ``layers`` slimmed in the step and prefill graphs (saved as new files).
+
+    The graphs are bound to copies of ``layers`` (binding the callers' objects kept every probe's graphs alive
+    until the pass ended: +0.5 GB a probe at SmolLM2-1.7B, 23.3 GB after 24 probes)."""
+    layers = [RopeLayer(copy.copy(layer.names), layer.analysis) for layer in layers]
     shared = layers[0].names.prompt_key is not None
     stage = prefill_stage(manifest)
     step, prefill = load_graph(manifest, manifest.step), load_graph(manifest, stage)

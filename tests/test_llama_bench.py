@@ -107,3 +107,22 @@ def test_the_memory_check_counts_hfs_cache_as_hf_holds_it(tiny):
             "num_kv_heads": heads, "d_kv": d_kv}
     one_position = rows * config.num_hidden_layers * 2 * heads * d_kv * 4
     assert cache_bytes(dims, settings) == held + one_position
+
+
+def test_genai_runs_on_the_benchs_threads(tiny):
+    """``--threads`` reaches onnxruntime-genai (its builder's config names no thread count): loading it with 4
+    threads starts 3 more threads than with 1 (ONNX Runtime's intra-op pool: the calling thread and n − 1)."""
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        pytest.skip("onnxruntime_genai is not installed (pip install 'elx[bench]')")
+    model, _, source, root = tiny
+
+    def started(threads):
+        peer = make_peer("ort-genai", model, source, root / "work", BenchSettings(threads=threads))
+        before = len(os.listdir("/proc/self/task"))
+        peer.load()
+        count = len(os.listdir("/proc/self/task")) - before
+        peer.release()
+        return count
+
+    started(1)  # the package's own threads, started once
+    assert started(4) - started(1) == 3

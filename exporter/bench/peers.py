@@ -296,10 +296,13 @@ class GenAiPeer(Peer):
         if not _fresh_folder(work, source, "model/genai_config.json"):
             _genai_convert(hf_model, work, out)
             (work / "source.json").write_text(json.dumps(_key(source)))
-        self.og, self.out = og, out
+        self.og, self.out, self.threads = og, out, settings.threads
 
     def load(self) -> None:
-        self.model = self.og.Model(str(self.out))
+        config = self.og.Config(str(self.out))
+        if self.threads:  # the builder's config names no thread count; every system gets the bench's
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": self.threads}}}}))
+        self.model = self.og.Model(config)
 
     def _generate(self, inputs: dict, settings) -> np.ndarray:
         ids = np.ascontiguousarray(inputs["input_ids"], dtype=np.int32)

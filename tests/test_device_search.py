@@ -201,6 +201,80 @@ def _device_options(draw, eos: int) -> dict:
     return options
 
 
+class _TorchLogitsModel:
+    """A model whose logits are torch tensors on its backend's device (a PyTorch-computed step; the GPU check's
+    stand-in): fixed random logits, a fresh tensor per step, copied down only when the search asks for host values."""
+
+    needs_history = False
+    returns_log_probs = False
+
+    def __init__(self, logits: np.ndarray, backend):
+        self.backend, self.logits, self.asked = backend, backend.tensor_from_host(logits), []
+
+    def empty_cache(self, rows):
+        from elx.runners.backends.base import DecoderCache
+        return DecoderCache({}, rows, 0)
+
+    def step(self, tokens, state, cache, history=None, device=False):
+        from elx.runners.backends.base import DecoderCache
+        self.asked.append(device)
+        logits = self.logits[: tokens.shape[0]].clone()
+        return (logits if device else self.backend.tensor_to_host(logits)), DecoderCache({}, tokens.shape[0], cache.length + 1)
+
+    def reorder(self, cache, rows):
+        from elx.runners.backends.base import DecoderCache
+        return DecoderCache({}, int(rows.shape[0]), cache.length)
+
+    def select(self, state, items):
+        from elx.runners.backends.base import EncoderState
+        return EncoderState({}, int(items.shape[0]))
+
+    def state_bytes(self, state):
+        return 0
+
+    def cache_bytes(self, cache):
+        return 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_torch_backends_logits_are_read_where_they_are(monkeypatch, device):
+    """A model whose backend holds torch tensors (``TorchTensors``) is asked for device scores, and no step
+    copies its [rows, vocab] logits down and back up (the first GPU check measured that round trip as 40 ms of
+    "host bookkeeping" a step at batch 128); the tokens are the host path's, the scores too (on CUDA to its last bits)."""
+    from elx.runners.backends.base import EncoderState
+    from elx.runners.search.processors import build_processors
+    from elx.runners.search.settings import GenerationSettings
+
+    class Counting(TorchTensors):
+        def __init__(self):
+            super().__init__(device)
+            self.down = []
+
+        def tensor_to_host(self, tensor):
+            self.down.append(tuple(tensor.shape))
+            return super().tensor_to_host(tensor)
+
+    batch, beams, vocab = 3, 4, 97
+    logits = (np.random.default_rng(0).standard_normal((batch * beams, vocab)) * 4).astype(np.float32)
+    settings = GenerationSettings(num_beams=beams, max_new_tokens=5, min_new_tokens=2, eos_token_id=[1],
+                                  pad_token_id=0, decoder_start_token_id=0, no_repeat_ngram_size=2)
+    results = {}
+    for path in ("host", "device"):
+        monkeypatch.setenv("ELX_SEARCH", path)
+        backend = Counting()
+        model = _TorchLogitsModel(logits, backend)
+        results[path] = search.beam_search(model, EncoderState({}, batch), settings, build_processors(settings, 1))
+        results[path + "-asked"], results[path + "-down"] = model.asked, backend.down
+    assert set(results["device-asked"]) == {True} and set(results["host-asked"]) == {False}
+    assert not [shape for shape in results["device-down"] if vocab in shape], results["device-down"]
+    assert any(vocab in shape for shape in results["host-down"])  # the counter sees a logits copy where there is one
+    np.testing.assert_array_equal(results["device"].sequences, results["host"].sequences)
+    if device == "cpu":  # the same CPU kernels: bit for bit
+        np.testing.assert_array_equal(results["device"].scores, results["host"].scores)
+    else:  # CUDA's log-softmax, not the CPU's: last bits (an H100 gave 1 ulp on one of three scores)
+        np.testing.assert_array_max_ulp(results["device"].scores, results["host"].scores, maxulp=4)
+
+
 @pytest.mark.parametrize("family", ["t5", "gpt2"])
 def test_device_path_is_the_host_path(exported, model_folders, family, monkeypatch):
     """ort-io on the CPU EP: the device path's sequences and scores are the host path's, bit for bit (the host

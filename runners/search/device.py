@@ -206,12 +206,15 @@ class DeviceScorer:
 
     hf_ops_on_cpu = False  # tests: run the CUDA branch (HF's operators as HF calls them) on CPU tensors
 
-    def __init__(self, transfers, processors: list, returns_log_probs: bool, prompt: np.ndarray, per_row: int):
+    def __init__(self, transfers, processors: list, returns_log_probs: bool, prompt: np.ndarray, per_row: int,
+                 reads_device_values: bool = False):
         self.torch = _torch()
         self.transfers = transfers
         self.returns_log_probs = returns_log_probs
         self.processors = processors
-        self.reads_device_values = not isinstance(transfers, HostTensors)  # the model's step may leave its scores there
+        # the transfers are the model's own backend, whose step may leave its scores on the device: the search
+        # asks it to (``Model.step(..., device=True)``) and the scorer reads them there, with no round trip
+        self.reads_device_values = reads_device_values
         self.history = None
         if any(p.uses_history for p in processors):  # the prompt of each row, once, before the first step
             self.history = transfers.tensor_from_host(np.repeat(np.asarray(prompt, dtype=np.int64), per_row, axis=0))
@@ -314,9 +317,10 @@ def device_scorer(model, processors: list, hooks, prompt: np.ndarray, per_row: i
     if host_reason(model, processors, hooks, mode) is not None:
         return None
     backend = getattr(model, "backend", None)
-    transfers = backend if getattr(backend, "device_tensors", False) else HostTensors()
+    own = bool(getattr(backend, "device_tensors", False))
+    transfers = backend if own else HostTensors()
     return DeviceScorer(transfers, [_on_device(p, transfers.tensor_from_host) for p in processors], bool(model.returns_log_probs),
-                        prompt, per_row)
+                        prompt, per_row, reads_device_values=own)
 
 
 def for_search_path(model, processors: list, hooks):

@@ -49,6 +49,9 @@ def locate_model(spec: str, random_init: bool = False) -> ModelLocation:
         return ModelLocation(spec, "local-random-init" if random_init else "local", folder=folder)
     if random_init:
         preset = find_preset(spec)
+        if preset is None and _looks_like_a_path(str(spec)):
+            raise ElxError(f"model folder {spec!r} does not exist ({'it is a file, not a folder' if folder.exists() else 'no such folder'}); "
+                           f"with --random-init, --model is a local HF folder or a preset: {', '.join(preset_names())}")
         if preset is None:
             raise ElxError(f"no preset named {spec!r} for --random-init; presets: {', '.join(preset_names())}")
         return ModelLocation(spec, "random-init", preset=preset)
@@ -60,6 +63,11 @@ def locate_model(spec: str, random_init: bool = False) -> ModelLocation:
         f"pass a folder written by save_pretrained, or add --random-init to build a preset with random weights "
         f"(presets: {', '.join(preset_names())})"
     )
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    """A --model value meant as a folder (a separator, ``~`` or a leading dot), not a preset name."""
+    return os.sep in spec or "/" in spec or spec.startswith(("~", "."))
 
 
 def preset_names() -> list[str]:

@@ -48,6 +48,7 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         ([*export, "--model", "whisper-tiny", "--random-init", "--pass", "unpad"], "never padded"),
         ([*export, "--model", "t5-tiny", "--random-init", "--precision", "fp8"], "--precision"),
         ([*export, "--model", "no-such-preset", "--random-init"], "no preset named"),
+        ([*export, "--model", f"{out}/no-such-folder", "--random-init"], "does not exist"),  # a path, not a preset
         ([*export, "--model", "t5-tiny", "--random-init", "--seed", "-1"], "--seed"),
         (["export", "--model", "t5-tiny", "--random-init", "--output", t5], "already exists"),
         (["generate", t5, "--input-ids", "5 6", "--num-beams", "0"], "num_beams"),
@@ -70,6 +71,7 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         (["bench", "--quick", "--pass-sets", "baseline|foo"], "unknown pass 'foo'"),
         (["bench", "--quick", "--peers", "nosuch"], "unknown peer"),
         (["bench", "--model", "no-such-preset", "--random-init"], "no preset named"),
+        (["bench", "--quick", "--model", "/no-such-folder/model"], "does not exist"),
         (["bench", "--quick", "--backend", "tensorrt"], "--device cuda"),
         (["build-engine", t5, "--max-batch-size", "0"], "--max-batch-size"),
         (["build-engine", t5, "--precision", "int4"], "--precision"),

@@ -50,8 +50,8 @@ def locate_model(spec: str, random_init: bool = False) -> ModelLocation:
     if random_init:
         preset = find_preset(spec)
         if preset is None and _looks_like_a_path(str(spec)):
-            raise ElxError(f"model folder {spec!r} does not exist ({'it is a file, not a folder' if folder.exists() else 'no such folder'}); "
-                           f"with --random-init, --model is a local HF folder or a preset: {', '.join(preset_names())}")
+            what = f"--model {spec!r} is a file, not a folder" if folder.exists() else f"model folder {spec!r} does not exist"
+            raise ElxError(f"{what}; with --random-init, --model is a local HF folder or a preset: {', '.join(preset_names())}")
         if preset is None:
             raise ElxError(f"no preset named {spec!r} for --random-init; presets: {', '.join(preset_names())}")
         return ModelLocation(spec, "random-init", preset=preset)

@@ -60,6 +60,13 @@ def test_every_option_of_every_subcommand_is_documented():
         undocumented = [a.option_strings or a.dest for a in sub._actions if not a.help]
         assert not undocumented, (name, undocumented)
     export_help = subcommands["export"].format_help()
+    import re
+
+    from elx.cli import PASS_HELP
+    from elx.exporter.passes.catalog import PASSES
+
+    for name in PASSES:  # every pass the catalog declares is named in --pass's help (unpad was not)
+        assert re.search(rf"[ :]{re.escape(name)}[ =,(]", PASS_HELP), name
     for syntax in ("el", "slim=skip-bad", "slim-cross", "el-self", "ngram=N", "t5-small", "whisper-base", "gpt2"):
         assert syntax in export_help, syntax
 

@@ -49,6 +49,7 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         ([*export, "--model", "t5-tiny", "--random-init", "--precision", "fp8"], "--precision"),
         ([*export, "--model", "no-such-preset", "--random-init"], "no preset named"),
         ([*export, "--model", f"{out}/no-such-folder", "--random-init"], "does not exist"),  # a path, not a preset
+        ([*export, "--model", f"{t5}/manifest.json", "--random-init"], "manifest.json' is a file, not a folder"),
         ([*export, "--model", "t5-tiny", "--random-init", "--seed", "-1"], "--seed"),
         (["export", "--model", "t5-tiny", "--random-init", "--output", t5], "already exists"),
         (["generate", t5, "--input-ids", "5 6", "--num-beams", "0"], "num_beams"),

@@ -13,9 +13,16 @@ encoder's position-wise layers the same way.
 
 Rewrite (a graph with an ``attention_mask`` input [B, N]: the encoder, a decoder-only prefill):
 
-    idx     = NonZero(Reshape(mask, [-1]))ᵀ                    [T, 1]  the real positions, row-major
-    pack(X) = Gather(Reshape(X, [-1, d]), idx[:, 0])          [T, d]
-    unpack(Y) = Reshape(ScatterND(0_{B·N × d'}, idx, Y), [B, N, d'])
+    real    = NonZero(Reshape(mask, [-1]))                     [T]     the real positions, row-major
+    row     = where(mask ≠ 0, CumSum_exclusive(mask ≠ 0), T)    [B·N]   each position's row in [Y; 0]
+    pack(X) = Gather(Reshape(X, [-1, d]), real)                [T, d]
+    unpack(Y) = Reshape(Gather(Concat(Y, 0_{1 × d'}), row), [B, N, d'])
+
+(a real position with k real positions before it is packed row k; every padded position reads the zero
+row T).  The unpack is one copy of each output row; a scatter into a zeroed [B·N, d'] buffer, the first
+form of this pass, wrote every row three times (zeros, the copy ScatterND makes, the scattered rows):
+measured on this 2-core VM at B = 32, N = 256, three quarters real, 7.9 ms against 4.0 ms for d' = 512
+and 31.4 ms against 13.6 ms for d' = 2048 (ONNX Runtime CPU, 2 threads, medians of 41).
 
 A *region* is a set of nodes that act on positions alone: products with a constant 2-D weight whose
 input is a [B, N, d] activation, and the element-wise nodes (activations, gates, biases, scalings
@@ -37,6 +44,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from elx.runners.errors import ElxError
@@ -155,15 +163,18 @@ def find_regions(graph: gs.Graph, dims: tuple) -> list[Region]:
 
 
 class _Packing:
-    """The real positions of the graph's mask, computed once per graph."""
+    """The real positions of the graph's mask, and each position's row among the packed rows, computed once."""
 
     def __init__(self, build: Builder, mask):
         op, const = build.op, build.const
         flat = op("Reshape", [mask, const("flat", np.array([-1], np.int64))], "mask_flat")
         nonzero = op("NonZero", [flat], "real")  # [1, T]
-        self.idx = op("Transpose", [nonzero], "real_rows", perm=[1, 0])  # [T, 1] for ScatterND
         self.rows = op("Reshape", [nonzero, const("rows", np.array([-1], np.int64))], "real_list")  # [T]
-        self.positions = op("Size", [mask], "positions")  # B·N
+        is_real = op("Cast", [flat], "is_real", to=onnx.TensorProto.BOOL)
+        before = op("CumSum", [op("Cast", [is_real], "real_count", to=onnx.TensorProto.INT64),
+                               const("axis0", np.array(0, np.int64))], "real_before", exclusive=1)
+        zero_row = op("Size", [self.rows], "zero_row")  # T: the row after the packed ones
+        self.inverse = op("Where", [is_real, before, zero_row], "position_rows")  # [B·N]
         self.mask_shape = op("Shape", [mask], "mask_shape")  # [B, N]
         self.build = build
 
@@ -178,13 +189,11 @@ class _Packing:
     def unpack(self, y, width: int):
         op, const = self.build.op, self.build.const
         flat = op("Reshape", [y, const("flat_rows", np.array([-1, width], np.int64))], "packed_rows")
-        size = op("Concat", [op("Unsqueeze", [self.positions, const("axis0", np.array([0], np.int64))]),
-                             const("width", np.array([width], np.int64))], "padded_size", axis=0)
-        zero = op("CastLike", [const("zero", np.array(0, np.float32)), flat], "zero")
-        zeros = op("Expand", [zero, size], "zeros")
-        scattered = op("ScatterND", [zeros, self.idx, flat], "unpacked")
+        zero = op("CastLike", [const("zero", np.zeros((1, width), np.float32)), flat], "zero")
+        rows = op("Concat", [flat, zero], "packed_and_zero", axis=0)  # [T + 1, d']
+        gathered = op("Gather", [rows, self.inverse], "unpacked", axis=0)  # [B·N, d']
         shape = op("Concat", [self.mask_shape, const("width", np.array([width], np.int64))], "padded_shape", axis=0)
-        return op("Reshape", [scattered, shape], "padded")
+        return op("Reshape", [gathered, shape], "padded")
 
 
 def _width(tensor) -> int:

@@ -216,7 +216,7 @@ PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each v
              "slim (K-only self cache; refuses ill-conditioned layers), slim=skip-bad (leave those layers as they are), "
              "slim-cross, slim-cross=skip-bad (K-only cross cache; not with el), el-self (self cache holds the attention input X; "
              "not with slim), el-self=fp64 (its score product accumulated in float64), "
-             "unpad (position-wise products of a padded input batch run on its real tokens only), "
+             "unpad (the position-wise layers of a padded input batch run on its real tokens only), "
              "ngram=N (log-softmax and N-gram blocking in the graph); e.g. --pass el,el-self,ngram=3")
 
 

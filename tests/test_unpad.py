@@ -29,10 +29,11 @@ def _products_on_packed_rows(folder, graph_name: str) -> tuple[int, int]:
             if source is None or tensor in seen:
                 continue
             seen.add(tensor)
-            if source.op_type == "Gather" and source.name.startswith("unpad/"):
+            if source.op_type == "Gather" and source.name.startswith("unpad/packed"):
                 packed += 1
                 break
-            if source.op_type in ("Unsqueeze", "Relu", "Mul", "Add", "Tanh", "Pow", "Div", "Erf", "Sigmoid", "MatMul"):
+            if source.op_type in ("Unsqueeze", "Relu", "Mul", "Add", "Sub", "Tanh", "Pow", "Div", "Erf", "Sigmoid",
+                                  "MatMul", "Cast", "Sqrt", "Reciprocal", "ReduceMean", "LayerNormalization"):
                 todo.extend(source.input)
     return packed, total
 
@@ -56,8 +57,57 @@ def test_unpad_is_bit_identical_and_hf_identical(exported, family):
         assert record["graphs"][graph]["products"] == packed
         # the prefill's LM head reads the last position only ([B, d]: no padding to remove)
         assert packed == total - (family == "llama"), (graph, packed, total)
+    if family == "t5":  # 2 encoder layers: the residual stream stays packed through the norms and the FFN
+        layers = 2
+        assert record["graphs"]["encoder"]["packs"] == 1 + layers  # the embeddings, attention's output per layer
+        assert record["graphs"]["encoder"]["unpacks"] == 3 * layers + 1  # q, k, v per layer; the encoder output
+        assert record["graphs"]["cross_kv"]["unpacks"] == 2 * layers  # each decoder layer's cross K and V
     report = compare(folder, batch_size=3, input_length=9, num_beams=2, max_new_tokens=5)
     assert report.all_identical
+
+
+def _graph(nodes, inputs, outputs):
+    import onnx_graphsurgeon as gs
+
+    graph = gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs)
+    return graph
+
+
+def test_regions_hold_position_wise_nodes_only():
+    """What mixes positions never joins a region: a reduction over the positions axis, a softmax, an add of a
+    tensor that is not [B, N, ·] (a [1, N, d] table); what acts per position does (a residual add of two row
+    tensors, a reduction over the last axis, a layer norm, a product with a constant weight)."""
+    import onnx_graphsurgeon as gs
+
+    from elx.exporter.passes.unpad import find_regions
+
+    rng = np.random.default_rng(0)
+    x = gs.Variable("x", np.float32, ["B", "N", 4])
+    table = gs.Variable("table", np.float32, [1, "N", 4])
+    w = gs.Constant("w", rng.standard_normal((4, 4)).astype(np.float32))
+    axis_last, axis_positions = gs.Constant("last", np.array([-1])), gs.Constant("positions", np.array([1]))
+    t = {name: gs.Variable(name, np.float32) for name in ("h", "mean", "centred", "y", "ln", "z", "over_n", "sm",
+                                                          "shifted", "out")}
+    gamma = gs.Constant("gamma", np.ones(4, np.float32))
+    nodes = [
+        gs.Node("MatMul", "product", inputs=[x, w], outputs=[t["h"]]),
+        gs.Node("ReduceMean", "mean_last", inputs=[t["h"], axis_last], outputs=[t["mean"]], attrs={"keepdims": 1}),
+        gs.Node("Sub", "centre", inputs=[t["h"], t["mean"]], outputs=[t["centred"]]),
+        gs.Node("Add", "residual", inputs=[t["centred"], x], outputs=[t["y"]]),
+        gs.Node("LayerNormalization", "norm", inputs=[t["y"], gamma], outputs=[t["ln"]], attrs={"axis": -1}),
+        gs.Node("Add", "table_add", inputs=[t["ln"], table], outputs=[t["z"]]),  # [1, N, d]: per position of N
+        gs.Node("ReduceMean", "mean_positions", inputs=[t["ln"], axis_positions], outputs=[t["over_n"]],
+                attrs={"keepdims": 1}),
+        gs.Node("Softmax", "softmax", inputs=[t["ln"]], outputs=[t["sm"]], attrs={"axis": -1}),
+        gs.Node("Add", "after", inputs=[t["over_n"], t["sm"]], outputs=[t["shifted"]]),
+        gs.Node("MatMul", "lonely", inputs=[t["z"], w], outputs=[t["out"]]),
+    ]
+    graph = _graph(nodes, [x, table], [t["shifted"], t["out"]])
+    regions = find_regions(graph, ("B", "N"))
+    joined = sorted(n.name for r in regions for n in r.nodes)
+    assert joined == ["centre", "mean_last", "norm", "product", "residual"], joined
+    # the product reading the table's sum has no [B, N, ·] input: it is left as it is
+    assert "lonely" not in joined and len(regions) == 1
 
 
 def test_padded_rows_are_never_computed(exported):

@@ -1,4 +1,4 @@
-"""``--pass unpad``: the position-wise matrix products of a padded batch run on its real tokens only.
+"""``--pass unpad``: the position-wise layers of a padded batch run on its real tokens only.
 
 A batch of B inputs padded to N positions holds T = Σ_b n_b real tokens (n_b: row b's mask sum).  In
 a Transformer layer every product with a weight matrix acts on each position alone: for the
@@ -24,16 +24,26 @@ form of this pass, wrote every row three times (zeros, the copy ScatterND makes,
 measured on this 2-core VM at B = 32, N = 256, three quarters real, 7.9 ms against 4.0 ms for d' = 512
 and 31.4 ms against 13.6 ms for d' = 2048 (ONNX Runtime CPU, 2 threads, medians of 41).
 
-A *region* is a set of nodes that act on positions alone: products with a constant 2-D weight whose
-input is a [B, N, d] activation, and the element-wise nodes (activations, gates, biases, scalings
-by constants that broadcast along the last axis) between such products; it ends at products (a bias
-or scaling after the last one runs on the padded rows as before, where ONNX Runtime fuses it with
-the residual add and norm that follow: packed, it computed (x·W + b) + r instead of the fused
-x·W + r + b, 5e-7 apart on BART's encoder).  Each region's inputs are
-packed once (Q, K and V share theirs) and each tensor leaving it is unpacked: the products run on
-T rows instead of B·N.  Norms, residual additions and attention stay in the padded layout.
+A *region* is a connected set of position-wise nodes on row tensors ([B, N, ·]): products with a
+constant 2-D weight, element-wise nodes (activations, gates, biases, residual additions between row
+tensors, scalings by constants that broadcast along the last axis), reductions over the last axis
+(an RMS norm's mean of squares) and layer / RMS norms over it.  Only regions holding a product are
+rewritten.  Each region's entries (row tensors made outside it: the embeddings, attention's output) are
+packed once and each tensor leaving it (the projections attention reads, the graph's output) is
+unpacked: in an encoder layer the residual stream, both norms, the feed-forward network and every
+projection run on T rows, and only attention's own products run in the padded layout, with one pack
+(its output) and one unpack per projection it reads.  The packed tensors carry the shape [1, T, f]
+(symbolic T): ONNX Runtime's fusions (a residual add into the layer norm after it) read shapes, and
+fuse the packed graph as they fused the padded one (BART's encoder, fused differently while the
+recorded shapes were stale, was 7e-7 apart; now 0.0).
 
-Exactness: each output row of a matrix product is the same dot products of the same row, so the real
+Measured (t5-small dims, int8, ONNX Runtime CPU, 2 threads): the first form of this pass packed the
+products only (norms and residual additions padded: 3 packs and 5 unpacks per encoder layer, and
+ScatterND unpacks); its encoder graph at batch 4 (13% padding) was no faster than the baseline's
+(236.8 against 232.7 ms), with the Gather unpack 219.6 ms.
+
+Exactness: each output row of a matrix product is the same dot products of the same row, and a norm or an
+element-wise node computes a row from that row alone, by the same kernel once fused alike, so the real
 rows are what the unpadded graph computes (checked: the verification's logits difference, recorded);
 padded rows hold zeros instead of values that no consumer reads.  The verification compares the
 encoder output at real positions only (``exporter/verify.py``).  With ``--precision int8`` the
@@ -57,11 +67,16 @@ from elx.exporter.passes.rewrite import Builder, commit, constant_value, load_gr
 SPEC = catalog.UNPAD
 NAME, parse_argument = SPEC.name, SPEC.parse
 MASK_ROLE = "input:attention_mask"
+PACKED_ROWS = "unpad_real_tokens"  # T, the symbolic dim of packed tensors
 MASK_INPUT = "attention_mask"  # added to a graph that reads the positions without their mask (cross K/V)
 
-# element-wise ops a region may hold: unary, or binary with a constant that broadcasts along the last axis
-ELEMENTWISE = {"Relu", "Gelu", "Erf", "Tanh", "Sigmoid", "Softplus", "Exp", "Neg", "Sqrt", "Identity", "Mul",
-               "Add", "Sub", "Div", "Pow", "HardSigmoid", "Softsign", "Elu", "LeakyRelu", "Selu", "Mish"}
+# element-wise ops a region may hold: unary, or binary between row tensors and constants that broadcast along
+# the last axis
+UNARY = {"Relu", "Gelu", "Erf", "Tanh", "Sigmoid", "Softplus", "Exp", "Neg", "Sqrt", "Reciprocal", "Identity", "Cast",
+         "HardSigmoid", "Softsign", "Elu", "LeakyRelu", "Selu", "Mish", "Abs"}
+BINARY = {"Mul", "Add", "Sub", "Div", "Pow"}
+REDUCTIONS = {"ReduceMean", "ReduceSum", "ReduceMax"}  # over the last axis, keeping it: an [.., 1] row tensor
+NORMS = {"LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization"}  # over the last axis
 
 
 def _static_shape(tensor) -> list | None:
@@ -82,28 +97,37 @@ def _per_feature(value: np.ndarray) -> bool:
     return value.ndim <= 3 and all(s == 1 for s in value.shape[:-1])
 
 
-class Region:
-    """Position-wise nodes fed by one packed input: their products then run on the real rows."""
+def _last_axis(node: gs.Node) -> bool:
+    """A reduction or norm over the last axis (of a rank-3 row tensor) alone, keeping the axis."""
+    if node.op in NORMS:
+        return node.attrs.get("axis", -1) in (-1, 2)
+    if node.attrs.get("keepdims", 1) != 1:
+        return False
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1:
+        axes = constant_value(node.inputs[1])
+    return axes is not None and [int(a) for a in np.ravel(axes)] in ([-1], [2])
 
-    def __init__(self, source):
-        self.source, self.nodes, self.tensors = source, [], set()
+
+class Region:
+    """Position-wise nodes connected through the tensors they pass on: they run on the packed rows."""
+
+    def __init__(self):
+        self.nodes, self.tensors = [], set()
 
     def add(self, node: gs.Node) -> None:
         self.nodes.append(node)
         self.tensors.update(t.name for t in node.outputs)
 
-    def end_at_products(self) -> None:
-        """Drop the element-wise nodes after the last products (a bias, a scaling): they run on the padded rows as
-        before, so that ONNX Runtime fuses them with what follows (a residual add and norm) exactly as before."""
-        while True:
-            inside = {id(n) for n in self.nodes}
-            trailing = [n for n in self.nodes if n.op != "MatMul"
-                        and any(not t.outputs or any(id(c) not in inside for c in t.outputs) for t in n.outputs)]
-            if not trailing:
-                return
-            for node in trailing:
-                self.nodes.remove(node)
-                self.tensors.difference_update(t.name for t in node.outputs)
+    def entries(self) -> list:
+        """Row tensors made outside the region (or graph inputs) that its nodes read: packed once each."""
+        seen, out = set(), []
+        for node in self.nodes:
+            for t in node.inputs:
+                if constant_value(t) is None and t.name not in self.tensors and t.name not in seen:
+                    seen.add(t.name)
+                    out.append(t)
+        return out
 
     def outputs(self, graph_outputs: set) -> list:
         """Tensors made here that a node outside the region (or the graph's output) reads."""
@@ -116,49 +140,65 @@ class Region:
         return out
 
 
-def _joins(node: gs.Node, region: Region) -> bool:
-    """``node`` acts on positions alone, reading region tensors and constants only."""
-    variable = [t for t in node.inputs if constant_value(t) is None]
-    if not variable or any(t.name not in region.tensors for t in variable):
+def _position_wise(node: gs.Node, is_rows) -> bool:
+    """``node`` acts on each position alone: its variable inputs are row tensors ([B, N, ·]), its constants
+    broadcast along the last axis, and it mixes no two positions."""
+    if not node.outputs or any(t.outputs for t in node.outputs[1:]):
+        return False  # one output read (a norm's optional mean and inverse deviation are not)
+    variable = [t for t in node.inputs if t.name and constant_value(t) is None]
+    if not variable or not all(is_rows(t) for t in variable):
         return False
     if node.op == "MatMul":
-        return _weight(node) is not None and node.inputs[0].name in region.tensors
-    if node.op not in ELEMENTWISE:
+        return _weight(node) is not None and is_rows(node.inputs[0])
+    if node.op in NORMS:
+        return len(variable) == 1 and variable[0] is node.inputs[0] and _last_axis(node)
+    if node.op in REDUCTIONS:
+        return len(variable) == 1 and variable[0] is node.inputs[0] and _last_axis(node)
+    if node.op not in UNARY | BINARY:
         return False
-    return all(_per_feature(constant_value(t)) for t in node.inputs if constant_value(t) is not None)
+    return all(_per_feature(constant_value(t)) for t in node.inputs if t.name and constant_value(t) is not None)
 
 
 def find_regions(graph: gs.Graph, dims: tuple) -> list[Region]:
-    """Every region of ``graph`` whose source is a [B, N, d] activation (``dims`` = the mask's two symbolic
-    dims): the products with constant weights reading it, grown over the position-wise nodes after them."""
-    sources = {}
+    """The regions of ``graph``: the connected sets of position-wise nodes on [B, N, ·] row tensors (``dims`` =
+    the mask's two symbolic dims) that hold at least one product with a constant weight.  A tensor is a row
+    tensor when its known shape is [B, N, f], or when a position-wise node of a region makes it."""
+    made = set()  # outputs of position-wise nodes: row tensors whatever their recorded shape
+
+    def is_rows(tensor) -> bool:
+        shape = _static_shape(tensor)
+        return tensor.name in made or bool(shape) and len(shape) == 3 and tuple(shape[:2]) == dims
+
+    position_wise = []
+    graph.toposort()  # producers before consumers: a node's row inputs are known when it is reached
     for node in graph.nodes:
-        weight = _weight(node)
-        shape = _static_shape(node.inputs[0]) if weight is not None else None
-        if shape and len(shape) == 3 and tuple(shape[:2]) == dims and shape[2] == weight.shape[0]:
-            sources.setdefault(node.inputs[0].name, (node.inputs[0], []))[1].append(node)
-    regions, taken, tensors = [], set(), graph.tensors()
-    for name, (source, first) in sources.items():
-        if any(id(n) in taken for n in first):
-            continue  # already inside an earlier region (a product reading another region's output)
-        region = Region(source)
-        region.tensors.add(name)
-        for node in first:
-            region.add(node)
-        grown = True
-        while grown:
-            grown = False
-            inside = {id(n) for n in region.nodes}
-            for tensor_name in list(region.tensors):
-                for consumer in tensors[tensor_name].outputs:
-                    if id(consumer) not in inside and _joins(consumer, region):
-                        region.add(consumer)
-                        inside.add(id(consumer))
-                        grown = True
-        region.end_at_products()
-        region.tensors.discard(name)
-        taken.update(id(n) for n in region.nodes)
-        regions.append(region)
+        if _position_wise(node, is_rows):
+            position_wise.append(node)
+            made.update(t.name for t in node.outputs)
+    # connected components: two position-wise nodes are joined when one reads what the other makes
+    parent = {id(n): id(n) for n in position_wise}
+
+    def root(key):
+        while parent[key] != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    by_output = {t.name: n for n in position_wise for t in n.outputs}
+    for node in position_wise:
+        for t in node.inputs:
+            if t.name in by_output:
+                parent[root(id(node))] = root(id(by_output[t.name]))
+    groups: dict = {}
+    for node in position_wise:
+        groups.setdefault(root(id(node)), []).append(node)
+    regions = []
+    for nodes in groups.values():
+        if any(n.op == "MatMul" for n in nodes):  # packing pays for itself through the products only
+            region = Region()
+            for node in nodes:
+                region.add(node)
+            regions.append(region)
     return regions
 
 
@@ -184,12 +224,16 @@ class _Packing:
         packed = op("Gather", [flat, self.rows], "packed", axis=0)
         # [1, T, d]: the products keep the rank they had ([B, N, d]), so that ONNX Runtime fuses (or not) each
         # product and its bias exactly as before (a 2-D input became a Gemm with the bias inside: other rounding)
-        return op("Unsqueeze", [packed, const("axis0", np.array([0], np.int64))], "packed_3d")
+        out = op("Unsqueeze", [packed, const("axis0", np.array([0], np.int64))], "packed_3d")
+        out.dtype, out.shape = x.dtype, [1, PACKED_ROWS, width]  # as ONNX Runtime's fusions read shapes
+        return out
 
     def unpack(self, y, width: int):
         op, const = self.build.op, self.build.const
         flat = op("Reshape", [y, const("flat_rows", np.array([-1, width], np.int64))], "packed_rows")
-        zero = op("CastLike", [const("zero", np.zeros((1, width), np.float32)), flat], "zero")
+        dtype = getattr(y, "dtype", None)
+        zero = (const("zero", np.zeros((1, width), dtype)) if dtype is not None and np.dtype(dtype).kind == "f"
+                else op("CastLike", [const("zero", np.zeros((1, width), np.float32)), flat], "zero"))
         rows = op("Concat", [flat, zero], "packed_and_zero", axis=0)  # [T + 1, d']
         gathered = op("Gather", [rows, self.inverse], "unpacked", axis=0)  # [B·N, d']
         shape = op("Concat", [self.mask_shape, const("width", np.array([width], np.int64))], "padded_shape", axis=0)
@@ -204,11 +248,17 @@ def _width(tensor) -> int:
     weight = _weight(producer) if producer is not None else None
     if weight is not None:
         return int(weight.shape[1])
+    if producer is not None and producer.op in REDUCTIONS:
+        return 1
+    if producer is not None and producer.op in UNARY | BINARY | NORMS:  # the broadcast width of its row inputs
+        widths = [_width(t) for t in producer.inputs if t.name and constant_value(t) is None]
+        if widths:
+            return max(widths)
     raise ElxError(f"pass unpad: the width of {tensor.name} is unknown; report this model")
 
 
 def rewrite_graph(graph: gs.Graph, mask_name: str) -> dict:
-    """Pack the inputs and unpack the outputs of every region of ``graph``; returns what was rewritten."""
+    """Pack the entries and unpack the outputs of every region of ``graph``; returns what was rewritten."""
     mask = next((t for t in graph.inputs if t.name == mask_name), None)
     if mask is None or _static_shape(mask) is None or len(mask.shape) != 2:
         raise ElxError(f"pass unpad needs a [batch, sequence] {mask_name} input; this graph has none")
@@ -219,12 +269,14 @@ def rewrite_graph(graph: gs.Graph, mask_name: str) -> dict:
     build = Builder(graph, "unpad")
     packing = _Packing(build, mask)
     graph_outputs = {t.name for t in graph.outputs}
-    products = 0
+    products = packed_entries = unpacked = 0
     for region in regions:
         outputs = region.outputs(graph_outputs)  # before rewiring: consumers outside the region
-        packed = packing.pack(region.source, int(_static_shape(region.source)[-1]))
-        for node in region.nodes:
-            node.inputs = [packed if t is region.source else t for t in node.inputs]
+        for entry in region.entries():
+            packed = packing.pack(entry, _width(entry))
+            for node in region.nodes:
+                node.inputs = [packed if t is entry else t for t in node.inputs]
+            packed_entries += 1
         for tensor in outputs:
             consumers = [c for c in tensor.outputs if c not in region.nodes]
             padded = packing.unpack(tensor, _width(tensor))
@@ -233,8 +285,15 @@ def rewrite_graph(graph: gs.Graph, mask_name: str) -> dict:
             if tensor.name in graph_outputs:
                 graph.outputs = [padded if t is tensor else t for t in graph.outputs]
                 padded.name, tensor.name = tensor.name, tensor.name + "/packed"
+                padded.dtype, padded.shape = tensor.dtype, tensor.shape  # the graph's output as it was declared
+            unpacked += 1
         products += sum(n.op == "MatMul" for n in region.nodes)
-    return {"regions": len(regions), "products": products}
+        for node in region.nodes:  # the shapes recorded for the padded layout: now [1, T, f]
+            for t in node.outputs:
+                shape = _static_shape(t)
+                if shape and len(shape) == 3 and tuple(shape[:2]) == tuple(mask.shape):
+                    t.shape = [1, PACKED_ROWS, shape[2]]
+    return {"regions": len(regions), "products": products, "packs": packed_entries, "unpacks": unpacked}
 
 
 def graphs_with_mask(manifest: Manifest) -> list[tuple[str, str | None]]:

@@ -62,6 +62,7 @@ def test_unpad_is_bit_identical_and_hf_identical(exported, family):
         assert record["graphs"]["encoder"]["packs"] == 1 + layers  # the embeddings, attention's output per layer
         assert record["graphs"]["encoder"]["unpacks"] == 3 * layers + 1  # q, k, v per layer; the encoder output
         assert record["graphs"]["cross_kv"]["unpacks"] == 2 * layers  # each decoder layer's cross K and V
+        assert record["graphs"]["cross_kv"]["packs"] == 1  # the products reading one input share its packed copy
     report = compare(folder, batch_size=3, input_length=9, num_beams=2, max_new_tokens=5)
     assert report.all_identical
 
@@ -160,3 +161,25 @@ def test_tensorrt_for_rtx_refuses_an_unpad_export_in_one_line(exported):
         build_engine(folder, compute_capabilities="8.6", max_batch_size=2, max_beams=2, max_input_length=16,
                      max_new_tokens=8, quiet=True)
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+UNPAD_FAMILIES = ["t5-wide", "bart-biased", "mbart", "m2m100", "pegasus", "fsmt", "gpt2", "opt", "mistral", "qwen2",
+                  "qwen3", "phi3", "gemma"]
+
+
+@pytest.mark.skipif(__import__("os").environ.get("ELX_LONG_TESTS") != "1",
+                    reason="CI runs test_unpad_is_bit_identical_and_hf_identical (t5, llama) of this kind; "
+                           "set ELX_LONG_TESTS=1")
+@pytest.mark.parametrize("family", UNPAD_FAMILIES)
+def test_unpad_on_every_padded_family(exported, family):
+    """Every family with padded inputs: the pass applies, its products all read packed rows, the real rows stay
+    bit-identical (0.0 recorded) and generation on padded batches is HF's."""
+    from elx.exporter.compare import compare
+
+    folder = exported(family, "unpad")
+    record = next(p for p in Manifest.load(folder).data["passes"] if p["name"] == "unpad")
+    assert record["max_abs_logits_diff"] == 0.0 and record.get("max_abs_encoder_diff", 0.0) == 0.0, record
+    for graph in record["graphs"]:
+        packed, total = _products_on_packed_rows(folder, graph)
+        assert record["graphs"][graph]["products"] == packed > 0, (graph, record["graphs"][graph], packed, total)
+    assert compare(folder, batch_size=3, input_length=9, num_beams=2, max_new_tokens=5).all_identical

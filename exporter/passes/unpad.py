@@ -175,7 +175,8 @@ def find_regions(graph: gs.Graph, dims: tuple) -> list[Region]:
         if _position_wise(node, is_rows):
             position_wise.append(node)
             made.update(t.name for t in node.outputs)
-    # connected components: two position-wise nodes are joined when one reads what the other makes
+    # connected components: two position-wise nodes are joined when one reads what the other makes, or both read
+    # the same tensor made outside (the embeddings a norm and a residual add read; cross K/V's input)
     parent = {id(n): id(n) for n in position_wise}
 
     def root(key):
@@ -185,10 +186,13 @@ def find_regions(graph: gs.Graph, dims: tuple) -> list[Region]:
         return key
 
     by_output = {t.name: n for n in position_wise for t in n.outputs}
+    first_reader = {}  # readers of one entry share its packed copy: one region
     for node in position_wise:
         for t in node.inputs:
             if t.name in by_output:
                 parent[root(id(node))] = root(id(by_output[t.name]))
+            elif t.name and constant_value(t) is None:
+                parent[root(id(node))] = root(id(first_reader.setdefault(t.name, node)))
     groups: dict = {}
     for node in position_wise:
         groups.setdefault(root(id(node)), []).append(node)

@@ -91,6 +91,7 @@ GPT2 = Family(
     dims=_gpt2_dims,
     uses_encoder_mask=False,
     is_encoder_decoder=False,
+    flattened_projections=True,  # Conv1D exports as Reshape → Gemm → Reshape
 )
 
 def _opt_dims(c) -> dict:

@@ -46,3 +46,6 @@ class Family:
     attention_implementations: tuple = ("eager", "sdpa")  # what HF can switch this family's attention to
     # whether its inputs come as a padded batch with an attention mask (token ids); False: fixed-length features
     padded_inputs: bool = True
+    # whether its projections run as Gemm on flattened [B·N, d] rows (GPT-2's Conv1D): the unpad pass packs
+    # products on [B, N, d] rows only, and refuses these
+    flattened_projections: bool = False

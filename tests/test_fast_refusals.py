@@ -46,6 +46,7 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         ([*export, "--model", llama, "--pass", "slim"], "GQA/MQA"),  # config.json states 2 kv heads for 4
         ([*export, "--model", llama, "--pass", "el-self"], "RoPE"),
         ([*export, "--model", "whisper-tiny", "--random-init", "--pass", "unpad"], "never padded"),
+        ([*export, "--model", gpt2, "--pass", "unpad"], "Gemm on flattened"),
         ([*export, "--model", "t5-tiny", "--random-init", "--precision", "fp8"], "--precision"),
         ([*export, "--model", "no-such-preset", "--random-init"], "no preset named"),
         ([*export, "--model", f"{out}/no-such-folder", "--random-init"], "does not exist"),  # a path, not a preset

@@ -110,6 +110,9 @@ def _unpad_refuses(family: str, kind: str, dims: dict | None) -> str | None:
     rules = family_named(family)
     if rules is not None and not rules.padded_inputs:
         return "its inputs are never padded (fixed-length features, no attention mask): there is nothing to remove"
+    if rules is not None and rules.flattened_projections:
+        return ("its projections run as Gemm on flattened [batch·sequence, d] rows (GPT-2's Conv1D), which the pass "
+                "does not pack")
     return None
 
 

@@ -28,7 +28,7 @@ A *region* is a connected set of position-wise nodes on row tensors ([B, N, ·])
 constant 2-D weight, element-wise nodes (activations, gates, biases, residual additions between row
 tensors, scalings by constants that broadcast along the last axis), reductions over the last axis
 (an RMS norm's mean of squares) and layer / RMS norms over it.  Only regions holding a product are
-rewritten.  Each region's entries (row tensors made outside it: the embeddings, attention's output) are
+rewritten; nodes reading the same outside tensor are one region (it is packed once).  Each region's entries (row tensors made outside it: the embeddings, attention's output) are
 packed once and each tensor leaving it (the projections attention reads, the graph's output) is
 unpacked: in an encoder layer the residual stream, both norms, the feed-forward network and every
 projection run on T rows, and only attention's own products run in the padded layout, with one pack

@@ -67,13 +67,6 @@ def test_unpad_is_bit_identical_and_hf_identical(exported, family):
     assert report.all_identical
 
 
-def _graph(nodes, inputs, outputs):
-    import onnx_graphsurgeon as gs
-
-    graph = gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs)
-    return graph
-
-
 def test_regions_hold_position_wise_nodes_only():
     """What mixes positions never joins a region: a reduction over the positions axis, a softmax, an add of a
     tensor that is not [B, N, ·] (a [1, N, d] table); what acts per position does (a residual add of two row
@@ -103,7 +96,7 @@ def test_regions_hold_position_wise_nodes_only():
         gs.Node("Add", "after", inputs=[t["over_n"], t["sm"]], outputs=[t["shifted"]]),
         gs.Node("MatMul", "lonely", inputs=[t["z"], w], outputs=[t["out"]]),
     ]
-    graph = _graph(nodes, [x, table], [t["shifted"], t["out"]])
+    graph = gs.Graph(nodes=nodes, inputs=[x, table], outputs=[t["shifted"], t["out"]])
     regions = find_regions(graph, ("B", "N"))
     joined = sorted(n.name for r in regions for n in r.nodes)
     assert joined == ["centre", "mean_last", "norm", "product", "residual"], joined

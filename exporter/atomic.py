@@ -175,8 +175,9 @@ def _remove_if_empty(folders: list[Path]) -> None:
             return
 
 
-def check_output(output, force: bool = False) -> Path:
-    """The absolute output path, after refusing anything that writing (and ``force``) could destroy."""
+def check_output(output, force: bool = False, replaceable=None) -> Path:
+    """The absolute output path, after refusing anything that writing (and ``force``) could destroy.
+    ``replaceable(output)`` refuses a folder ``force`` may not replace (default: anything but an elx export)."""
     output = output_path(output)
     if output.is_symlink():
         raise ElxError(f"output {output} is a symbolic link; pass the folder it points to or another --output")
@@ -189,7 +190,7 @@ def check_output(output, force: bool = False) -> Path:
         if not force:
             raise ElxError(f"output folder {output} already exists and is not empty; choose another --output "
                            "(--force replaces an earlier elx export, nothing else)")
-        _check_replaceable(output)
+        (replaceable or _check_replaceable)(output)
     _check_parent(output)
     return output
 
@@ -255,21 +256,21 @@ def write_error(err: OSError, output: Path) -> ElxError | None:
 
 
 @contextmanager
-def staged_folder(output, force: bool = False):
+def staged_folder(output, force: bool = False, replaceable=None):
     """Yield a temporary folder next to ``output``; on success it becomes ``output``, on error it vanishes
-    (with the parent folders it had to create)."""
-    output = check_output(output, force)
+    (with the parent folders it had to create).  ``replaceable``: see ``check_output``."""
+    output = check_output(output, force, replaceable)
     created = []
     try:
         with signals_deferred():  # a signal lands after ``created`` is set, inside the try
             created = _make_parents(output.parent)
         with output_lock(output):
             clean_stale_leftovers(output)
-            output = check_output(output, force)  # again, under the lock
+            output = check_output(output, force, replaceable)  # again, under the lock
             with _partial_folder(output) as partial:
                 yield partial
                 with signals_deferred():
-                    check_output(output, force)  # something may have appeared there meanwhile
+                    check_output(output, force, replaceable)  # something may have appeared there meanwhile
                     _move_into_place(partial, output)
     except BaseException as err:
         _remove_if_empty(created)

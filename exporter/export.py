@@ -259,7 +259,8 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 from elx.exporter.precision_int8_export import finish as finish_int8
 
                 finish_int8(loaded.model, folder, manifest, report)
-            data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
+            data["has_tokenizer"] = (copy_tokenizer(loaded.source.get("path"), folder) if loaded.save_tokenizer is None
+                                     else bool(loaded.save_tokenizer(folder / "tokenizer")))  # GGUF: no folder
             finish_folder(folder, manifest, report)
         say_written(report, output, started)
     return output

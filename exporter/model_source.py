@@ -1,5 +1,6 @@
-"""What ``--model`` names, read without loading it: a local folder's ``config.json``, a preset's JSON, or
-a hub id's snapshot in the local HF cache (elx never downloads).
+"""What ``--model`` names, read without loading it: a local folder's ``config.json``, a preset's JSON,
+a hub id's snapshot in the local HF cache (elx never downloads), or a GGUF file's metadata (a path ending in
+``.gguf``: ``exporter/gguf/``, with the gguf package and transformers' GGUF tables, no PyTorch).
 
 Light on purpose (json, no PyTorch or transformers): the command line finds the model's architecture
 here, and so its family, to refuse what does not apply to it (a pass, an option) before any heavy
@@ -18,23 +19,34 @@ from elx.runners.errors import ElxError
 
 @dataclass(frozen=True)
 class ModelLocation:
-    """Where ``--model`` points: ``kind`` is local, local-random-init, random-init (a preset) or hub-cache."""
+    """Where ``--model`` points: ``kind`` is local, local-random-init, random-init (a preset), hub-cache or gguf."""
 
     spec: str
     kind: str
     folder: Path | None = None  # local and hub-cache models
     preset: dict | None = None  # random-init: the preset's JSON, its name included
+    gguf: object | None = None  # gguf: the file's summary (exporter/gguf/metadata.py's GgufInfo)
 
     @property
     def random_init(self) -> bool:
         return self.kind in ("random-init", "local-random-init")
 
     def architecture(self) -> str:
-        """The HF class name (``config.json``'s first ``architectures`` entry, or the preset's)."""
+        """The HF class name (``config.json``'s first ``architectures`` entry, the preset's, or the class a GGUF
+        file's architecture loads as)."""
+        if self.gguf is not None:
+            from elx.exporter.gguf.support import elx_architecture
+
+            return elx_architecture(self.gguf)
         return self.preset["architecture"] if self.preset is not None else architecture_of(self.folder)
 
     def config(self) -> dict:
-        """The config as written (``config.json`` or the preset's ``config``): no defaults filled in."""
+        """The config as written (``config.json``, the preset's ``config`` or a GGUF file's metadata under
+        transformers' names): no defaults filled in."""
+        if self.gguf is not None:
+            from elx.exporter.gguf.support import stated_config
+
+            return stated_config(self.gguf)
         return dict(self.preset["config"]) if self.preset is not None else read_config(self.folder)
 
 
@@ -47,6 +59,8 @@ def locate_model(spec: str, random_init: bool = False) -> ModelLocation:
     folder = Path(spec).expanduser()
     if folder.is_dir():
         return ModelLocation(spec, "local-random-init" if random_init else "local", folder=folder)
+    if str(spec).lower().endswith(".gguf"):  # a GGUF file (a folder of that name is a folder, above)
+        return locate_gguf(spec, random_init)
     if random_init:
         preset = find_preset(spec)
         if preset is None and _looks_like_a_path(str(spec)):
@@ -63,6 +77,20 @@ def locate_model(spec: str, random_init: bool = False) -> ModelLocation:
         f"pass a folder written by save_pretrained, or add --random-init to build a preset with random weights "
         f"(presets: {', '.join(preset_names())})"
     )
+
+
+def locate_gguf(spec: str, random_init: bool = False) -> ModelLocation:
+    """A GGUF file: read and checked (a GGUF file, whole, an architecture and tensor types transformers loads,
+    room in memory) before any heavy import."""
+    if random_init:
+        raise ElxError(f"--random-init does not apply to a GGUF file ({spec}): its weights are the model; drop "
+                       "--random-init")
+    from elx.exporter.gguf.metadata import read_gguf
+    from elx.exporter.gguf.support import check_loadable
+
+    info = read_gguf(spec)
+    check_loadable(info)
+    return ModelLocation(spec, "gguf", gguf=info)
 
 
 def _looks_like_a_path(spec: str) -> bool:

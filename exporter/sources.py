@@ -1,4 +1,5 @@
-"""Where ``--model`` comes from: a local HF folder, the local HF cache, or a preset with random weights.
+"""Where ``--model`` comes from: a local HF folder, the local HF cache, a preset with random weights, or a
+GGUF file (dequantized by transformers into a plain float32 model: ``exporter/gguf/load.py``).
 
 Nothing here downloads.  ``resolve_model`` returns the model in eval mode, its family and a
 ``source`` record for the manifest, so that ``elx compare`` can rebuild the very same PyTorch
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,6 +26,7 @@ class LoadedModel:
     model: torch.nn.Module
     family: Family
     source: dict  # recorded in the manifest
+    save_tokenizer: Callable | None = None  # save_tokenizer(folder) where the tokenizer is no folder's (GGUF)
 
 
 def _config_class(architecture: str):
@@ -72,9 +75,23 @@ def _load_preset(preset: dict, seed: int) -> tuple[torch.nn.Module, Family]:
     return model.eval(), family
 
 
+def _load_gguf(spec: str, info) -> LoadedModel:
+    from elx.exporter.gguf.load import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(info)
+    model = load_model(info)
+    family = family_for_architecture(type(model).__name__)
+    family.check_config(model.config)
+    source = {"kind": "gguf", "model": spec, "path": str(info.path), "random_init": False, "seed": None,
+              "gguf": info.record()}
+    return LoadedModel(model, family, source, save_tokenizer=tokenizer.save_pretrained)
+
+
 def resolve_model(spec: str, random_init: bool = False, seed: int = DEFAULT_SEED) -> LoadedModel:
-    """Load ``spec``: a local folder, a hub id in the local cache, or (``random_init``) a preset."""
+    """Load ``spec``: a local folder, a hub id in the local cache, a GGUF file, or (``random_init``) a preset."""
     where = locate_model(spec, random_init)
+    if where.kind == "gguf":
+        return _load_gguf(spec, where.gguf)
     if where.preset is not None:
         model, family = _load_preset(where.preset, seed)
         return LoadedModel(model, family, {"kind": where.kind, "model": spec, "preset": where.preset["name"],
@@ -95,4 +112,13 @@ def reload_model(source: dict) -> torch.nn.Module:
         if not Path(path).is_dir():
             raise ElxError(f"the model folder {path} recorded in the manifest is gone; re-export or restore it")
         return resolve_model(path, random_init=source.get("random_init", False), seed=source.get("seed") or 0).model
+    if kind == "gguf":
+        from elx.exporter.gguf.metadata import read_gguf
+
+        path, recorded = source["path"], (source.get("gguf") or {}).get("sha256")
+        if not Path(path).is_file():
+            raise ElxError(f"the GGUF file {path} recorded in the manifest is gone; re-export or restore it")
+        if recorded and read_gguf(path).sha256() != recorded:
+            raise ElxError(f"the GGUF file {path} differs from the one exported (its SHA-256 changed); re-export it")
+        return resolve_model(path).model
     raise ElxError(f"the manifest's source kind {kind!r} is unknown; re-export the model with this elx")

@@ -135,6 +135,15 @@ _INT8 = {"type": "object", "required": ["graphs", "reduce_range", "lm_head"],
          "properties": {"graphs": {"type": "object", "description": "MatMul counts per decision, by graph"},
                         "reduce_range": {"type": "boolean", "description": "true or false"},
                         "lm_head": {"enum": ["int8", "fp32"], "description": "'int8' or 'fp32'"}}}
+_NAME = {"type": "string", "minLength": 1, "description": "a non-empty string"}
+_GGUF = {  # exporter/gguf/metadata.py: the GGUF file an export was made from
+    "type": "object", "required": ["file", "sha256", "architecture", "quantization"],
+    "description": "the GGUF file's record ({file, sha256, architecture, quantization, file_type, tensor_types})",
+    "properties": {"file": _NAME, "architecture": _NAME, "quantization": _NAME,
+                   "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$", "description": "a SHA-256 (64 hex digits)"},
+                   "file_type": {"type": ["string", "null"], "description": "a string or null"},
+                   "tensor_types": {"type": "object", "additionalProperties": _int(1, "a positive integer"),
+                                    "description": "tensor counts by type"}}}
 SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
@@ -150,7 +159,7 @@ SCHEMA = {
                                   "model": {"type": ["string", "null"], "description": "a string"},
                                   "path": {"type": ["string", "null"], "description": "a path"},
                                   "random_init": {"type": "boolean", "description": "true or false"},
-                                  "seed": _int(null=True)}},
+                                  "seed": _int(null=True), "gguf": _GGUF}},
         "dims": {"type": "object", "required": ["vocab_size"], "description": "an object of model sizes",
                  "properties": {"vocab_size": _int(1, "a positive integer"),
                                 "max_position_embeddings": _int(1, "a positive integer", null=True),

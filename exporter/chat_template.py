@@ -12,9 +12,10 @@ export's ``tokenizer/`` folder; this module then
   hands them to the template (``special_tokens_map``: ``bos_token``, ``eos_token``, ``unk_token``,
   ``pad_token``, ...; the runtime renders with these strings, not with its own reading of the tokenizer's
   configuration) and the tokenizer's ``split_special_tokens`` (how transformers tokenizes the rendered text);
-* checks one conversation end to end: elx's rendering and tokenization (``runners/inputs/chat.py``) must give
-  the ids transformers' ``apply_chat_template(..., add_generation_prompt=True)`` gives, or the export stops
-  with one line (a template elx cannot render as transformers does is never recorded as usable).
+* checks one conversation end to end: elx's rendering and tokenization (``runners/inputs/chat.py``) on the
+  export must give the ids transformers' ``apply_chat_template(..., add_generation_prompt=True)`` gives with the
+  source folder's tokenizer, or the export stops with one line (a template elx cannot render as transformers
+  does is never recorded as usable).
 
 A tokenizer without a template (or with several templates and no default, which transformers would not pick
 from either) records nothing: ``elx generate --chat`` then says so.
@@ -57,17 +58,24 @@ def _check_rendering(tokenizer, record: dict, folder: Path, source: str) -> None
                        "tokenizer_config.json / chat_template.jinja")
 
 
-def save_chat_template(folder: Path) -> dict | None:
-    """The manifest's ``chat_template`` section for the export in ``folder`` (its tokenizer saved in ``tokenizer/``),
-    the template written to ``tokenizer/chat_template.jinja``; None when the tokenizer has no template."""
-    tokenizer_dir = Path(folder) / TOKENIZER_DIR
-    if not (tokenizer_dir / "tokenizer.json").is_file():  # the runtime tokenizes with tokenizer.json only
-        return None
+def _load(folder):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception:  # noqa: BLE001 - a feature extractor alone (no tokenizer): no chat
+        return None
+
+
+def save_chat_template(folder: Path, model_folder: str | None = None) -> dict | None:
+    """The manifest's ``chat_template`` section for the export in ``folder`` (its tokenizer saved in ``tokenizer/``),
+    the template written to ``tokenizer/chat_template.jinja``; None when the tokenizer has no template.  The check
+    compares with ``model_folder``'s tokenizer (the export's own when None or unreadable)."""
+    tokenizer_dir = Path(folder) / TOKENIZER_DIR
+    if not (tokenizer_dir / "tokenizer.json").is_file():  # the runtime tokenizes with tokenizer.json only
+        return None
+    tokenizer = _load(tokenizer_dir)
+    if tokenizer is None:
         return None
     source = _template(tokenizer)
     if source is None:
@@ -80,5 +88,6 @@ def save_chat_template(folder: Path) -> dict | None:
                        "this, with the model's tokenizer files")
     record = {"file": f"{TOKENIZER_DIR}/{TEMPLATE_FILE}", "special_tokens": dict(tokenizer.special_tokens_map),
               "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
-    _check_rendering(tokenizer, record, Path(folder), source)
+    reference = _load(model_folder) if model_folder else None
+    _check_rendering(reference if reference is not None else tokenizer, record, Path(folder), source)
     return record

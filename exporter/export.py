@@ -259,7 +259,7 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
 
                 finish_int8(loaded.model, folder, manifest, report)
             data["has_tokenizer"] = copy_tokenizer(loaded.source.get("path"), folder)
-            chat = save_chat_template(folder) if data["has_tokenizer"] else None  # exporter/chat_template.py
+            chat = save_chat_template(folder, loaded.source.get("path")) if data["has_tokenizer"] else None
             if chat is not None:
                 data["chat_template"] = chat
             finish_folder(folder, manifest, report)

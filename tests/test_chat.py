@@ -139,7 +139,7 @@ def _exported_tokenizer(source: Path, export: Path):
     from elx.exporter.export import copy_tokenizer
 
     assert copy_tokenizer(str(source), export)
-    record = save_chat_template(export)
+    record = save_chat_template(export, str(source))
     assert record is not None and (export / record["file"]).is_file()
     chat = Chat((export / record["file"]).read_text(encoding="utf-8"), record["special_tokens"], Text.load(export),
                 record["split_special_tokens"])
@@ -509,3 +509,34 @@ def test_chat_runs_without_torch_or_transformers(chat_model, tmp_path):
     model, tokenizer, _ = chat_model
     hf, _, _ = _hf_generate(model, tokenizer, [[{"role": "user", "content": "Hi!"}]], max_new_tokens=4)
     assert json.loads(proc.stdout) == hf.tolist()
+
+
+def test_chat_refusals_come_before_heavy_imports(chat_model, tmp_path):
+    """Counted, not timed (as tests/test_fast_refusals.py): each refusal above comes before PyTorch, transformers,
+    onnx and ONNX Runtime are imported."""
+    import subprocess
+    import sys
+
+    from tests.test_fast_refusals import HEAVY, ROOT, RUNNER
+
+    folder, bare = str(chat_model[2]), tmp_path / "no-template"
+    shutil.copytree(folder, bare)
+    manifest = json.loads((bare / "manifest.json").read_text())
+    del manifest["chat_template"]
+    (bare / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "bad.json").write_text('[{"role": "user", "content": 1}]')
+    os.mkfifo(tmp_path / "fifo")
+    cases = [(["generate", folder, "--messages", str(tmp_path / "bad.json")], "content is a number"),
+             (["generate", folder, "--messages", str(tmp_path / "fifo")], "is a FIFO"),
+             (["generate", folder, "--messages", "/dev/zero"], "is a character device"),
+             (["generate", folder, "--messages", str(tmp_path)], "is a directory"),
+             (["generate", folder, "--chat", "hi", "--text", "hi"], "not allowed with argument"),
+             (["generate", str(bare), "--chat", "hi"], "has no chat template")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps([argv for argv, _ in cases]), json.dumps(HEAVY)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for (argv, fragment), result in zip(cases, json.loads(proc.stdout)):
+        err = result["err"].strip()
+        assert result["code"] == 2 and err.startswith("elx: error:") and "\n" not in err and fragment in err, result
+        assert result["heavy"] == [], (argv, result["heavy"])

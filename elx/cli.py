@@ -633,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", action="append", metavar="MESSAGE", help=CHAT_HELP)
     src.add_argument("--messages", metavar="FILE.json",
                      help="conversations for the chat template (as --chat): a JSON list of {\"role\": ..., "
-                          "\"content\": ...} messages, or a list of such lists (a batch, left-padded as HF pads)")
+                          "\"content\": ...} messages, or a list of such lists (a batch, left-padded as HF pads); "
+                          "a regular file of at most 16 MiB")
     src.add_argument("--input-file", help="a dataset: .txt (one text per line), .jsonl (id and text, input_ids or "
                                           "audio per line) or .parquet; results go to --output-file")
     p.add_argument("--format", choices=("human", "jsonl"), default="human",

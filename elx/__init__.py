@@ -7,6 +7,7 @@ The public Python API (heavy modules load on first use)::
     generator = elx.Generator.from_folder(folder)           # ONNX Runtime; no PyTorch needed
     out = generator.generate(input_ids=[[37, 423, 5]], num_beams=4, max_new_tokens=20)
     out.sequences, out.sequences_scores, out.text
+    generator.generate(messages=[{"role": "user", "content": "Hi!"}])  # instruct models: the chat template's prompt
     elx.build_engine(folder, precision="fp16")                # TensorRT engines into folder/engines
     elx.generate_file(folder, "in.jsonl", "out.jsonl", num_beams=4)  # a dataset: batched, pipelined, resumable
 

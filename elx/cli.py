@@ -168,6 +168,14 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                                                                      "(default: all cores)")
 
 
+CHAT_HELP = ("a question to the model's chat template (instruct models; the export recorded the tokenizer's "
+             "template): prompted as transformers' apply_chat_template([{\"role\": \"user\", \"content\": "
+             "MESSAGE}], add_generation_prompt=True) prompts it, and the text printed is the reply; repeatable (one "
+             "conversation each). Generation stops at the generation config's eos_token_id, as in HF generate: a "
+             "template's end-of-turn token outside it (Llama 3's <|eot_id|> beside <|end_of_text|>) does not stop it "
+             "there either; add it with --generation-config '{\"eos_token_id\": [ID, ...]}'")
+
+
 GENERATION_KEYS = ("num_beams", "num_return_sequences", "max_new_tokens", "min_new_tokens", "max_length", "min_length",
                    "length_penalty", "early_stopping", "no_repeat_ngram_size", "language", "task", "do_sample",
                    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
@@ -287,12 +295,16 @@ def cmd_generate(args) -> int:
         source = {"text": args.text}
     elif args.audio:
         source = {"audio": args.audio}
+    elif args.chat or args.messages:  # read and checked before the export is loaded (runners/inputs/chat.py)
+        from elx.runners.inputs.chat import messages_from_file, user_turns
+
+        source = {"messages": user_turns(args.chat) if args.chat else messages_from_file(args.messages)}
     else:
-        raise ElxError("nothing to generate from; pass --input-ids, --text or --audio, or a dataset with "
-                       "--input-file IN --output-file OUT")
+        raise ElxError("nothing to generate from; pass --input-ids, --text, --chat, --messages or --audio, or a "
+                       "dataset with --input-file IN --output-file OUT")
     options = generation_options(args)
     manifest = check_generation(args.folder, options)  # before ONNX Runtime is loaded
-    _check_input_kind(manifest, source)
+    _check_input_kind(manifest, source, "--chat" if args.chat else "--messages")
     from elx.runners.generate import Generator
 
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
@@ -303,8 +315,12 @@ def cmd_generate(args) -> int:
         inputs = {"input_features": out.sequences[:: generator.rules.rows_per_input(out.settings)]}  # the batch
     else:
         inputs = generator.encoder_inputs(**source)
-        out = generator.generate(inputs, **options, streamer=streamer)
-    _print_rows(generator, inputs, out, args.format, with_text=streamer is None)
+        out = generator.generate(inputs, **options, streamer=streamer, decode="messages" not in source)
+    if "messages" in source:  # the text is the assistant's reply (runners/inputs/chat.py)
+        from elx.runners.inputs.chat import replies
+
+        out.text = replies(generator.text, out.sequences, generator.rules, out.settings, inputs)
+    _print_rows(generator, inputs, out, args.format, with_text=streamer is None, redecode="messages" not in source)
     return 0
 
 
@@ -314,14 +330,16 @@ def _note_random_weights(manifest) -> None:
               file=sys.stderr)
 
 
-def _print_rows(generator, inputs: dict, out, form: str, with_text: bool) -> None:
-    """Each row HF generate returns, less a decoder-only prompt's left padding (runners/output_rows.py)."""
+def _print_rows(generator, inputs: dict, out, form: str, with_text: bool, redecode: bool = True) -> None:
+    """Each row HF generate returns, less a decoder-only prompt's left padding (runners/output_rows.py); the text
+    decoded from the tokens shown (``redecode``) or ``out.text`` as it is (chat: the replies)."""
     from elx.runners.output_rows import human_line, json_line, left_padding, output_rows
 
     rules = generator.rules
     padding = left_padding(inputs, prompt_in_sequences=rules.prompt_length(out.settings) is None)
     decode = generator.text.decode if generator.text is not None else None
-    for i, row in enumerate(output_rows(out, rules.rows_per_input(out.settings), padding, decode)):
+    rows = output_rows(out, rules.rows_per_input(out.settings), padding, decode if redecode else None)
+    for i, row in enumerate(rows):
         print(json_line(row) if form == "jsonl" else human_line(row, with_text))
         if out.segments is not None and form != "jsonl":  # Whisper with timestamps: one line per segment
             for segment in out.segments[i]:
@@ -329,12 +347,13 @@ def _print_rows(generator, inputs: dict, out, form: str, with_text: bool) -> Non
                 print(f"  [{segment['start']:.2f} -> {segment['end']:.2f}]{words}")
 
 
-def _check_input_kind(manifest, source: dict) -> None:
+def _check_input_kind(manifest, source: dict, chat_flag: str = "--chat") -> None:
     """The input flag fits the model, said in flags (the Python API's messages name its keywords)."""
+    from elx.runners.inputs.chat import has_template, missing_template
     from elx.runners.inputs.text import TOKENIZER_DIR
 
     takes_audio = "input_features" in manifest.encoder_inputs()
-    flag = {"input_ids": "--input-ids", "text": "--text", "audio": "--audio"}[next(iter(source))]
+    flag = {"input_ids": "--input-ids", "text": "--text", "audio": "--audio", "messages": chat_flag}[next(iter(source))]
     if takes_audio and flag != "--audio":
         raise ElxError(f"this model ({manifest.family}) transcribes audio; pass --audio FILE.wav instead "
                        f"of {flag}")
@@ -343,6 +362,8 @@ def _check_input_kind(manifest, source: dict) -> None:
                        "exports); pass --input-ids or --text")
     if flag == "--text" and not (Path(manifest.folder) / TOKENIZER_DIR / "tokenizer.json").is_file():
         raise ElxError(f"{manifest.folder} has no tokenizer; pass --input-ids instead of --text")
+    if flag == chat_flag and not has_template(manifest):
+        raise missing_template(manifest, "--text")
 
 
 def _stream_printer(generator):
@@ -618,6 +639,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input-ids", help="token ids, space separated; ';' separates batch rows")
     src.add_argument("--text", action="append", help="input text (needs a tokenizer in the folder); repeatable")
     src.add_argument("--audio", action="append", help="a .wav file (Whisper exports); repeatable")
+    src.add_argument("--chat", action="append", metavar="MESSAGE", help=CHAT_HELP)
+    src.add_argument("--messages", metavar="FILE.json",
+                     help="conversations for the chat template (as --chat): a JSON list of {\"role\": ..., "
+                          "\"content\": ...} messages, or a list of such lists (a batch, left-padded as HF pads); "
+                          "a regular file of at most 16 MiB")
     src.add_argument("--input-file", help="a dataset: .txt (one text per line), .jsonl (id and text, input_ids or "
                                           "audio per line) or .parquet; results go to --output-file")
     p.add_argument("--format", choices=("human", "jsonl"), default="human",

@@ -15,6 +15,7 @@ from elx.runners.manifest import FORMAT, VERSION, Manifest
 
 from elx._version import __version__
 from elx.exporter.atomic import check_output, output_path, staged_folder
+from elx.exporter.chat_template import save_chat_template
 from elx.runners.errors import ElxError
 from elx.exporter.decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
 from elx.exporter.onnx_export import export_cross_kv, export_decoder, export_encoder
@@ -261,6 +262,9 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 finish_int8(loaded.model, folder, manifest, report)
             data["has_tokenizer"] = (copy_tokenizer(loaded.source.get("path"), folder) if loaded.save_tokenizer is None
                                      else bool(loaded.save_tokenizer(folder / "tokenizer")))  # GGUF: no folder
+            chat = save_chat_template(folder, loaded.source.get("path")) if data["has_tokenizer"] else None
+            if chat is not None:
+                data["chat_template"] = chat
             finish_folder(folder, manifest, report)
         say_written(report, output, started)
     return output

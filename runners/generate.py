@@ -27,6 +27,7 @@ from elx.runners.search.processors import build_processors
 from elx.runners.search.search import beam_search, greedy_search
 from elx.runners.search.device import for_search_path
 from elx.runners.search.settings import GenerationSettings, resolve_settings
+from elx.runners.inputs.chat import Chat, replies
 from elx.runners.inputs.text import Text, pad_rows
 from elx.runners.inputs.validation import check_memory, typed_encoder_inputs
 
@@ -77,16 +78,21 @@ class Generator:
         """The folder's tokenizer (loaded once), or None."""
         return Text.load(self.manifest.folder) if self.manifest.folder else None
 
+    @cached_property
+    def chat(self) -> Chat:
+        """The folder's chat template with its tokenizer (runners/inputs/chat.py), loaded once; else one line."""
+        return Chat.load(self.manifest, self.text)
+
     def settings(self, **options) -> GenerationSettings:
         return resolve_settings(self.manifest, **options)
 
     def encoder_inputs(self, inputs: dict | None = None, *, input_ids=None, attention_mask=None, text=None,
-                       audio=None, input_features=None) -> dict:
+                       audio=None, input_features=None, messages=None) -> dict:
         """Encoder inputs by role from whichever form the caller used."""
         given = [name for name, v in (("inputs", inputs), ("input_ids", input_ids), ("text", text), ("audio", audio),
-                                      ("input_features", input_features)) if v is not None]
+                                      ("input_features", input_features), ("messages", messages)) if v is not None]
         if len(given) != 1:
-            raise ElxError(f"pass exactly one of inputs, input_ids, text, audio, input_features (got "
+            raise ElxError(f"pass exactly one of inputs, input_ids, text, audio, input_features, messages (got "
                            f"{', '.join(given) or 'none'})")
         roles = self.manifest.encoder_inputs()
         if audio is not None:
@@ -105,20 +111,24 @@ class Generator:
             if self.text is None:
                 raise ElxError(f"{self.manifest.folder} has no tokenizer; pass input_ids instead of text")
             input_ids = self.text.encode([text] if isinstance(text, str) else list(text))
+        if messages is not None:  # the prompt as the model's chat template writes it (runners/inputs/chat.py)
+            input_ids = self.chat.prompt_ids(messages)
         if attention_mask is None and not isinstance(input_ids, np.ndarray):
             return pad_rows([list(map(int, row)) for row in input_ids], self.rules.pad_token(self.manifest),
                             self.rules.padding_side)
         return {"input_ids": input_ids, **({} if attention_mask is None else {"attention_mask": attention_mask})}
 
     def generate(self, inputs: dict | None = None, *, text=None, audio=None, input_ids=None, attention_mask=None,
-                 input_features=None, settings: GenerationSettings | None = None, track_memory: bool = False,
-                 decode: bool = True, **options) -> GenerationOutput:
+                 input_features=None, messages=None, settings: GenerationSettings | None = None,
+                 track_memory: bool = False, decode: bool = True, **options) -> GenerationOutput:
         """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, do_sample, ...) and
         its call arguments (streamer, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, tokenizer,
         decoder_input_ids, generation_config; ``runners/options.py`` lists every option and what elx does with it).
 
         ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
-        writer thread)."""
+        writer thread).  ``messages``: a conversation ([{"role", "content"}, ...]) or a list of them, prompted through
+        the export's chat template as transformers' ``apply_chat_template(..., add_generation_prompt=True)``
+        prompts it; ``text`` is then each row's reply (runners/inputs/chat.py)."""
         check_generate_call(self.manifest, locals())  # runners/arguments.py: types and shapes of every argument
         if settings is None and self.rules.loop:  # a family's own loop (Whisper: timestamps, long-form, detection,
             # fallback run HF's loop, runners/whisper_longform.py), when the call needs it (else None)
@@ -129,7 +139,7 @@ class Generator:
                 return looped
         settings = settings or self.settings(**options)
         inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
-                                     audio=audio, input_features=input_features)
+                                     audio=audio, input_features=input_features, messages=messages)
         inputs = self.rules.prepare_inputs(typed_encoder_inputs(self.manifest, inputs), settings)
         self.rules.check_lengths(self.manifest, inputs, settings)
         prompt = self.rules.prompt(inputs, settings)
@@ -149,7 +159,9 @@ class Generator:
         search = greedy_search if settings.num_beams == 1 else beam_search
         result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt, hooks=hooks)
         sequences = self.rules.output_sequences(result.sequences, settings)
-        text_out = self.text.decode(sequences) if decode and self.text is not None else None
+        text_out = self.text.decode(sequences) if decode and self.text is not None and messages is None else None
+        if decode and messages is not None:  # the replies: a decoder-only row begins with its prompt
+            text_out = replies(self.text, sequences, self.rules, settings, inputs)
         return GenerationOutput(sequences, result.scores, text_out, result.sequences, settings, result.steps,
                                 result.memory, result.step_scores, result.step_logits, result.beam_indices)
 

@@ -186,6 +186,12 @@ SCHEMA = {
                              "properties": {"name": {"type": "string", "description": "a pass name"}}}},
         "first_step_scores": {"type": "string", "description": "a stage output '<graph>:<output>'"},
         "padding_side": {"enum": ["left", "right"], "description": "'left' or 'right'"},
+        "chat_template": {  # exporter/chat_template.py; runners/inputs/chat.py renders it
+            "type": "object", "required": ["file", "special_tokens"],
+            "description": "the chat template's record ({file, special_tokens, split_special_tokens})",
+            "properties": {"file": _FILE, "split_special_tokens": {"type": "boolean", "description": "true or false"},
+                           "special_tokens": {"type": "object", "description": "an object of token strings by name",
+                                              "additionalProperties": {"type": "string", "description": "a string"}}}},
         "precision": {"enum": ["fp32", "fp16", "int8"], "description": "'fp32', 'fp16' or 'int8'"},
         "int8": _INT8,
         "verification": {"type": "object", "description": "the export's verification records",

@@ -135,6 +135,30 @@ _INT8 = {"type": "object", "required": ["graphs", "reduce_range", "lm_head"],
          "properties": {"graphs": {"type": "object", "description": "MatMul counts per decision, by graph"},
                         "reduce_range": {"type": "boolean", "description": "true or false"},
                         "lm_head": {"enum": ["int8", "fp32"], "description": "'int8' or 'fp32'"}}}
+_TEMPLATE_IDS = {"type": "array", "description": "a list of token ids and 'language'",
+                 "items": {"type": ["integer", "string"], "minimum": 0, "pattern": "^language$",
+                           "description": "a token id or 'language'"}}
+_TOKENIZER = {  # exporter/tokenizer_export.py: how the runtime tokenizes, and its check against HF
+    "type": "object", "required": ["class"], "description": "the tokenizer's record ({class, runtime, check} or "
+                                                             "{class, note})",
+    "properties": {"class": {"type": "string", "description": "a tokenizer class name"},
+                   "runtime": {"enum": ["tokenizer.json", "pieces"], "description": "'tokenizer.json' or 'pieces'"},
+                   "check": {"type": "object", "description": "an object of counts",
+                             "additionalProperties": _int()},
+                   "note": {"type": "string", "description": "a string"}}}
+_LANGUAGES = {  # exporter/tokenizer_languages.py: language code -> token id, and how HF uses it
+    "type": "object", "required": ["codes", "target"], "description": "the language table ({codes, target, ...})",
+    "properties": {
+        "tokenizer": {"type": "string", "description": "a tokenizer class name"},
+        "codes": {"type": "object", "minProperties": 1, "description": "an object of token ids by language code",
+                  "additionalProperties": _int(0, "a token id (a non-negative integer)")},
+        "target": {"enum": ["forced_bos_token_id", "decoder_start_token_id", "text_prefix"],
+                   "description": "'forced_bos_token_id', 'decoder_start_token_id' or 'text_prefix'"},
+        "source": {"type": "object", "required": ["prefix", "suffix"], "description": "a template ({prefix, suffix})",
+                   "properties": {"prefix": _TEMPLATE_IDS, "suffix": _TEMPLATE_IDS}},
+        "default_source": {"type": "string", "description": "a language code"},
+        "source_checked": _int(),
+        "source_note": {"type": "string", "description": "a string"}}}
 SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
@@ -176,6 +200,9 @@ SCHEMA = {
                    "items": {"type": "object", "required": ["name"], "description": "a pass record ({name, ...})",
                              "properties": {"name": {"type": "string", "description": "a pass name"}}}},
         "first_step_scores": {"type": "string", "description": "a stage output '<graph>:<output>'"},
+        "has_tokenizer": {"type": "boolean", "description": "true or false"},
+        "tokenizer": _TOKENIZER,
+        "languages": _LANGUAGES,
         "padding_side": {"enum": ["left", "right"], "description": "'left' or 'right'"},
         "precision": {"enum": ["fp32", "fp16", "int8"], "description": "'fp32', 'fp16' or 'int8'"},
         "int8": _INT8,
@@ -354,6 +381,8 @@ def _token_problem(data: dict):
     found += [(("generation_defaults", key), defaults.get(key)) for key in (
         "forced_bos_token_id", "forced_eos_token_id", "no_timestamps_token_id", "suppress_tokens",
         "begin_suppress_tokens")]
+    languages = data.get("languages") or {}
+    found += [(("languages", "codes", code), index) for code, index in (languages.get("codes") or {}).items()]
     for path, value in found:
         for i, token in enumerate(value if isinstance(value, list) else [value]):
             if isinstance(token, int) and not isinstance(token, bool) and token >= vocab:

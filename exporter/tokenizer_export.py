@@ -12,8 +12,13 @@ tokenizer transformers loads from the checkpoint:
   SentencePiece model as a ``tokenizers`` pipeline built by transformers' own ``SpmConverter``
   (``build_tokenizer_from_spm_proto``, the model's normalizer spec, every piece between added tokens prefixed
   as SentencePiece does), the vocabulary as HF's ``convert_tokens_to_ids`` maps piece strings, the ids HF adds
-  around a text, and a ``tokenizer.json`` holding the *target* vocabulary and a SentencePiece decoder;
-* anything else (FSMT's Moses pre-tokenization, a class transformers cannot load): nothing; one note says why.
+  around a text, and a ``tokenizer.json`` holding each id's token as HF decodes it (Marian: the target side)
+  and a SentencePiece decoder;
+* anything else (FSMT's Moses pre-tokenization, ByT5's bytes, a class transformers cannot load): nothing; one
+  note says why.
+
+What HF's ``decode`` does past the tokenizers decoder is recorded too: the Python classes strip the text,
+``clean_up_tokenization`` applies or not, WhisperTokenizer drops a ``<|startofprev|>`` prompt and timestamps.
 
 Then ``exporter/tokenizer_check.py`` holds the runtime's ``Text`` to HF's ``tokenizer(text)`` and
 ``tokenizer.decode(ids, skip_special_tokens=True)`` on a few hundred strings and id rows.  One difference and
@@ -62,12 +67,14 @@ def export_tokenizer(model_folder: str | None, folder: Path, vocab_size: int) ->
     hf, load_error = _save_hf(model_folder, target)
     if hf is None:
         if load_error:
-            result.notes.append(f"the tokenizer was not exported: transformers cannot load it ({load_error}); "
-                                "generate from --input-ids")
+            note = f"transformers cannot load it ({load_error})"
+            result.record = {"note": note}
+            result.notes.append(f"the tokenizer was not exported: {note}; generate from --input-ids")
         return result
     name = type(hf).__name__
     from elx.exporter.tokenizer_languages import language_table
 
+    text = None
     try:
         runtime = write_runtime_files(hf, target, vocab_size)
         text = Text.load(folder)
@@ -75,19 +82,34 @@ def export_tokenizer(model_folder: str | None, folder: Path, vocab_size: int) ->
         specials = [t for t in hf.all_special_tokens if isinstance(t, str)]
         counts, difference = check(hf, text, sample_texts(list(hf.get_vocab()), specials, _codes(hf)), id_rows(ids))
         if difference is not None:
-            raise NotConvertible(f"{name}'s runtime form {difference} "
-                                 f"({counts['texts'] - counts['encode_identical']} of {counts['texts']} texts encode "
-                                 "differently)")
+            raise NotConvertible(f"{name}'s runtime form {difference} ({_failed(counts)})")
         result.has_tokenizer = True
         result.record = {"class": name, "runtime": runtime, "check": counts}
-    except NotConvertible as why:
+    except Exception as why:  # noqa: BLE001 - whatever goes wrong here costs the tokenizer, never the export
+        if not isinstance(why, NotConvertible):
+            why = NotConvertible(f"its conversion failed ({_said(why)})")
         _remove_runtime_files(model_folder, target)
         text = None
         result.record = {"class": name, "note": str(why)}
         result.notes.append(f"the tokenizer was not exported for run time: {why}; generate from --input-ids (the "
                             "graphs are fine)")
-    result.languages = language_table(hf, text)
+    try:
+        result.languages = language_table(hf, text)
+    except Exception as why:  # noqa: BLE001 - the codes are an extra: an error here leaves them out, said once
+        result.notes.append(f"the language codes of {name} were not read ({_said(why)}); --src-lang / --tgt-lang "
+                            "will be refused")
     return result
+
+
+def _said(err: Exception) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:120]}" if lines else type(err).__name__
+
+
+def _failed(counts: dict) -> str:
+    checks = 2 * counts["texts"] + counts["id_rows"]
+    same = counts["encode_identical"] + counts["decode_identical"] + counts["id_rows_identical"]
+    return f"{checks - same} of {checks} checks differ"
 
 
 def _codes(hf) -> list[str]:
@@ -155,7 +177,7 @@ def write_runtime_files(hf, target: Path, vocab_size: int) -> str:
         try:
             convert_slow_tokenizer(hf).save(str(target / "tokenizer.json"))
         except Exception as err:  # noqa: BLE001 - the converter's own refusal
-            raise NotConvertible(f"transformers' converter for {name} failed ({str(err).splitlines()[0][:120]})")
+            raise NotConvertible(f"transformers' converter for {name} failed ({_said(err)})")
         runtime = "tokenizer.json"
     (target / RULES_FILE).write_text(json.dumps(rules, ensure_ascii=False), encoding="utf-8")
     return runtime

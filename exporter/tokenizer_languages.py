@@ -4,25 +4,24 @@ Each multilingual family names its languages in its own tokenizer and uses them 
 the manifest's ``languages`` section from HF's tokenizer so that ``--src-lang`` / ``--tgt-lang``
 (``runners/inputs/languages.py``) do at run time what HF does:
 
-=================  ==========================  ==================================  ===========================
-tokenizer          codes (HF's)                source side (``tokenizer.src_lang``)   target side
-=================  ==========================  ==================================  ===========================
-NllbTokenizer      ``deu_Latn``                ``[code] text </s>``                ``forced_bos_token_id``
-MBart50Tokenizer   ``de_DE``                   ``[code] text </s>``                ``forced_bos_token_id``
-MBartTokenizer     ``de_DE`` (cc25)            ``text </s> [code]``                ``decoder_start_token_id``
-M2M100Tokenizer    ``de`` (token ``__de__``)   ``[code] text </s>``                ``forced_bos_token_id`` (``get_lang_id``)
-MarianTokenizer    ``>>deu<<`` (in its vocab)  --                                  the text starts with the code
-=================  ==========================  ==================================  ===========================
+* ``NllbTokenizer``: codes ``deu_Latn``; source ``[code] text </s>``; target ``forced_bos_token_id``.
+* ``MBart50Tokenizer``: codes ``de_DE``; source ``[code] text </s>``; target ``forced_bos_token_id``.
+* ``MBartTokenizer`` (cc25): codes ``de_DE``; source ``text </s> [code]``; target ``decoder_start_token_id``.
+* ``M2M100Tokenizer``: codes ``de`` (token ``__de__``); source ``[code] text </s>``; target
+  ``forced_bos_token_id`` (``get_lang_id``).
+* ``MarianTokenizer`` (multi-target): codes ``>>deu<<`` (those in its vocabulary); no source code; the target's
+  code starts the text.
 
 The target sides are HF's documented calls (``generate(forced_bos_token_id=tokenizer.convert_tokens_to_ids(code))``,
-M2M100's ``get_lang_id``, mBART-cc25's ``decoder_start_token_id``, Marian's ``">>fra<< text"``).  The source
+M2M100's ``get_lang_id``, Marian's ``">>fra<< text"``) and mBART-cc25's ``decoder_start_token_id`` (as its
+fine-tuned configs' ``task_specific_params`` set it, e.g. ``translation_en_to_ro``).  The source
 side is not assumed but measured: for each code the export sets ``tokenizer.src_lang``, reads which ids HF puts
 before and after a text, checks they form one template with the code's id in one place, and holds
 the runtime's encoding under that template to HF's on a few strings per code.
 """
 from __future__ import annotations
 
-LANGUAGE = "language"  # the template's place for the code's id
+from elx.runners.inputs.languages import LANGUAGE  # the template's place for the code's id
 _PROBE = "a b"
 _STRINGS = ("Hello world.", "日本語 und Straße, 12 €", "")
 
@@ -79,7 +78,8 @@ def _source_side(hf, codes: dict, text) -> tuple[dict, str | None]:
                 return {}, f"the ids {type(hf).__name__} adds for src_lang={code!r} follow no one template"
             template = found
             for string in _STRINGS:
-                specials = tuple([index if t == LANGUAGE else t for t in template[side]] for side in ("prefix", "suffix"))
+                specials = tuple([index if t == LANGUAGE else t for t in template[side]]
+                                 for side in ("prefix", "suffix"))
                 if text.encode([string], specials=specials)[0] != list(hf(string)["input_ids"]):
                     return {}, f"src_lang={code!r} encodes {string!r} otherwise than HF"
                 checked += 1

@@ -139,8 +139,7 @@ _TEMPLATE_IDS = {"type": "array", "description": "a list of token ids and 'langu
                  "items": {"type": ["integer", "string"], "minimum": 0, "pattern": "^language$",
                            "description": "a token id or 'language'"}}
 _TOKENIZER = {  # exporter/tokenizer_export.py: how the runtime tokenizes, and its check against HF
-    "type": "object", "required": ["class"], "description": "the tokenizer's record ({class, runtime, check} or "
-                                                             "{class, note})",
+    "type": "object", "description": "the tokenizer's record ({class, runtime, check} or {class, note})",
     "properties": {"class": {"type": "string", "description": "a tokenizer class name"},
                    "runtime": {"enum": ["tokenizer.json", "pieces"], "description": "'tokenizer.json' or 'pieces'"},
                    "check": {"type": "object", "description": "an object of counts",

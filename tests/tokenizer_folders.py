@@ -59,8 +59,8 @@ def _pieces(path: Path) -> list[str]:
 
 
 def _config(**values) -> dict:
-    """Tiny BART-like dims (tests/conftest.py's) and ``values``."""
-    return dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    """Tiny BART-like dims (tests/conftest.py's, one layer each side: exports take less time) and ``values``."""
+    return dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
                 encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, **values)
 
 
@@ -104,8 +104,9 @@ def nllb(folder: Path) -> dict:
 
     train_spm(folder / "sentencepiece.bpe.model", "bpe")
     # as NLLB's own tokenizer_config.json: the codes are its additional special tokens
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn", "additional_special_tokens": FAIRSEQ_LANGUAGE_CODES}))
+    config = {"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn",
+              "additional_special_tokens": FAIRSEQ_LANGUAGE_CODES}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return dict(architecture="M2M100ForConditionalGeneration", config="M2M100Config", values=_config())
 
 
@@ -147,9 +148,9 @@ FAMILIES = {"marian": marian, "m2m100": m2m100, "nllb": nllb, "mbart": mbart,
             "byt5": byt5}
 
 
-def make_folder(root: Path, family: str, with_model: bool = True, seed: int = 0) -> Path:
+def make_folder(root: Path, family: str, with_model: bool = True, seed: int = 0, **overrides) -> Path:
     """``root/family``: the family's slow tokenizer files and (``with_model``) a tiny random model whose vocabulary
-    holds every id the tokenizer names."""
+    holds every id the tokenizer names (``overrides``: config values, e.g. ``init_std``)."""
     import transformers
 
     folder = root / family
@@ -158,7 +159,7 @@ def make_folder(root: Path, family: str, with_model: bool = True, seed: int = 0)
     spec = FAMILIES[family](folder)
     for name in spec.get("remove", ()):
         (folder / name).unlink()
-    values = dict(spec["values"])
+    values = {**spec["values"], **overrides}
     config = getattr(transformers, spec["config"])
     config(vocab_size=8, **{k: v for k, v in values.items() if k != "vocab_size"}).save_pretrained(folder)
     values.setdefault("vocab_size", _tokenizer_size(folder))

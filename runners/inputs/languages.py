@@ -56,8 +56,9 @@ def choose(manifest, src_lang: str | None = None, tgt_lang: str | None = None, o
     if src_lang is not None:
         source = table.get("source")
         if source is None:
-            why = ("its codes name the target language: use tgt_lang (--tgt-lang)" if table.get("target") == "text_prefix"
-                   else "the export has no tokenizer for run time to put it in the text")
+            why = ("its codes name the target language: use tgt_lang (--tgt-lang)"
+                   if table.get("target") == "text_prefix" else
+                   "the export has no tokenizer for run time to put it in the text")
             raise ElxError(f"{NAMES['src_lang']} cannot be used with this model: {why}")
         index = codes[resolve(codes, src_lang, "src_lang")]
         specials = tuple([index if t == LANGUAGE else int(t) for t in source[side]] for side in ("prefix", "suffix"))
@@ -68,8 +69,8 @@ def choose(manifest, src_lang: str | None = None, tgt_lang: str | None = None, o
             text_prefix = code
         else:
             if (options or {}).get(target) is not None and options[target] != codes[code]:
-                raise ElxError(f"{NAMES['tgt_lang']} sets {target} (to {codes[code]} for {code!r}), which the call also "
-                               f"gives as {options[target]}: pass one of them")
+                raise ElxError(f"{NAMES['tgt_lang']} sets {target} (to {codes[code]} for {code!r}), which the call "
+                               f"also gives as {options[target]}: pass one of them")
             out[target] = codes[code]
     return LanguageChoice(specials, text_prefix, out)
 

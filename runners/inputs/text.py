@@ -68,6 +68,13 @@ class Text:
         return [[*prefix, *encoding.ids, *suffix]
                 for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
+    def stop_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` stop strings are matched on (``runners/search/stop_strings.py``)."""
+        if self.rules.encoder is not None:
+            raise ElxError("stop_strings are not supported yet for this export's tokenizer (SentencePiece pieces "
+                           "looked up in a vocabulary, as Marian's and M2M100's): drop stop_strings")
+        return self.tokenizer
+
     def decode(self, rows) -> list[str]:
         rules = self.rules.decode
         return [rules.text(self.tokenizer.decode(rules.ids([int(t) for t in row]), skip_special_tokens=True))

@@ -1,4 +1,5 @@
-"""What an HF tokenizer does around the ``tokenizers`` pipeline, as ``elx export`` recorded it (``tokenizer/elx_text.json``).
+"""What an HF tokenizer does around the ``tokenizers`` pipeline, as ``elx export`` recorded it
+(``tokenizer/elx_text.json``).
 
 ``tokenizer.json`` holds most of a tokenizer, but not all of what HF's ``tokenizer(text)`` and
 ``tokenizer.decode(ids, skip_special_tokens=True)`` do.  The export writes the rest here, and checks the whole
@@ -87,7 +88,8 @@ class PieceEncoder:
             raw = split.encode("utf-8")
             for token in self.pieces.model.tokenize(split):
                 # SentencePiece names an unknown run by its text, and HF looks that text up in the vocabulary
-                piece = raw[token.offsets[0]:token.offsets[1]].decode("utf-8") if token.id == self.piece_unk else token.value
+                unknown = token.id == self.piece_unk
+                piece = raw[token.offsets[0]:token.offsets[1]].decode("utf-8") if unknown else token.value
                 out.append(self._id(piece))
         return out
 

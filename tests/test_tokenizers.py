@@ -98,11 +98,18 @@ def test_a_wrong_runtime_tokenizer_is_caught(tokenizer_root):
 
 
 def test_marian_encodes_with_the_source_model_and_decodes_the_target_vocabulary(tokenizer_root):
-    """Marian: pieces of source.spm looked up in vocab.json, '>>deu<<' starting a text is one token, and a piece
-    only target.spm has decodes (HF's answers, and the ones the runtime gives)."""
+    """Marian: pieces of source.spm looked up in vocab.json, '>>deu<<' starting a text is one token, a character
+    source.spm does not know is looked up by its text (vocab.json has it from target.spm), and a piece only
+    target.spm has decodes (HF's answers, and the ones the runtime gives)."""
+    from tests.tokenizer_folders import TARGET_ONLY
+
     hf, text, exported = _exported_tokenizer(tokenizer_root, "marian")
     ids = text.encode([">>deu<< kalo mi"])[0]
     assert ids == hf(">>deu<< kalo mi")["input_ids"] and ids[0] == hf.convert_tokens_to_ids(">>deu<<")
+    unknown_to_source = f"ka {TARGET_ONLY[0]}{TARGET_ONLY[0]} {TARGET_ONLY[1]}"
+    ids = text.encode([unknown_to_source])[0]
+    assert ids == hf(unknown_to_source)["input_ids"]
+    assert hf.convert_tokens_to_ids(TARGET_ONLY[1]) in ids and hf.unk_token_id in ids  # a run of two: unknown
     import sentencepiece
 
     source = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_root / "sources" / "marian" / "source.spm"))

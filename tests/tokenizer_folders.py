@@ -38,13 +38,14 @@ def sentences(n: int = 400, seed: int = 0) -> list[str]:
     return out
 
 
-def train_spm(path: Path, model_type: str = "unigram", vocab_size: int = 300, seed: int = 0, **options) -> Path:
-    """A SentencePiece model trained on ``sentences(seed=seed)``, written to ``path``."""
+def train_spm(path: Path, model_type: str = "unigram", vocab_size: int = 300, seed: int = 0, extra: tuple = (),
+              **options) -> Path:
+    """A SentencePiece model trained on ``sentences(seed=seed)`` and ``extra`` lines, written to ``path``."""
     import sentencepiece
 
     prefix = path.with_suffix("")
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences(400, seed)), model_prefix=str(prefix), vocab_size=vocab_size,
+        sentence_iterator=iter(sentences(400, seed) + list(extra)), model_prefix=str(prefix), vocab_size=vocab_size,
         model_type=model_type, character_coverage=1.0, minloglevel=2, num_threads=1, **options)
     Path(f"{prefix}.vocab").unlink()
     Path(f"{prefix}.model").replace(path)
@@ -73,8 +74,12 @@ def _tokenizer_size(folder: Path) -> int:
     return max(ids) + 1
 
 
+TARGET_ONLY = "Жж"  # characters only Marian's target model knows (its source model reads them as unknown)
+
+
 def marian(folder: Path) -> dict:
-    source, target = train_spm(folder / "source.spm", seed=0), train_spm(folder / "target.spm", seed=1)
+    source = train_spm(folder / "source.spm", seed=0)
+    target = train_spm(folder / "target.spm", seed=1, extra=tuple(f"{c}a {c}o ba{c}" for c in TARGET_ONLY))
     vocab = {"</s>": 0, "<unk>": 1, ">>deu<<": 2, ">>fra<<": 3, ">>spa<<": 4}
     for piece in _pieces(source) + _pieces(target):
         if piece not in vocab and piece != "<s>":

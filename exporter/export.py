@@ -115,17 +115,19 @@ def export_graphs(model, family, folder: Path, manifest: dict, progress: Progres
     manifest["graphs"]["decoder"], manifest["cache"]["self"] = traced("decoder", export_decoder)
 
 
-def copy_tokenizer(model_folder: str | None, folder: Path, data: dict, report: Progress | None = None) -> bool:
+def copy_tokenizer(model_folder: str | None, folder: Path, data: dict | None = None,
+                   report: Progress | None = None) -> bool:
     """Save the source's tokenizer/feature extractor next to the graphs, in the form the runtime reads, checked
     against HF (``exporter/tokenizer_export.py``); record ``has_tokenizer``, ``tokenizer`` and ``languages`` in
-    ``data`` and say each note in one line.
+    ``data`` (the manifest being written) and say each note in one line.
 
     A Whisper folder's processor (tokenizer + ``WhisperFeatureExtractor``) is saved whole: the
     runners read the feature extractor from ``tokenizer/`` for ``--audio``.
     """
     from elx.exporter.tokenizer_export import export_tokenizer
 
-    exported = export_tokenizer(model_folder, folder, data["dims"]["vocab_size"])
+    data = {} if data is None else data
+    exported = export_tokenizer(model_folder, folder, data.get("dims", {}).get("vocab_size"))
     data["has_tokenizer"] = exported.has_tokenizer
     data.update({k: v for k, v in (("tokenizer", exported.record), ("languages", exported.languages)) if v})
     for note in exported.notes if report is not None else ():

@@ -57,9 +57,10 @@ class TokenizerExport:
     notes: list = field(default_factory=list)
 
 
-def export_tokenizer(model_folder: str | None, folder: Path, vocab_size: int) -> TokenizerExport:
+def export_tokenizer(model_folder: str | None, folder: Path, vocab_size: int | None = None) -> TokenizerExport:
     """Save the source's tokenizer (or processor) into ``folder/tokenizer``, add what the runtime needs, check it,
-    and read its language codes; ``vocab_size``: the model's output vocabulary (the ids generation can emit)."""
+    and read its language codes; ``vocab_size``: the model's output vocabulary (the ids generation can emit; None:
+    the ids the tokenizer names)."""
     result = TokenizerExport()
     if not model_folder or not any((Path(model_folder) / n).is_file() for n in TOKENIZER_NAMES):
         return result
@@ -150,7 +151,7 @@ def _remove_runtime_files(model_folder: str, target: Path) -> None:
         pass
 
 
-def write_runtime_files(hf, target: Path, vocab_size: int) -> str:
+def write_runtime_files(hf, target: Path, vocab_size: int | None) -> str:
     """Write ``tokenizer.json`` and ``elx_text.json`` for ``hf``; return how the runtime encodes
     (``tokenizer.json`` or ``pieces``); ``NotConvertible`` when no exact form exists."""
     name = type(hf).__name__
@@ -191,7 +192,7 @@ def _clean_up(hf) -> bool:
     return wanted
 
 
-def _piece_files(hf, spm_file: Path, language_prefix: bool, target: Path, vocab_size: int) -> dict:
+def _piece_files(hf, spm_file: Path, language_prefix: bool, target: Path, vocab_size: int | None) -> dict:
     """The encoder of a pieces-and-vocabulary tokenizer (``runners/inputs/text_rules.py``'s ``PieceEncoder``) and
     ``tokenizer.json`` as its decoder; returns the ``encoder`` section of ``elx_text.json``."""
     from tokenizers import AddedToken, Tokenizer, decoders
@@ -231,7 +232,9 @@ def _piece_files(hf, spm_file: Path, language_prefix: bool, target: Path, vocab_
     # decoding: each id's token as HF names it (Marian: the target vocabulary), skipped when special, then the
     # SentencePiece text (▁ for spaces; "strip" in elx_text.json)
     names = {}
-    for index in range(vocab_size):
+    named = [*hf.get_vocab().values(), *getattr(hf, "lang_token_to_id", {}).values(),
+             *(i for i in getattr(hf, "decoder", {}) if isinstance(i, int))]  # Marian's target ids, M2M100's
+    for index in range(max(vocab_size or 0, max(named) + 1)):
         try:
             token = hf.convert_ids_to_tokens(index)
         except (IndexError, KeyError, ValueError):

@@ -116,6 +116,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="the first generated token (mBART-50, NLLB/M2M100: the target language's id)")
     g.add_argument("--decoder-start-token-id", type=int, metavar="ID",
                    help="the token the decoder starts with (mBART-cc25: the target language's id)")
+    g.add_argument("--tgt-lang", metavar="CODE",
+                   help="the target language as the model's HF tokenizer names it (NLLB deu_Latn, mBART de_DE, M2M100 "
+                        "de, multi-target Marian deu or >>deu<<), used as HF does: forced_bos_token_id, mBART-cc25's "
+                        "decoder_start_token_id, or Marian's code starting the text")
     g.add_argument("--language", help="Whisper: spoken language, e.g. en or english (multilingual models; "
                                       "default: detected, as HF does)")
     g.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe (default) or translate")
@@ -159,6 +163,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                        help="stop a sequence when its text ends with TEXT (needs the export's tokenizer); repeatable")
         g.add_argument("--stream", action="store_true",
                        help="print the text while it is generated (one input, greedy or sampling)")
+        g.add_argument("--src-lang", metavar="CODE",
+                       help="the language of --text (NLLB, mBART, M2M100: its token where tokenizer.src_lang puts it)")
     r = p.add_argument_group("runtime")
     r.add_argument("--backend", choices=("ort", "ort-io", "tensorrt"), default="ort",
                    help="ort: ONNX Runtime (default); ort-io: ONNX Runtime with IOBinding (tensors stay on the "
@@ -305,6 +311,7 @@ def cmd_generate(args) -> int:
     options = generation_options(args)
     manifest = check_generation(args.folder, options)  # before ONNX Runtime is loaded
     _check_input_kind(manifest, source, "--chat" if args.chat else "--messages")
+    languages = _languages(args, manifest, options)
     from elx.runners.generate import Generator
 
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
@@ -314,7 +321,7 @@ def cmd_generate(args) -> int:
         out = generator.generate(audio=source["audio"], **options, streamer=streamer)
         inputs = {"input_features": out.sequences[:: generator.rules.rows_per_input(out.settings)]}  # the batch
     else:
-        inputs = generator.encoder_inputs(**source)
+        inputs = generator.encoder_inputs(**source, languages=languages)
         out = generator.generate(inputs, **options, streamer=streamer, decode="messages" not in source)
     if "messages" in source:  # the text is the assistant's reply (runners/inputs/chat.py)
         from elx.runners.inputs.chat import replies
@@ -322,6 +329,18 @@ def cmd_generate(args) -> int:
         out.text = replies(generator.text, out.sequences, generator.rules, out.settings, inputs)
     _print_rows(generator, inputs, out, args.format, with_text=streamer is None, redecode="messages" not in source)
     return 0
+
+
+def _languages(args, manifest, options: dict, where: str | None = None):
+    """``--src-lang`` / ``--tgt-lang`` against the export's language table (runners/inputs/languages.py); their
+    generate options go into ``options``.  ``where``: a command that has no text to put a code into."""
+    from elx.runners.inputs.languages import choose
+
+    languages = choose(manifest, getattr(args, "src_lang", None), args.tgt_lang, options)
+    if languages is not None and languages.needs_text and where is not None:
+        raise ElxError(f"{where}: this model's --tgt-lang or --src-lang goes into a text's tokens; drop it")
+    options.update(languages.options if languages is not None else {})
+    return languages
 
 
 def _note_random_weights(manifest) -> None:
@@ -400,11 +419,11 @@ DATASET_KEYS = ("output_file", "batch_size", "max_tokens_per_batch", "sort_windo
 def cmd_generate_file(args) -> int:
     if not args.output_file:
         raise ElxError("--input-file needs --output-file OUT (JSONL results)")
-    check_generation(args.folder, generation_options(args))  # before ONNX Runtime is loaded
+    options = generation_options(args)
+    manifest = check_generation(args.folder, options)  # before ONNX Runtime is loaded
+    _languages(args, manifest, options, "--input-file does not put language codes into its texts yet")
     if not args.quiet:
-        from elx.runners.manifest import Manifest
-
-        _note_random_weights(Manifest.load(args.folder))
+        _note_random_weights(manifest)
     from elx.runners.dataset.pipeline import DEFAULT_BATCH_SIZE, generate_file
 
     batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
@@ -414,7 +433,7 @@ def cmd_generate_file(args) -> int:
             max_tokens_per_batch=args.max_tokens_per_batch, window=args.sort_window, resume=args.resume,
             force=args.force, skip_bad=args.skip_bad, progress="none" if args.quiet else "auto", threads=args.threads,
             backend=args.backend, device=args.device,
-            ray=args.ray, ray_actors=args.ray_actors, ray_ship=args.ray_ship, **generation_options(args))
+            ray=args.ray, ray_actors=args.ray_actors, ray_ship=args.ray_ship, **options)
     except (KeyboardInterrupt, Terminated) as stop:
         signum = stop.signum if isinstance(stop, Terminated) else signal.SIGINT
         print(f"elx: error: interrupted by {signal.Signals(signum).name}; the finished lines are in "
@@ -429,13 +448,14 @@ def cmd_generate_file(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    check_generation(args.folder, generation_options(args))  # before PyTorch and transformers are imported
+    options = generation_options(args)
+    manifest = check_generation(args.folder, options)  # before PyTorch and transformers are imported
+    _languages(args, manifest, options, "elx compare draws random input ids")
     from elx.exporter.compare import compare, format_report
     from elx.runners.manifest import Manifest
 
     report = compare(args.folder, batch_size=args.batch_size, input_length=args.input_length, seed=args.seed,
-                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device,
-                     **generation_options(args))
+                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device, **options)
     print(format_report(report, Manifest.load(args.folder).pass_names()))
     return 0 if report.passed else 1
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from elx.runners.errors import ElxError
+from elx.runners.inputs.text_rules import FILES as TEXT_RULE_FILES
 from elx.runners.manifest import FILENAME, FORMAT
 from elx.runners.output_lock import dead_siblings, output_lock, signals_deferred, temp_sibling, write_failure
 
@@ -69,7 +70,7 @@ TOKENIZER_FILES = frozenset({
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
     "source.spm", "target.spm", "target_vocab.json", "normalizer.json", "preprocessor_config.json",
-    "processor_config.json"})
+    "processor_config.json", *TEXT_RULE_FILES})  # and what exporter/tokenizer_export.py adds for the runtime
 
 
 def _engine_files(section: dict) -> set[str]:

@@ -116,25 +116,24 @@ def export_graphs(model, family, folder: Path, manifest: dict, progress: Progres
     manifest["graphs"]["decoder"], manifest["cache"]["self"] = traced("decoder", export_decoder)
 
 
-def copy_tokenizer(model_folder: str | None, folder: Path) -> bool:
-    """Save the source's tokenizer/feature extractor next to the graphs, when it has one.
+def copy_tokenizer(model_folder: str | None, folder: Path, data: dict | None = None,
+                   report: Progress | None = None) -> bool:
+    """Save the source's tokenizer/feature extractor next to the graphs, in the form the runtime reads, checked
+    against HF (``exporter/tokenizer_export.py``); record ``has_tokenizer``, ``tokenizer`` and ``languages`` in
+    ``data`` (the manifest being written) and say each note in one line.
 
     A Whisper folder's processor (tokenizer + ``WhisperFeatureExtractor``) is saved whole: the
     runners read the feature extractor from ``tokenizer/`` for ``--audio``.
     """
-    names = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json", "sentencepiece.bpe.model",
-             "preprocessor_config.json")
-    if not model_folder or not any((Path(model_folder) / n).is_file() for n in names):
-        return False
-    from transformers import AutoFeatureExtractor, AutoProcessor, AutoTokenizer
+    from elx.exporter.tokenizer_export import export_tokenizer
 
-    for loader in (AutoProcessor, AutoTokenizer, AutoFeatureExtractor):
-        try:
-            loader.from_pretrained(model_folder, local_files_only=True).save_pretrained(folder / "tokenizer")
-            return True
-        except Exception:  # noqa: BLE001 - no tokenizer is fine
-            continue
-    return False
+    data = {} if data is None else data
+    exported = export_tokenizer(model_folder, folder, data.get("dims", {}).get("vocab_size"))
+    data["has_tokenizer"] = exported.has_tokenizer
+    data.update({k: v for k, v in (("tokenizer", exported.record), ("languages", exported.languages)) if v})
+    for note in exported.notes if report is not None else ():
+        report.say(f"elx: note: {note}")
+    return exported.has_tokenizer
 
 
 def run_passes(folder: Path, manifest: Manifest, requests: list, progress: Progress | None = None,
@@ -260,8 +259,10 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 from elx.exporter.precision_int8_export import finish as finish_int8
 
                 finish_int8(loaded.model, folder, manifest, report)
-            data["has_tokenizer"] = (copy_tokenizer(loaded.source.get("path"), folder) if loaded.save_tokenizer is None
-                                     else bool(loaded.save_tokenizer(folder / "tokenizer")))  # GGUF: no folder
+            if loaded.save_tokenizer is None:
+                copy_tokenizer(loaded.source.get("path"), folder, data, report)
+            else:  # GGUF: no folder
+                data["has_tokenizer"] = bool(loaded.save_tokenizer(folder / "tokenizer"))
             chat = save_chat_template(folder, loaded.source.get("path")) if data["has_tokenizer"] else None
             if chat is not None:
                 data["chat_template"] = chat

@@ -113,7 +113,8 @@ SPECS = {
                "prompt_cache": string(optional=True)},
     "from_folder": {"folder": path(), "backend": string(), "device": string(), "threads": _OPTIONAL_POSITIVE,
                     "device_id": integer(0)},
-    "generate": {"settings": settings_object, "track_memory": boolean, "decode": boolean},
+    "generate": {"settings": settings_object, "track_memory": boolean, "decode": boolean,
+                 "src_lang": string(optional=True), "tgt_lang": string(optional=True)},
     "generate_file": {"folder": path(), "input_file": path(), "output_file": path(), "batch_size": _POSITIVE,
                       "max_tokens_per_batch": _OPTIONAL_POSITIVE, "sort": boolean, "window": _OPTIONAL_POSITIVE,
                       "pipeline": boolean, "resume": boolean, "force": boolean, "skip_bad": boolean,
@@ -127,7 +128,8 @@ SPECS = {
 
 
 # arguments the command line also passes, under another name: messages name both
-_FLAGS = {"generate_file": {"batch_size": "--batch-size", "max_tokens_per_batch": "--max-tokens-per-batch",
+_FLAGS = {"generate": {"src_lang": "--src-lang", "tgt_lang": "--tgt-lang"},
+          "generate_file": {"batch_size": "--batch-size", "max_tokens_per_batch": "--max-tokens-per-batch",
                             "window": "--sort-window", "ray_actors": "--ray-actors"},
           "build_engine": {"max_batch_size": "--max-batch-size", "max_beams": "--max-beams",
                            "max_input_length": "--max-input-length", "max_new_tokens": "--max-new-tokens"}}

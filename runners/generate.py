@@ -28,6 +28,7 @@ from elx.runners.search.search import beam_search, greedy_search
 from elx.runners.search.device import for_search_path
 from elx.runners.search.settings import GenerationSettings, resolve_settings
 from elx.runners.inputs.chat import Chat, replies
+from elx.runners.inputs.languages import choose as choose_languages
 from elx.runners.inputs.text import Text, pad_rows
 from elx.runners.inputs.validation import check_memory, typed_encoder_inputs
 
@@ -87,8 +88,9 @@ class Generator:
         return resolve_settings(self.manifest, **options)
 
     def encoder_inputs(self, inputs: dict | None = None, *, input_ids=None, attention_mask=None, text=None,
-                       audio=None, input_features=None, messages=None) -> dict:
-        """Encoder inputs by role from whichever form the caller used."""
+                       audio=None, input_features=None, messages=None, languages=None) -> dict:
+        """Encoder inputs by role from whichever form the caller used; ``languages``: the source side of
+        ``src_lang`` / ``tgt_lang`` (``runners/inputs/languages.py``), for text."""
         given = [name for name, v in (("inputs", inputs), ("input_ids", input_ids), ("text", text), ("audio", audio),
                                       ("input_features", input_features), ("messages", messages)) if v is not None]
         if len(given) != 1:
@@ -103,6 +105,8 @@ class Generator:
             return features_from_files(self.manifest.folder, audio)
         if input_features is not None:
             return {"input_features": input_features}
+        if languages is not None and languages.needs_text and text is None:
+            languages.refuse_without_text()
         if inputs is not None:
             return dict(inputs)
         if "input_ids" not in roles:
@@ -110,7 +114,11 @@ class Generator:
         if text is not None:
             if self.text is None:
                 raise ElxError(f"{self.manifest.folder} has no tokenizer; pass input_ids instead of text")
-            input_ids = self.text.encode([text] if isinstance(text, str) else list(text))
+            texts = [text] if isinstance(text, str) else list(text)
+            specials = None
+            if languages is not None:
+                texts, specials = languages.texts(texts), languages.specials
+            input_ids = self.text.encode(texts, specials=specials)
         if messages is not None:  # the prompt as the model's chat template writes it (runners/inputs/chat.py)
             input_ids = self.chat.prompt_ids(messages)
         if attention_mask is None and not isinstance(input_ids, np.ndarray):
@@ -120,7 +128,8 @@ class Generator:
 
     def generate(self, inputs: dict | None = None, *, text=None, audio=None, input_ids=None, attention_mask=None,
                  input_features=None, messages=None, settings: GenerationSettings | None = None,
-                 track_memory: bool = False, decode: bool = True, **options) -> GenerationOutput:
+                 track_memory: bool = False, decode: bool = True, src_lang: str | None = None,
+                 tgt_lang: str | None = None, **options) -> GenerationOutput:
         """Generate as HF ``generate`` does, with its option names (num_beams, max_new_tokens, do_sample, ...) and
         its call arguments (streamer, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, tokenizer,
         decoder_input_ids, generation_config; ``runners/options.py`` lists every option and what elx does with it).
@@ -128,8 +137,17 @@ class Generator:
         ``decode=False`` leaves ``text`` None (a caller that detokenizes elsewhere, e.g. the dataset pipeline's
         writer thread).  ``messages``: a conversation ([{"role", "content"}, ...]) or a list of them, prompted through
         the export's chat template as transformers' ``apply_chat_template(..., add_generation_prompt=True)``
-        prompts it; ``text`` is then each row's reply (runners/inputs/chat.py)."""
+        prompts it; ``text`` is then each row's reply (runners/inputs/chat.py).  ``src_lang`` / ``tgt_lang``:
+        language codes as the model's HF tokenizer names them (``deu_Latn``, ``de_DE``, ``de``, ``>>deu<<``), used
+        as HF uses them (``runners/inputs/languages.py``)."""
         check_generate_call(self.manifest, locals())  # runners/arguments.py: types and shapes of every argument
+        languages = choose_languages(self.manifest, src_lang, tgt_lang, options)
+        if languages is not None and languages.options:
+            if settings is not None:
+                (name, value), = languages.options.items()
+                raise ElxError(f"tgt_lang sets {name}, which settings= fixes already: give Generator.settings(...) "
+                               f"{name}={value}, or drop settings=")
+            options = {**options, **languages.options}
         if settings is None and self.rules.loop:  # a family's own loop (Whisper: timestamps, long-form, detection,
             # fallback run HF's loop, runners/whisper_longform.py), when the call needs it (else None)
             looped = importlib.import_module(self.rules.loop).run_loop(
@@ -139,7 +157,8 @@ class Generator:
                 return looped
         settings = settings or self.settings(**options)
         inputs = self.encoder_inputs(inputs, input_ids=input_ids, attention_mask=attention_mask, text=text,
-                                     audio=audio, input_features=input_features, messages=messages)
+                                     audio=audio, input_features=input_features, messages=messages,
+                                     languages=languages)
         inputs = self.rules.prepare_inputs(typed_encoder_inputs(self.manifest, inputs), settings)
         self.rules.check_lengths(self.manifest, inputs, settings)
         prompt = self.rules.prompt(inputs, settings)

@@ -81,7 +81,7 @@ def _stop_tokenizer(args: CallArguments, text):
         return backend
     if text is None:
         raise ElxError("stop_strings need a tokenizer: this export has none; pass tokenizer=")
-    return text.tokenizer
+    return text.stop_tokenizer()
 
 
 def processor_inputs(manifest, inputs: dict, args: CallArguments) -> ProcessorInputs:

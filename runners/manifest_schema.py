@@ -144,6 +144,29 @@ _GGUF = {  # exporter/gguf/metadata.py: the GGUF file an export was made from
                    "file_type": {"type": ["string", "null"], "description": "a string or null"},
                    "tensor_types": {"type": "object", "additionalProperties": _int(1, "a positive integer"),
                                     "description": "tensor counts by type"}}}
+_TEMPLATE_IDS = {"type": "array", "description": "a list of token ids and 'language'",
+                 "items": {"type": ["integer", "string"], "minimum": 0, "pattern": "^language$",
+                           "description": "a token id or 'language'"}}
+_TOKENIZER = {  # exporter/tokenizer_export.py: how the runtime tokenizes, and its check against HF
+    "type": "object", "description": "the tokenizer's record ({class, runtime, check} or {class, note})",
+    "properties": {"class": {"type": "string", "description": "a tokenizer class name"},
+                   "runtime": {"enum": ["tokenizer.json", "pieces"], "description": "'tokenizer.json' or 'pieces'"},
+                   "check": {"type": "object", "description": "an object of counts",
+                             "additionalProperties": _int()},
+                   "note": {"type": "string", "description": "a string"}}}
+_LANGUAGES = {  # exporter/tokenizer_languages.py: language code -> token id, and how HF uses it
+    "type": "object", "required": ["codes", "target"], "description": "the language table ({codes, target, ...})",
+    "properties": {
+        "tokenizer": {"type": "string", "description": "a tokenizer class name"},
+        "codes": {"type": "object", "minProperties": 1, "description": "an object of token ids by language code",
+                  "additionalProperties": _int(0, "a token id (a non-negative integer)")},
+        "target": {"enum": ["forced_bos_token_id", "decoder_start_token_id", "text_prefix"],
+                   "description": "'forced_bos_token_id', 'decoder_start_token_id' or 'text_prefix'"},
+        "source": {"type": "object", "required": ["prefix", "suffix"], "description": "a template ({prefix, suffix})",
+                   "properties": {"prefix": _TEMPLATE_IDS, "suffix": _TEMPLATE_IDS}},
+        "default_source": {"type": "string", "description": "a language code"},
+        "source_checked": _int(),
+        "source_note": {"type": "string", "description": "a string"}}}
 SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
@@ -185,6 +208,9 @@ SCHEMA = {
                    "items": {"type": "object", "required": ["name"], "description": "a pass record ({name, ...})",
                              "properties": {"name": {"type": "string", "description": "a pass name"}}}},
         "first_step_scores": {"type": "string", "description": "a stage output '<graph>:<output>'"},
+        "has_tokenizer": {"type": "boolean", "description": "true or false"},
+        "tokenizer": _TOKENIZER,
+        "languages": _LANGUAGES,
         "padding_side": {"enum": ["left", "right"], "description": "'left' or 'right'"},
         "chat_template": {  # exporter/chat_template.py; runners/inputs/chat.py renders it
             "type": "object", "required": ["file", "special_tokens"],
@@ -372,6 +398,8 @@ def _token_problem(data: dict):
     found += [(("generation_defaults", key), defaults.get(key)) for key in (
         "forced_bos_token_id", "forced_eos_token_id", "no_timestamps_token_id", "suppress_tokens",
         "begin_suppress_tokens")]
+    languages = data.get("languages") or {}
+    found += [(("languages", "codes", code), index) for code, index in (languages.get("codes") or {}).items()]
     for path, value in found:
         for i, token in enumerate(value if isinstance(value, list) else [value]):
             if isinstance(token, int) and not isinstance(token, bool) and token >= vocab:

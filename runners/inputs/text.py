@@ -4,7 +4,9 @@ No transformers at run time: ``elx export`` saves the source's fast tokenizer, w
 ``tokenizer.json`` holds the whole pipeline (normalizer, pre-tokenizer, model, post-processor
 adding special tokens, decoder), so ``Tokenizer.encode`` gives what HF's ``tokenizer(text)``
 gives.  Decoding skips special tokens and applies HF's ``clean_up_tokenization`` when the saved
-``tokenizer_config.json`` asks for it (HF skips it for BPE models, and so does elx).
+``tokenizer_config.json`` asks for it (HF skips it for BPE models, and so does elx).  What else HF does around
+the pipeline (Marian's and M2M100's SentencePiece pieces looked up in a vocabulary, a stripped or filtered
+decoded text) the export records in ``tokenizer/elx_text.json`` (``runners/inputs/text_rules.py``).
 """
 from __future__ import annotations
 
@@ -14,18 +16,18 @@ from pathlib import Path
 import numpy as np
 
 from elx.runners.errors import ElxError
+from elx.runners.inputs.text_rules import DecodeRules, TextRules
 from elx.runners.inputs.validation import check_token_rows
 
 TOKENIZER_DIR = "tokenizer"
-_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 class Text:
     """The tokenizer of one export folder, loaded once."""
 
-    def __init__(self, tokenizer, clean_up: bool):
+    def __init__(self, tokenizer, clean_up: bool, rules: TextRules | None = None):
         self.tokenizer, self.clean_up = tokenizer, clean_up
+        self.rules = rules or TextRules(DecodeRules(clean_up=clean_up))
 
     @classmethod
     def load(cls, folder) -> "Text | None":
@@ -45,23 +47,38 @@ class Text:
                 config = json.loads((path / "tokenizer_config.json").read_text())
             except (OSError, json.JSONDecodeError):
                 config = {}
+        rules = TextRules.load(path)
+        if rules is not None:
+            return cls(tokenizer, rules.decode.clean_up, rules)
         is_bpe = type(tokenizer.model).__name__ == "BPE"
         clean_up = bool(config.get("clean_up_tokenization_spaces")) and (
             not is_bpe or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
         return cls(tokenizer, clean_up)
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts))]
+    def encode(self, texts: list[str], specials: tuple | None = None) -> list[list[int]]:
+        """HF's ``tokenizer(text)["input_ids"]`` of each text; ``specials`` = (prefix ids, suffix ids) in place of
+        the special tokens the tokenizer adds by itself (a source language's, ``runners/inputs/languages.py``)."""
+        encoder = self.rules.encoder
+        if encoder is not None:
+            prefix, suffix = specials or (self.rules.prefix, self.rules.suffix)
+            return [[*prefix, *encoder.encode(text), *suffix] for text in texts]
+        if specials is None:
+            return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts))]
+        prefix, suffix = specials
+        return [[*prefix, *encoding.ids, *suffix]
+                for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def stop_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` stop strings are matched on (``runners/search/stop_strings.py``)."""
+        if self.rules.encoder is not None:
+            raise ElxError("stop_strings are not supported yet for this export's tokenizer (SentencePiece pieces "
+                           "looked up in a vocabulary, as Marian's and M2M100's): drop stop_strings")
+        return self.tokenizer
 
     def decode(self, rows) -> list[str]:
-        out = []
-        for row in rows:
-            text = self.tokenizer.decode([int(t) for t in row], skip_special_tokens=True)
-            if self.clean_up:
-                for before, after in _CLEANUPS:
-                    text = text.replace(before, after)
-            out.append(text)
-        return out
+        rules = self.rules.decode
+        return [rules.text(self.tokenizer.decode(rules.ids([int(t) for t in row]), skip_special_tokens=True))
+                for row in rows]
 
 
 def token_rows(text: str) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Issue 39's "Measure": the real SmolLM2-135M-Instruct run by HF, elx and its peers, side by side.
 
-The full run (the lead's, on a quiet machine; about an hour at 5 repeats)::
+The full run (on a quiet machine: tens of minutes at 5 repeats, plus the peers' conversions the first time)::
 
     python tools/measure_real_llm.py \\
         --hf /work/models/smollm2-135m-instruct \\
@@ -26,8 +26,9 @@ What it measures, and why so:
   ``min_length = max_length = prompt + N``, CTranslate2 ``min_length = max_length = N`` (prompt not counted),
   llama.cpp a logit bias of -inf on HF's EOS ids in its sampler chain before its greedy sampler, N steps.
   Each system's rows are checked to hold exactly N new tokens.
-* **One process per system** (``python tools/measure_real_llm.py --child SPEC``), reaped with ``os.wait4`` so that
-  its peak RSS (``ru_maxrss``) is its own: imports, model load, warm-up and the timed runs.  Conversions run
+* **One process per system** (``python tools/measure_real_llm.py --child SPEC``), so that its peak RSS is its own:
+  imports, model load, warm-up and the timed runs.  Peak RSS is the child's ``VmHWM`` (``/proc/self/status``);
+  ``os.wait4``'s ``ru_maxrss`` for the child is kept beside it in the JSON (see ``spawn``).  Conversions run
   before, in processes of their own, and are cached under ``--work`` (rebuilt when their source or recipe
   changes).  2 threads each (``--threads``): ``torch.set_num_threads``, elx ``threads=``, ORT/GenAI
   ``intra_op_num_threads``, CTranslate2 ``intra_threads``, llama.cpp ``n_threads``/``n_threads_batch``; and
@@ -41,8 +42,11 @@ Systems (``--systems``, all by default):
 
 * ``hf``: transformers ``generate`` in PyTorch fp32 (sdpa attention, the default), the reference.
 * ``elx-fp32`` / ``elx-int8``: ``elx.Generator.from_folder(dir, threads=2).generate(input_ids=...,
-  decode=False, ...)`` on the two exports (their manifests' precision and prompt cache are reported).  elx's beam
-  search imports PyTorch for HF's log-softmax rounding (``runners/search/log_softmax.py``): that is in its RSS.
+  decode=False, ...)`` on the two exports (their manifests' precision and prompt cache are reported).  elx imports
+  PyTorch where it is installed (HF's log-softmax rounding, ``runners/search/log_softmax.py``; its search-path
+  choice asks for it in greedy search too, ``runners/search/device.py``): that import is in elx's RSS, and the
+  JSON has ``torch_import_rss_mb`` (``import torch`` alone in a fresh process) to read it against.  The children
+  inherit this process's environment (``ELX_LOG_SOFTMAX`` and the like pass through).
 * ``genai-fp32`` / ``genai-int8`` / ``genai-int4``: onnxruntime-genai's model builder
   (``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32|int8|int4 -e cpu``, its defaults: block 32,
   ``accuracy_level`` 4 on the CPU, i.e. int8 activations for int4/int8) and its own search, its config as the
@@ -199,7 +203,7 @@ def prepare(system: str, args) -> dict:
     if family == "llamacpp":
         kind = system.split("-")[1]
         if kind == "q4_1":
-            return {"model": str(args.gguf), "kv_f32": False}
+            return {"model": str(args.gguf), "kv_f32": False, "gguf_types": _gguf_types(args.gguf)}
         folder = work / system
         out = folder / f"{Path(args.gguf).stem}.{kind}.gguf"
         source = _identity(args.gguf)
@@ -207,8 +211,16 @@ def prepare(system: str, args) -> dict:
             _run_step([sys.executable, __file__, "--quantize-gguf", str(args.gguf), str(out), kind],
                       f"llama.cpp quantize ({kind})")
             (folder / "source.json").write_text(json.dumps(source))
-        return {"model": str(out), "kv_f32": kind == "f32"}
+        return {"model": str(out), "kv_f32": kind == "f32", "gguf_types": _gguf_types(out)}
     raise AssertionError(system)
+
+
+def _import_rss_mb(module: str) -> float | None:
+    """The peak RSS of a fresh process that imports ``module`` and nothing else (None when it cannot)."""
+    code = f"import {module}, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
+           f"from measure_real_llm import vm_hwm_mb; print(vm_hwm_mb())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return float(proc.stdout) if proc.returncode == 0 else None
 
 
 def _manifest_facts(manifest: dict) -> dict:
@@ -280,6 +292,12 @@ def gguf_types(path: str) -> dict:
     return counts
 
 
+def _gguf_types(path) -> dict:
+    """``gguf_types`` in a child process (this one stays small: see ``spawn``)."""
+    proc = subprocess.run([sys.executable, __file__, "--gguf-types", str(path)], capture_output=True, text=True)
+    return json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr.strip()[-300:]}
+
+
 # ---------------------------------------------------------------------------------------------------------- children
 
 def run_child(spec: dict) -> dict:
@@ -298,11 +316,16 @@ def run_child(spec: dict) -> dict:
     lengths = sorted({len(r) for r in first})
     if lengths != [n]:
         raise SystemExit(f"{spec['system']} returned rows of {lengths} new tokens, not {n}")
-    import resource
-
     return {"load_s": load_s, "seconds": seconds, "tokens": first, "repeats_identical": same,
-            "self_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "torch_imported": "torch" in sys.modules, **facts}
+            "vm_hwm_mb": vm_hwm_mb(), "torch_imported": "torch" in sys.modules, **facts}
+
+
+def vm_hwm_mb() -> float:
+    """This process's peak resident set (``VmHWM``: its own address space's, reset at exec), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def load_hf(spec: dict):
@@ -405,15 +428,20 @@ def load_llamacpp(spec: dict):
                 llm.eval([token])
         return [out]
 
-    return generate, {"llama_cpp": llama_cpp.__version__, "gguf_types": gguf_types(spec["model"]),
-                      "kv_cache": "f32" if spec["kv_f32"] else "default (f16)"}
+    return generate, {"llama_cpp": llama_cpp.__version__, "kv_cache": "f32" if spec["kv_f32"] else "default (f16)"}
 
 
 LOADERS = {"hf": load_hf, "elx": load_elx, "genai": load_genai, "ct2": load_ct2, "llamacpp": load_llamacpp}
 
 
 def spawn(spec: dict, work: Path, timeout: float) -> dict:
-    """``spec`` run in a child process; its result with ``peak_rss_mb`` from ``os.wait4`` (that child's own peak)."""
+    """``spec`` run in a child process; its result with its peak RSS.
+
+    ``peak_rss_mb`` is the child's own ``VmHWM`` (its address space's high-water mark, read by the child at its
+    end).  ``wait4_maxrss_mb`` is ``ru_maxrss`` from ``os.wait4`` on that child, for comparison: Linux folds the
+    RSS of the forking process's image into it (exec records the old address space's high water), so it is at
+    least this process's own RSS -- the reason this parent imports no numpy, torch or transformers and builds the
+    prompts and reads GGUF files in child processes."""
     tag = f"{spec['setting']}-{spec['system']}"
     spec_file, result_file, log_file = (work / "runs" / f"{tag}.{ext}" for ext in ("spec.json", "result.json", "log"))
     spec_file.parent.mkdir(parents=True, exist_ok=True)
@@ -439,8 +467,10 @@ def spawn(spec: dict, work: Path, timeout: float) -> dict:
     if proc.returncode != 0 or not result_file.is_file():
         lines = log_file.read_text(errors="replace").strip().splitlines() or [f"exit status {proc.returncode}"]
         why = "timed out" if time.monotonic() > deadline else lines[-1][:300]
-        return {"error": why, "log": str(log_file), "peak_rss_mb": usage.ru_maxrss / 1024}
-    return {**json.loads(result_file.read_text()), "peak_rss_mb": usage.ru_maxrss / 1024, "log": str(log_file)}
+        return {"error": why, "log": str(log_file), "wait4_maxrss_mb": usage.ru_maxrss / 1024}
+    result = json.loads(result_file.read_text())
+    return {**result, "peak_rss_mb": result["vm_hwm_mb"], "wait4_maxrss_mb": usage.ru_maxrss / 1024,
+            "log": str(log_file)}
 
 
 # ----------------------------------------------------------------------------------------------------------- reports
@@ -489,6 +519,24 @@ def table(setting: str, results: dict) -> str:
     return "\n".join(lines)
 
 
+PEERS_AT_PRECISION = {"elx-fp32": ("genai-fp32", "ct2-fp32", "llamacpp-f32"),
+                      "elx-int8": ("genai-int8", "ct2-int8", "llamacpp-q8_0")}
+
+
+def targets(results: dict) -> list[str]:
+    """Issue 39's target, per elx export: its speed against each peer at its precision (peer seconds / elx
+    seconds; > 1: elx is faster)."""
+    lines = []
+    for mine, peers in PEERS_AT_PRECISION.items():
+        if "median_s" not in results.get(mine, {}):
+            continue
+        ratios = [f"{peer} {results[peer]['median_s'] / results[mine]['median_s']:.2f}x" for peer in peers
+                  if "median_s" in results.get(peer, {})]
+        if ratios:
+            lines.append(f"{mine} speed vs its peers (peer seconds / {mine} seconds): {', '.join(ratios)}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="issue 39: the real SmolLM2 in HF, elx and peers, side by side")
     parser.add_argument("--hf", type=Path, required=True, help="the HF folder (read only)")
@@ -524,13 +572,17 @@ def main() -> None:
     SETTINGS["beam"]["new_tokens"] = args.beam_new_tokens
     args.work.mkdir(parents=True, exist_ok=True)
 
-    prompts = build_prompts(args.hf, args.texts)
+    prompts_file = args.work / "prompts.json"
+    _run_step([sys.executable, __file__, "--build-prompts", str(args.hf), str(args.texts), str(prompts_file)],
+              "building the prompts")
+    prompts = json.loads(prompts_file.read_text())
     generation = json.loads((args.hf / "generation_config.json").read_text())
     eos = generation.get("eos_token_id", json.loads((args.hf / "config.json").read_text()).get("eos_token_id"))
     eos_ids = eos if isinstance(eos, list) else [eos]
 
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+              "torch_import_rss_mb": _import_rss_mb("torch"),
               "hf": str(args.hf), "gguf": str(args.gguf), "texts": str(args.texts), "threads": args.threads,
               "repeats": args.repeats, "settings": {s: SETTINGS[s] for s in settings}, "eos_ids": eos_ids,
               "prompts": {s: prompts[s] for s in settings}, "prepared": {}, "results": {}}
@@ -570,7 +622,15 @@ def main() -> None:
                 r["compare"] = compare(r["tokens"], reference)
             results[system] = r
             output.write_text(json.dumps(report, indent=1))  # what is measured so far survives a later failure
-        print(table(setting, results) + "\n")
+        print(table(setting, results))
+        report.setdefault("targets", {})[setting] = targets(results)
+        if report["targets"][setting]:
+            print("\n" + "\n".join(report["targets"][setting]))
+        torch_users = [s for s, r in results.items() if r.get("torch_imported") and s != "hf"]
+        if torch_users:
+            print(f"\n{', '.join(torch_users)}: PyTorch imported in the process (`import torch` alone: "
+                  f"{report['torch_import_rss_mb'] or float('nan'):.0f} MB peak RSS here)")
+        print()
     output.write_text(json.dumps(report, indent=1))
     print(f"JSON report: {output}")
 
@@ -579,6 +639,10 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         child_spec = json.loads(Path(sys.argv[2]).read_text())
         Path(child_spec["result"]).write_text(json.dumps(run_child(child_spec)))
+    elif len(sys.argv) == 5 and sys.argv[1] == "--build-prompts":
+        Path(sys.argv[4]).write_text(json.dumps(build_prompts(Path(sys.argv[2]), Path(sys.argv[3]))))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--gguf-types":
+        print(json.dumps(gguf_types(sys.argv[2])))
     elif len(sys.argv) == 4 and sys.argv[1] == "--convert-ct2":
         convert_ct2(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 5 and sys.argv[1] == "--quantize-gguf":

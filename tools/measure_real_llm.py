@@ -60,8 +60,10 @@ Systems (``--systems``, all by default):
   and files requantized from it with llama.cpp's own ``llama_model_quantize`` (``allow_requantize``): ALL_F32
   (``pure``: every tensor dequantized to F32 -- the numbers the HF folder and elx run, since that folder was
   dequantized from the same Q4_1 file) and MOSTLY_Q8_0.  The F32 file runs with an F32 K/V cache (a like-for-like
-  fp32 peer); Q8_0 and Q4_1 with llama.cpp's default (F16) cache.  llama-cpp-python has no beam search: its beam
-  rows say "not supported".
+  fp32 peer); Q8_0 and Q4_1 with llama.cpp's default (F16) cache; flash attention off (llama-cpp-python's
+  default).  The prompt is evaluated in one batch, then one ``Llama.eval`` per token (as llama-cpp-python's own
+  ``generate`` loops), each token picked by llama.cpp's sampler chain in C: the EOS logit bias, then greedy (the
+  first maximum, as ``torch.argmax``).  llama-cpp-python has no beam search: its beam rows say "not supported".
 
 Output: one Markdown table per setting (system | precision | seconds | tokens/s | vs HF | peak RSS MB |
 tokens = HF (rows)) on stdout, and ``--output`` (default ``WORK/real_llm.json``): settings, prompts, machine,
@@ -104,24 +106,24 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # ----------------------------------------------------------------------------------------------------------- prompts
 
-def chat_prompt(tokenizer, text: str, length: int) -> list[int] | None:
-    """The ids of one user turn whose content is the start of ``text``, chat-templated, exactly ``length`` long
-    (None when no trim of ``text`` gives that length)."""
+def chat_prompt(tokenizer, text: str, length: int) -> tuple[list[int], str] | None:
+    """The ids of one user turn whose content is the start of ``text``, chat-templated, exactly ``length`` long, and
+    that content (None when no trim of ``text`` at a token boundary gives that length)."""
     def render(content: str) -> list[int]:
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                  add_generation_prompt=True)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     content_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    overhead = len(render(""))
-    k = length - overhead
-    seen = set()
-    while 0 < k <= len(content_ids) and k not in seen:  # the length is near-monotonic in k: walk towards it
-        seen.add(k)
-        ids = render(tokenizer.decode(content_ids[:k]))
+    target = length - len(render(""))
+    # the nearest token counts first: the length is near-monotonic in it, with jumps where merges cross the cut
+    for k in sorted(range(max(1, target - 32), min(len(content_ids), target + 32) + 1), key=lambda k: abs(k - target)):
+        content = tokenizer.decode(content_ids[:k])
+        if not text.startswith(content):  # a cut inside a character's bytes: not the article's text
+            continue
+        ids = render(content)
         if len(ids) == length:
-            return ids
-        k += 1 if len(ids) < length else -1
+            return ids, content
     return None
 
 
@@ -138,9 +140,9 @@ def build_prompts(hf_dir: Path, texts: Path) -> dict:
         while len(rows) < setting["batch"]:
             if next_article >= len(articles):
                 sys.exit(f"measure_real_llm: {texts} has too few articles long enough for {name}'s prompts")
-            ids = chat_prompt(tokenizer, articles[next_article], setting["prompt_tokens"])
-            if ids is not None:
-                rows.append(ids)
+            found = chat_prompt(tokenizer, articles[next_article], setting["prompt_tokens"])
+            if found is not None:
+                rows.append(found[0])
                 sources.append(next_article)
             next_article += 1
         prompts[name] = {"input_ids": rows, "articles": sources,
@@ -428,7 +430,8 @@ def load_llamacpp(spec: dict):
                 llm.eval([token])
         return [out]
 
-    return generate, {"llama_cpp": llama_cpp.__version__, "kv_cache": "f32" if spec["kv_f32"] else "default (f16)"}
+    return generate, {"llama_cpp": llama_cpp.__version__, "kv_cache": "f32" if spec["kv_f32"] else "default (f16)",
+                      "flash_attn": False}
 
 
 LOADERS = {"hf": load_hf, "elx": load_elx, "genai": load_genai, "ct2": load_ct2, "llamacpp": load_llamacpp}

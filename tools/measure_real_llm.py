@@ -55,7 +55,9 @@ Systems (``--systems``, all by default):
   one, measured on the 2-layer copy.)
 * ``ct2-fp32`` / ``ct2-int8``: CTranslate2's ``TransformersConverter`` on the HF folder, loaded with
   ``compute_type`` float32 / int8; its vocabulary replaced by unique placeholders ``<t{id}>`` so that ids pass
-  through unchanged (as ``exporter/bench/peers.py`` does).
+  through unchanged (as ``exporter/bench/peers.py`` does).  Each on the GEMM backend that is fast for it here
+  (``CT2_BACKEND_ENV``: its default on an AMD CPU made fp32 14x slower; ``--ct2-default-backend`` leaves
+  CTranslate2's own choice).
 * ``llamacpp-f32`` / ``llamacpp-q8_0`` / ``llamacpp-q4_1``: llama-cpp-python on the GGUF: the Q4_1 file itself,
   and files requantized from it with llama.cpp's own ``llama_model_quantize`` (``allow_requantize``): ALL_F32
   (``pure``: every tensor dequantized to F32 -- the numbers the HF folder and elx run, since that folder was
@@ -90,8 +92,8 @@ SYSTEMS = {  # name: (precision shown, family)
     "genai-fp32": ("fp32", "genai"),
     "genai-int8": ("int8 (block 32, int8 act.)", "genai"),
     "genai-int4": ("int4 (block 32, int8 act.)", "genai"),
-    "ct2-fp32": ("fp32", "ct2"),
-    "ct2-int8": ("int8", "ct2"),
+    "ct2-fp32": ("fp32 (MKL sgemm)", "ct2"),
+    "ct2-int8": ("int8 (oneDNN s8)", "ct2"),
     "llamacpp-f32": ("F32 (F32 K/V)", "llamacpp"),
     "llamacpp-q8_0": ("Q8_0 (F16 K/V)", "llamacpp"),
     "llamacpp-q4_1": ("Q4_1 (F16 K/V)", "llamacpp"),
@@ -100,6 +102,11 @@ SETTINGS = {
     "greedy": {"batch": 1, "prompt_tokens": 64, "new_tokens": 128, "num_beams": 1},
     "beam": {"batch": 4, "prompt_tokens": 256, "new_tokens": 64, "num_beams": 4},
 }
+# CTranslate2 picks its GEMM backend by CPU vendor: on this project's AMD EPYC (no AVX-512) no MKL, so fp32 runs on
+# oneDNN's unpacked sgemm.  Measured on the 2-layer SmolLM2 copy, 16 greedy tokens after a 64-token prompt, 2 threads:
+# fp32 10.9 s on oneDNN vs 0.80 s with CT2_USE_MKL=1 (MKL packed sgemm); int8 0.75 s on oneDNN vs 12.5 s on MKL.
+# Each runs on the backend that is fast for it (--ct2-default-backend: CTranslate2's own choice for both).
+CT2_BACKEND_ENV = {"ct2-fp32": {"CT2_USE_MKL": "1"}, "ct2-int8": {"CT2_USE_MKL": "0"}}
 RECIPE = 1  # bump when a conversion below changes: cached conversions are rebuilt
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -437,7 +444,7 @@ def load_llamacpp(spec: dict):
 LOADERS = {"hf": load_hf, "elx": load_elx, "genai": load_genai, "ct2": load_ct2, "llamacpp": load_llamacpp}
 
 
-def spawn(spec: dict, work: Path, timeout: float) -> dict:
+def spawn(spec: dict, work: Path, timeout: float, extra_env: dict) -> dict:
     """``spec`` run in a child process; its result with its peak RSS.
 
     ``peak_rss_mb`` is the child's own ``VmHWM`` (its address space's high-water mark, read by the child at its
@@ -452,7 +459,7 @@ def spawn(spec: dict, work: Path, timeout: float) -> dict:
     spec_file.write_text(json.dumps({**spec, "result": str(result_file)}))
     threads = str(spec["threads"])
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **extra_env}
     with open(log_file, "w") as log:
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_file)], stdout=log, stderr=log,
                                 env=env)
@@ -500,6 +507,8 @@ def table(setting: str, results: dict) -> str:
     hf = results.get("hf", {}).get("median_s")
     for system, r in results.items():
         precision = SYSTEMS[system][0]
+        if system in CT2_BACKEND_ENV and "env" in r and not r["env"]:
+            precision = precision.split(" (")[0] + " (CT2's backend)"
         if r.get("manifest", {}).get("prompt_cache"):  # elx: how the export keeps the prompt's K/V
             precision += f", prompt {r['manifest']['prompt_cache']}"
         if "not_supported" in r:
@@ -556,6 +565,8 @@ def main() -> None:
     parser.add_argument("--greedy-new-tokens", type=int, default=SETTINGS["greedy"]["new_tokens"])
     parser.add_argument("--beam-new-tokens", type=int, default=SETTINGS["beam"]["new_tokens"])
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per system and setting")
+    parser.add_argument("--ct2-default-backend", action="store_true",
+                        help="CTranslate2's own GEMM backend choice (default: CT2_BACKEND_ENV, see the source)")
     args = parser.parse_args()
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -614,7 +625,9 @@ def main() -> None:
                     "input_ids": prompts[setting]["input_ids"], "eos_ids": eos_ids,
                     **config, **{k: v for k, v in prepared[system].items() if k != "manifest"}}
             print(f"measure_real_llm: {setting} {system} ...", file=sys.stderr, flush=True)
-            r = spawn(spec, args.work, args.timeout)
+            env = {} if args.ct2_default_backend else CT2_BACKEND_ENV.get(system, {})
+            r = spawn(spec, args.work, args.timeout, env)
+            r["env"] = env
             if "manifest" in prepared[system]:
                 r["manifest"] = prepared[system]["manifest"]
             if "error" not in r:

@@ -262,7 +262,8 @@ def _progress(args) -> str:
 
 
 def cmd_export(args) -> int:
-    check_export(args.model, args.random_init, args.passes, args.output, args.force)  # before any heavy import
+    check_export(args.model, args.random_init, args.passes, args.output, args.force,  # before any heavy import
+                 args.prompt_cache)
     from elx.exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
@@ -554,7 +555,8 @@ def cmd_bench(args) -> int:
         args.random_init = args.random_init or not Path(args.model).is_dir()
     model = args.model or "t5-small"
     random_init = args.random_init or (args.model is None)
-    check_bench_model(model, random_init, _pass_sets(args.pass_sets))
+    forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
+    check_bench_model(model, random_init, _pass_sets(args.pass_sets), forms, args.pass_sets)
     if args.device == "cuda":
         _check_cuda_bench(args.backend)
     from elx.exporter.bench.bench import (BenchSettings, ensure_engines, ensure_exports, export_precision, markdown_table,
@@ -565,7 +567,6 @@ def cmd_bench(args) -> int:
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
                              repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick,
                              backend=args.backend, precision=args.precision, one_at_a_time=args.one_at_a_time)
-    forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
     progress = _progress(args)
     folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms,
                              quiet=args.quiet, progress=progress, precision=export_precision(settings))

@@ -197,11 +197,15 @@ def _temperatures(text: str):
 def _generation_config(text: str) -> dict:
     """``--generation-config``: a JSON object, or the path of a JSON file holding one."""
     source = text
-    if not text.lstrip().startswith("{"):
+    if not text.lstrip().startswith("{"):  # a file: a regular one of at most 16 MiB (not a FIFO, a device, a folder)
+        from elx.runners.inputs.user_files import read_user_file
+
         try:
-            source = Path(text).read_text()
-        except OSError as err:
-            raise argparse.ArgumentTypeError(f"neither a JSON object nor a readable file: {text!r} ({err.strerror})")
+            source = read_user_file(text, "the file").decode("utf-8")
+        except ElxError as err:
+            raise argparse.ArgumentTypeError(f"not a JSON object, and {err}")
+        except UnicodeDecodeError:
+            raise argparse.ArgumentTypeError(f"the file {text!r} is not UTF-8 text")
     try:
         value = json.loads(source)
     except json.JSONDecodeError as err:

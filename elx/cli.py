@@ -148,7 +148,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--renormalize-logits", action="store_true", default=None,
                    help="log-softmax the scores after every processor")
     g.add_argument("--generation-config", type=_generation_config, metavar="JSON",
-                   help="any other HF generate option as a JSON object or a JSON file, e.g. "
+                   help="any other HF generate option as a JSON object or a JSON file (a regular file of at most "
+                        "16 MiB), e.g. "
                         "'{\"bad_words_ids\": [[5]], \"forced_bos_token_id\": 3}' (the flags above win)")
     if p.prog.split()[-1] == "generate":  # compare's --seed seeds its random inputs; compare has no tokenizer at hand
         g.add_argument("--seed", type=seed_int, help="sampling: the generator's seed; with PyTorch installed elx "
@@ -382,7 +383,8 @@ def _stream_printer(generator):
 
 def add_dataset_options(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("datasets (--input-file IN --output-file OUT; see runners/dataset/pipeline.py)")
-    d.add_argument("--output-file", help="JSONL results, one line per input, in input order")
+    d.add_argument("--output-file", help="JSONL results, one line per input, in input order (/dev/null: generated and "
+                                          "discarded, e.g. to time a run)")
     d.add_argument("--batch-size", type=int, help="inputs per batch (default 16)")
     d.add_argument("--max-tokens-per-batch", type=int, help="at most this many padded input tokens per batch")
     d.add_argument("--sort-window", type=int, help="inputs read and length-sorted together (default 1024)")
@@ -643,7 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input-ids", help="token ids, space separated; ';' separates batch rows")
     src.add_argument("--text", action="append", help="input text (needs a tokenizer in the folder); repeatable")
-    src.add_argument("--audio", action="append", help="a .wav file (Whisper exports); repeatable")
+    src.add_argument("--audio", action="append", help="a .wav file (Whisper exports; a regular file of at most 2 GiB); "
+                                                      "repeatable")
     src.add_argument("--chat", action="append", metavar="MESSAGE", help=CHAT_HELP)
     src.add_argument("--messages", metavar="FILE.json",
                      help="conversations for the chat template (as --chat): a JSON list of {\"role\": ..., "

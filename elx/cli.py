@@ -152,7 +152,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--renormalize-logits", action="store_true", default=None,
                    help="log-softmax the scores after every processor")
     g.add_argument("--generation-config", type=_generation_config, metavar="JSON",
-                   help="any other HF generate option as a JSON object or a JSON file, e.g. "
+                   help="any other HF generate option as a JSON object or a JSON file (a regular file of at most "
+                        "16 MiB), e.g. "
                         "'{\"bad_words_ids\": [[5]], \"forced_bos_token_id\": 3}' (the flags above win)")
     if p.prog.split()[-1] == "generate":  # compare's --seed seeds its random inputs; compare has no tokenizer at hand
         g.add_argument("--seed", type=seed_int, help="sampling: the generator's seed; with PyTorch installed elx "
@@ -203,11 +204,15 @@ def _temperatures(text: str):
 def _generation_config(text: str) -> dict:
     """``--generation-config``: a JSON object, or the path of a JSON file holding one."""
     source = text
-    if not text.lstrip().startswith("{"):
+    if not text.lstrip().startswith("{"):  # a file: a regular one of at most 16 MiB (not a FIFO, a device, a folder)
+        from elx.runners.inputs.user_files import read_user_file
+
         try:
-            source = Path(text).read_text()
-        except OSError as err:
-            raise argparse.ArgumentTypeError(f"neither a JSON object nor a readable file: {text!r} ({err.strerror})")
+            source = read_user_file(text, "the file").decode("utf-8")
+        except ElxError as err:
+            raise argparse.ArgumentTypeError(f"not a JSON object, and {err}")
+        except UnicodeDecodeError:
+            raise argparse.ArgumentTypeError(f"the file {text!r} is not UTF-8 text")
     try:
         value = json.loads(source)
     except json.JSONDecodeError as err:
@@ -268,7 +273,8 @@ def _progress(args) -> str:
 
 
 def cmd_export(args) -> int:
-    check_export(args.model, args.random_init, args.passes, args.output, args.force)  # before any heavy import
+    check_export(args.model, args.random_init, args.passes, args.output, args.force,  # before any heavy import
+                 args.prompt_cache)
     from elx.exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
@@ -396,7 +402,8 @@ def _stream_printer(generator):
 
 def add_dataset_options(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("datasets (--input-file IN --output-file OUT; see runners/dataset/pipeline.py)")
-    d.add_argument("--output-file", help="JSONL results, one line per input, in input order")
+    d.add_argument("--output-file", help="JSONL results, one line per input, in input order (/dev/null: generated and "
+                                          "discarded, e.g. to time a run)")
     d.add_argument("--batch-size", type=int, help="inputs per batch (default 16)")
     d.add_argument("--max-tokens-per-batch", type=int, help="at most this many padded input tokens per batch")
     d.add_argument("--sort-window", type=int, help="inputs read and length-sorted together (default 1024)")
@@ -574,7 +581,8 @@ def cmd_bench(args) -> int:
         args.random_init = args.random_init or not Path(args.model).is_dir()
     model = args.model or "t5-small"
     random_init = args.random_init or (args.model is None)
-    check_bench_model(model, random_init, _pass_sets(args.pass_sets))
+    forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
+    check_bench_model(model, random_init, _pass_sets(args.pass_sets), forms, args.pass_sets)
     if args.device == "cuda":
         _check_cuda_bench(args.backend)
     from elx.exporter.bench.bench import (BenchSettings, ensure_engines, ensure_exports, export_precision, markdown_table,
@@ -585,7 +593,6 @@ def cmd_bench(args) -> int:
                              new_tokens=args.new_tokens, no_repeat_ngram_size=args.no_repeat_ngram_size,
                              repeats=args.repeats, threads=args.threads, device=args.device, smoke=args.quick,
                              backend=args.backend, precision=args.precision, one_at_a_time=args.one_at_a_time)
-    forms = [t for t in (args.prompt_cache or "").replace("|", " ").replace(",", " ").split() if t] or [None]
     progress = _progress(args)
     folders = ensure_exports(model, random_init, _pass_sets(args.pass_sets), work / "exports", prompt_caches=forms,
                              quiet=args.quiet, progress=progress, precision=export_precision(settings))
@@ -658,7 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input-ids", help="token ids, space separated; ';' separates batch rows")
     src.add_argument("--text", action="append", help="input text (needs a tokenizer in the folder); repeatable")
-    src.add_argument("--audio", action="append", help="a .wav file (Whisper exports); repeatable")
+    src.add_argument("--audio", action="append", help="a .wav file (Whisper exports; a regular file of at most 2 GiB); "
+                                                      "repeatable")
     src.add_argument("--chat", action="append", metavar="MESSAGE", help=CHAT_HELP)
     src.add_argument("--messages", metavar="FILE.json",
                      help="conversations for the chat template (as --chat): a JSON list of {\"role\": ..., "

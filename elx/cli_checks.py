@@ -12,9 +12,10 @@ from elx.runners.errors import ElxError
 BENCH_PRECISIONS = ("fp32", "fp16", "int8")  # what may follow '@' in a bench pass set (elx.exporter.bench.bench.split_precision)
 
 
-def check_export(model: str, random_init: bool, passes: str | None, output, force: bool) -> None:
+def check_export(model: str, random_init: bool, passes: str | None, output, force: bool,
+                 prompt_cache: str | None = None) -> None:
     """``elx export``: the passes (names, arguments, combinations), the model (a folder, a preset, a cached hub id;
-    a supported architecture) and whether the passes apply to it, and the output folder."""
+    a supported architecture) and whether the passes and ``--prompt-cache`` apply to it, and the output folder."""
     from elx.exporter.atomic import check_output
     from elx.exporter.families import family_for_architecture
     from elx.exporter.model_source import locate_model
@@ -24,6 +25,7 @@ def check_export(model: str, random_init: bool, passes: str | None, output, forc
     where = locate_model(model, random_init)
     family = family_for_architecture(where.architecture())
     check_model_kind(requests, family.name, family.is_encoder_decoder, stated_head_counts(where.config()))
+    check_prompt_cache([prompt_cache] if prompt_cache is not None else [], family)
     check_output(output, force)
 
 
@@ -53,19 +55,56 @@ def check_generation(folder, options: dict):
     return manifest
 
 
-def check_bench_model(model: str | None, random_init: bool, pass_sets: list[str]) -> None:
-    """``elx bench``: every pass set parses, and the model (when named) is found."""
+def check_bench_model(model: str | None, random_init: bool, pass_sets: list[str], prompt_caches=(None,),
+                      text: str | None = None) -> None:
+    """``elx bench``: at least one pass set, none twice, every one parses and applies to the model (its family and
+    the head counts its config states: slim on a GQA Llama is refused here, not after the baseline's export),
+    and the prompt cache forms fit it.  ``model`` None: the default preset (t5-small); ``text``: the
+    ``--pass-sets`` value as given, for the messages."""
+    from elx.exporter.families import family_for_architecture
     from elx.exporter.model_source import locate_model
-    from elx.exporter.passes import parse_passes
+    from elx.exporter.passes import check_model_kind, parse_passes
 
+    shown = repr(text) if text is not None else "--pass-sets"
+    if not pass_sets:
+        raise ElxError(f"--pass-sets {shown} names no pass set; pass e.g. 'baseline|el' (sets separated by '|' or "
+                       "spaces, passes in a set by ',')")
+    requests = []
     for pass_set in pass_sets:
         passes, _, precision = pass_set.partition("@")  # elx.exporter.bench.bench.split_precision's form, without its imports
         if precision and precision not in BENCH_PRECISIONS:
             raise ElxError(f"--pass-sets: unknown precision {precision!r} in {pass_set!r}; after '@' name one of "
                            f"{', '.join(BENCH_PRECISIONS)}")
-        parse_passes("" if passes in ("baseline", "base", "none") else passes)
-    if model is not None:
-        locate_model(model, random_init)
+        requests.append(parse_passes("" if passes in ("baseline", "base", "none") else passes))
+    keys = [_pass_set_key(s) for s in pass_sets]
+    twice = next((s for i, s in enumerate(pass_sets) if keys[i] in keys[:i]), None)
+    if twice is not None:
+        raise ElxError(f"--pass-sets names the pass set {twice or 'baseline'!r} twice; name each once")
+    where = locate_model(model or "t5-small", random_init or model is None)
+    family = family_for_architecture(where.architecture())
+    heads = stated_head_counts(where.config())
+    for request in requests:
+        check_model_kind(request, family.name, family.is_encoder_decoder, heads)
+    check_prompt_cache([form for form in prompt_caches if form is not None], family)
+
+
+def _pass_set_key(pass_set: str) -> tuple:
+    """What a bench pass set exports: its passes in order, and its precision ('' for the bench's own)."""
+    passes, _, precision = pass_set.partition("@")
+    return ("" if passes in ("baseline", "base", "none") else passes), precision
+
+
+PROMPT_CACHE_FORMS = ("shared", "per-beam")  # elx.exporter.decoder_only.PROMPT_CACHE_FORMS, without its imports
+
+
+def check_prompt_cache(forms: list[str], family) -> None:
+    """``--prompt-cache`` (export, bench): known forms, and only for a decoder-only model's export."""
+    unknown = next((form for form in forms if form not in PROMPT_CACHE_FORMS), None)
+    if unknown is not None:
+        raise ElxError(f"--prompt-cache: unknown form {unknown!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
+    if forms and family.is_encoder_decoder:
+        raise ElxError(f"--prompt-cache applies to decoder-only models; {family.name} is encoder-decoder (its "
+                       "cross-attention cache is always shared by the beams); drop the option")
 
 
 def check_export_folder(folder) -> None:

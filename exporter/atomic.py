@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,11 +112,33 @@ def elx_files(folder: Path) -> set[str] | None:
     return names
 
 
+# what a killed ``elx build-engine`` leaves inside an export folder (exporter/tensorrt/build.py): its staging
+# folder ``.engines.PID-XXXXXXXX.partial`` (before: ``.engines.XXXXXXXX.partial``), the replaced engines
+# ``.engines.PID-XXXXXXXX.old`` (before: ``.engines.old-PID``) and the new manifest ``.manifest.json.PID-XXXXXXXX.tmp``
+# (before: ``.manifest.json.PID.tmp``).  Only elx writes these names; build-engine holds the export's lock while
+# they exist, so under that lock they are a dead build's.
+ENGINE_LEFTOVERS = re.compile(r"^\.(engines\.(\d+-[0-9a-f]+\.(partial|old)|[A-Za-z0-9_]+\.partial|old-\d+)"
+                              rf"|{re.escape(FILENAME)}\.(\d+-[0-9a-f]+|\d+)\.tmp)$")
+
+
+def build_leftovers(folder: Path) -> list[Path]:
+    """The entries of ``folder`` (an export) that a killed ``elx build-engine`` left there."""
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return []
+    return [entry for entry in entries if ENGINE_LEFTOVERS.match(entry.name) and not entry.is_symlink()]
+
+
 def foreign_files(folder: Path, owned: set[str]) -> list[str]:
-    """What ``folder`` holds that elx did not write: top-level entries not in ``owned``, and inside the folders elx
-    writes (``tokenizer/``, ``engines/``), every entry not in ``owned`` (sub-folders of those included)."""
+    """What ``folder`` holds that elx did not write: top-level entries not in ``owned`` (a killed build-engine's
+    leftovers are elx's), and inside the folders elx writes (``tokenizer/``, ``engines/``), every entry not in
+    ``owned`` (sub-folders of those included)."""
     foreign = []
+    leftovers = {entry.name for entry in build_leftovers(folder)}
     for entry in sorted(folder.iterdir()):
+        if entry.name in leftovers:
+            continue
         if entry.name not in owned:
             foreign.append(entry.name)
         elif entry.is_dir() and not entry.is_symlink():

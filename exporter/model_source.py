@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from elx.runners.errors import ElxError
+from elx.runners.inputs.user_files import read_user_file
 
 
 @dataclass(frozen=True)
@@ -133,11 +134,12 @@ DIMENSIONS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decode
 
 def read_config(folder: Path) -> dict:
     config_path = folder / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():
         raise ElxError(f"{folder} has no config.json; pass a folder written by save_pretrained")
+    raw = read_user_file(config_path, "the model's")  # a regular file (a FIFO would block, a device never end)
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        config = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ElxError(f"{config_path} is not valid JSON ({err}); re-save the model with save_pretrained")
     if not isinstance(config, dict):
         raise ElxError(f"{config_path} holds a JSON {type(config).__name__}, not an object; re-save the model with "

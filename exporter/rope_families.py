@@ -54,6 +54,68 @@ def check_rope_config(config) -> None:
         if getattr(config, key, None) is not None:
             raise ElxError(f"config.json sets {key} = {getattr(config, key)!r}; elx does not reproduce softcapping: "
                            "this model cannot be exported")
+    _check_rope_values(params, kind, config)
+    _check_sliding_window(config)
+
+
+def _check_rope_values(params: dict, kind: str, config) -> None:
+    """The RoPE numbers transformers builds the inverse frequencies from (it warns about some, crashes on others
+    inside the traced graph, or gives NaN): each refused naming its key."""
+    from elx.exporter.config_checks import finite_number, positive_int
+
+    where = "config.json rope_parameters"
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial is not None:
+        finite_number(partial, "partial_rotary_factor", 0.0, where, inclusive=False)
+        if partial > 1:
+            raise ElxError(f"{where} sets partial_rotary_factor = {partial!r}; it is the share of each head that "
+                           "rotates, at most 1: this model cannot be exported (fix the config)")
+    if params.get("rope_theta") is not None:
+        finite_number(params["rope_theta"], "rope_theta", 0.0, where, inclusive=False)
+    if kind in ("linear", "llama3", "yarn"):
+        finite_number(params.get("factor"), "factor", 1.0, where)  # transformers: "a float or int >= 1"
+    if kind in ("llama3", "yarn"):
+        positive_int(_Values(params), "original_max_position_embeddings", where)
+    if kind == "llama3":
+        low, high = params.get("low_freq_factor"), params.get("high_freq_factor")
+        finite_number(low, "low_freq_factor", 0.0, where, inclusive=False)
+        finite_number(high, "high_freq_factor", 0.0, where, inclusive=False)
+        if high <= low:  # transformers divides by their difference
+            raise ElxError(f"{where} sets high_freq_factor = {high!r}, not above low_freq_factor = {low!r}: this "
+                           "model cannot be exported (fix the config)")
+    for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if kind == "yarn" and params.get(key) is not None:
+            finite_number(params[key], key, 0.0, where)
+
+
+class _Values:
+    """A dict's entries as attributes (for the config checks' helpers)."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+
+def verification_tokens() -> int:
+    """The most tokens one sequence of the export's verification feeds (prompt, steps and the last token)."""
+    from elx.exporter.verify import DECODER_ONLY_SHAPES
+
+    return max(shape.source + shape.past + shape.step for shape in DECODER_ONLY_SHAPES)
+
+
+def _check_sliding_window(config) -> None:
+    """A window elx can export: a positive length, no shorter than the sequences its verification runs (the graphs
+    attend to every earlier token; HF's window changes nothing up to its length, and runs past it are refused)."""
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):  # as ``sliding_window`` reads it
+        return
+    if not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+        raise ElxError(f"config.json sets sliding_window = {window!r}; it must be a number of tokens >= 1: this model "
+                       "cannot be exported (fix the config)")
+    needed = verification_tokens()
+    if window < needed:
+        raise ElxError(f"config.json sets sliding_window = {window}, shorter than the {needed} tokens the export's "
+                       "verification feeds: elx's graphs do not apply the window (runs longer than it are refused), "
+                       f"so a model with a window under {needed} tokens cannot be exported")
 
 
 def sliding_window(config) -> int | None:

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from elx.runners.errors import ElxError
+from elx.exporter.config_checks import check_generation_config, check_model_config
 from elx.exporter.families import Family, family_for_architecture
 from elx.exporter.model_source import architecture_of, locate_model, preset_names  # noqa: F401 - preset_names: also here
 from elx.exporter.model_source import find_preset as _find_preset  # noqa: F401 - tests read presets through this module
@@ -37,8 +38,11 @@ def _config_class(architecture: str):
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
+    """The message's first line (two where the first only announces the second, as transformers' validators do)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return (" ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0])[:300]
 
 
 def _load_folder(folder: Path, random_init: bool, seed: int) -> tuple[torch.nn.Module, Family]:
@@ -50,7 +54,7 @@ def _load_folder(folder: Path, random_init: bool, seed: int) -> tuple[torch.nn.M
     except Exception as err:  # noqa: BLE001 - bad config values: transformers raises many types
         raise ElxError(f"cannot load the config in {folder} ({type(err).__name__}: {_first_line(err)}); check "
                        "config.json or re-save the model with save_pretrained") from None
-    family.check_config(config)  # before any weights are read
+    check_model_config(config, family)  # before any weights are read: one line naming a bad key
     try:
         if random_init:
             torch.manual_seed(seed)
@@ -62,6 +66,7 @@ def _load_folder(folder: Path, random_init: bool, seed: int) -> tuple[torch.nn.M
     except Exception as err:  # noqa: BLE001 - truncated weights, bad config values: transformers raises many types
         raise ElxError(f"cannot load the model in {folder} ({type(err).__name__}: {_first_line(err)}); check its "
                        "files or re-save it with save_pretrained") from None
+    check_generation_config(model, family)  # generation_config.json's special tokens, read with the model
     return model.eval(), family
 
 
@@ -69,7 +74,7 @@ def _load_preset(preset: dict, seed: int) -> tuple[torch.nn.Module, Family]:
     family = family_for_architecture(preset["architecture"])
     model_cls, config_cls = _config_class(preset["architecture"])
     config = config_cls(**preset["config"])
-    family.check_config(config)
+    check_model_config(config, family)
     torch.manual_seed(seed)
     model = model_cls(config)
     return model.eval(), family
@@ -81,7 +86,8 @@ def _load_gguf(spec: str, info) -> LoadedModel:
     tokenizer = load_tokenizer(info)
     model = load_model(info)
     family = family_for_architecture(type(model).__name__)
-    family.check_config(model.config)
+    check_model_config(model.config, family)
+    check_generation_config(model, family)
     source = {"kind": "gguf", "model": spec, "path": str(info.path), "random_init": False, "seed": None,
               "gguf": info.record()}
     return LoadedModel(model, family, source, save_tokenizer=tokenizer.save_pretrained)

@@ -27,6 +27,11 @@ class EncoderDecoderRules:
     """HF ``GenerationMixin.generate`` for encoder-decoder models."""
 
     options: tuple[str, ...] = ()  # generation options beyond GenerationSettings' fields
+    fields: tuple[str, ...] = ()  # generation config fields only this family reads (others refuse them from a caller)
+    # options of HF generate that do nothing for this family and that a caller who sets them expects to act: why
+    # (elx.runners.search.settings refuses them, where HF would ignore them silently)
+    inert_options: dict = {}
+    temperature_fallback = False  # a list of temperatures (Whisper's fallback) instead of one
     padding_side = "right"  # how rows of different lengths are padded (the encoder's inputs)
     # whether HF's first decoder call over a several-token decoder prefix (decoder_input_ids) is causal; FSMT's
     # cached decoder takes no causal mask, so there each prefix token sees the later ones (elx's graphs are causal)
@@ -109,6 +114,10 @@ class WhisperRules(EncoderDecoderRules):
                "logprob_threshold", "no_speech_threshold", "condition_on_prev_tokens", "prompt_ids",
                "prompt_condition_type", "return_token_timestamps")
 
+    fields = ("is_multilingual", "lang_to_id", "task_to_id", "language_codes", "no_timestamps_token_id",
+              "alignment_heads", "max_initial_timestamp_index", "prev_sot_token_id")
+    temperature_fallback = True
+
     loop = "elx.runners.whisper_longform"
 
     def settings_options(self, options):
@@ -169,6 +178,8 @@ class DecoderOnlyRules(EncoderDecoderRules):
     """HF ``GenerationMixin.generate`` for decoder-only models (transformers 5.23)."""
 
     padding_side = "left"  # HF: "decoder-only models must use left-padding for batched generation"
+    inert_options = {"decoder_start_token_id": "a decoder-only model has no decoder start token (its prompt is the "
+                                               "input ids, which HF continues)"}
 
     def validate(self, settings) -> None:
         pass  # no decoder start token: the prompt is the user's input

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from elx.runners import manifest_schema
 from elx.runners.errors import ElxError
+from elx.runners.inputs.user_files import read_user_file
 from elx.runners.manifest_schema import FORMAT, VERSION  # noqa: F401 - the exporter writes these
 
 FILENAME = "manifest.json"
@@ -39,11 +40,12 @@ class Manifest:
     def load(cls, folder) -> "Manifest":
         folder = Path(folder)
         path = folder / FILENAME
-        if not path.is_file():
+        if not path.exists():
             raise ElxError(f"{folder} has no {FILENAME}; pass a folder written by 'elx export'")
+        raw = read_user_file(path, "the export's")  # a regular file (a FIFO would block, a device never end)
         try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as err:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
             raise ElxError(f"{path} is corrupted ({type(err).__name__}); re-run 'elx export' for this folder")
         manifest = cls(manifest_schema.loads(text, path), folder)
         manifest.validate()

@@ -44,7 +44,7 @@ import numpy as np
 from elx.runners.errors import ElxError
 from elx.runners.generation_output import GenerationOutput
 from elx.runners.hooks import CallArguments, graph_may_block, search_hooks
-from elx.runners.inputs.validation import typed_encoder_inputs
+from elx.runners.inputs.validation import check_memory, typed_encoder_inputs
 from elx.runners.search.log_softmax import log_softmax, torch_module
 from elx.runners.search.processors import ProcessorInputs, build_processors
 from elx.runners.search.search import beam_search, greedy_search
@@ -119,6 +119,7 @@ class _Run:
             user.insert(0, stamps)  # HF: [begin-suppress, suppress, timestamps, *the caller's]
         args = replace(self.args, logits_processor=tuple(user))
         inputs = typed_encoder_inputs(manifest, {"input_features": features})
+        check_memory(manifest, settings, inputs, begin)  # as Generator.generate does: refuse what cannot fit
         model = self.generator.model.for_run(settings.no_repeat_ngram_size if graph_may_block(settings, args) else None)
         processors = build_processors(settings, begin, graph_blocks_ngrams=model.returns_log_probs,
                                       inputs=ProcessorInputs(None, None, args.logits_processor,

@@ -401,7 +401,7 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
     from elx.exporter.memory import release_memory
     from elx.exporter.precision_export import check_precision
 
-    folders = {}
+    plans = {}
     for form in prompt_caches or [None]:
         suffix = f"-prompt-{form}" if form else ""
         requests = []
@@ -411,7 +411,13 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
             name = passes.replace(",", "+").replace("=", "") if passes else "baseline"
             name += "" if wanted_precision == "fp32" else f"-{wanted_precision}"
             requests.append((pass_set, passes, wanted_precision, work / (name + suffix)))
-        baseline = work / ("baseline" + suffix)
+        plans[form] = (work / ("baseline" + suffix), requests)
+    for form, (_, requests) in plans.items():  # every folder checked before the first export: a refusal costs no work
+        for _, passes, wanted_precision, folder in requests:
+            if not _cached(folder, model, random_init, seed, passes, wanted_precision, form):
+                check_work_folder(folder)
+    folders = {}
+    for form, (baseline, requests) in plans.items():
         # the fp32 pass sets last (in the order asked): each may be made from the baseline exported here
         for pass_set, passes, wanted_precision, folder in sorted(requests, key=lambda r: bool(r[1]) and r[2] == "fp32"):
             if _cached(folder, model, random_init, seed, passes, wanted_precision, form):

@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 
 from elx.runners.errors import ElxError
+from elx.runners.inputs.user_files import open_user_file
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # what gguf's reader and transformers read (version 1 counted in 32 bits)
@@ -44,11 +45,12 @@ def check_gguf_file(path) -> Path:
         raise ElxError(f"cannot read {path} ({err.strerror}); check the path and its permissions") from None
     if not stat.S_ISREG(mode):
         raise ElxError(f"{path} is {_kind(mode)}, not a GGUF file; pass the path of a .gguf file")
-    try:
-        with open(path, "rb") as f:
+    # opened without blocking and checked again on the descriptor: a FIFO swapped in since the stat is refused too
+    with open_user_file(path, "GGUF file", limit=None) as f:
+        try:
             head = f.read(8)
-    except OSError as err:
-        raise ElxError(f"cannot read {path} ({err.strerror}); check its permissions") from None
+        except OSError as err:
+            raise ElxError(f"cannot read {path} ({err.strerror}); check its permissions") from None
     if head[:4] != MAGIC:
         found = "is empty" if not head else f"starts with {head[:4]!r}, not {MAGIC!r}"
         raise ElxError(f"{path} is not a GGUF file (it {found}); pass a .gguf file written by llama.cpp or the gguf "

@@ -19,9 +19,11 @@ Design:
   process (crash isolation, ``LD_LIBRARY_PATH`` for TensorRT for RTX's plugin import).  TensorRT for
   RTX builds ahead of time without a GPU, for the compute capabilities asked for (default: all its
   RTX-class targets from Ampere on); NVIDIA's TensorRT builds for the GPU it runs on.
-* **Atomic**: everything is built into ``DIR/.engines.*.partial``; only when every engine is built,
-  a new manifest is written next to the old one, the folder is renamed to ``DIR/engines`` and the
-  manifest replaced.  A failure leaves the folder as it was.  ``engines/build.json`` and the manifest
+* **Atomic**: everything is built into ``DIR/.engines.PID-XXXXXXXX.partial``; only when every engine is
+  built, a new manifest is written next to the old one, the folder is renamed to ``DIR/engines`` and the
+  manifest replaced.  A failure leaves the folder as it was.  The build holds the export's lock
+  (``.DIR.lock``, the one ``elx export`` holds): what a killed build left is removed by the next one, and
+  ``elx export --force`` replaces a folder holding it (``exporter/atomic.py``: ``build_leftovers``).  ``engines/build.json`` and the manifest
   share a build id that the backend checks (``runners/backends/tensorrt_engines.py``).
 """
 from __future__ import annotations
@@ -42,7 +44,9 @@ from elx.runners.errors import ElxError
 from elx.runners.manifest import FILENAME, Manifest
 from elx.runners.backends.tensorrt_engines import BUILD_FILE, FORMAT, SECTION
 from elx.runners.backends.tensorrt_runtime import library_shim, load, resolve, version
+from elx.runners.output_lock import output_lock, temp_sibling
 
+from elx.exporter.atomic import build_leftovers
 from elx.exporter.tensorrt import ngram as ngram_engines
 from elx.exporter.precision_export import refuse_fp16
 from elx.exporter.progress import Progress
@@ -125,10 +129,8 @@ class _Build:
         self.targets, self.limits, self.precision, self.progress = targets, limits, precision, progress
         self.axes = axis_ranges(manifest, limits)
         self.work = Path(tempfile.mkdtemp(prefix="elx-engines-"))
-        self.staging = Path(tempfile.mkdtemp(prefix=f".{ENGINES}.", suffix=".partial", dir=folder))
-        umask = os.umask(0)
-        os.umask(umask)
-        self.staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the engines folder is as readable as the export
+        self.staging = temp_sibling(folder / ENGINES, "partial")  # .engines.PID-XXXXXXXX.partial
+        self.staging.mkdir()
         self.env = _worker_env(library_shim(trt, self.work))
         self.fp16_counts, self.fp16_twins = {}, {}
 
@@ -236,7 +238,7 @@ def _verify_fp16(build: _Build, step_host_file: Path | None) -> dict:
 
 def _commit(folder: Path, staging: Path, data: dict) -> Path:
     """Rename the finished engines folder into place and replace the manifest; old engines go last."""
-    tmp = folder / f".{FILENAME}.{os.getpid()}.tmp"
+    tmp = temp_sibling(folder / FILENAME, "tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(data, indent=1) + "\n")
         f.flush()
@@ -244,7 +246,7 @@ def _commit(folder: Path, staging: Path, data: dict) -> Path:
     target, old = folder / ENGINES, None
     try:
         if target.exists():
-            old = folder / f".{ENGINES}.old-{os.getpid()}"
+            old = temp_sibling(folder / ENGINES, "old")
             target.rename(old)
         staging.rename(target)
         os.replace(tmp, folder / FILENAME)
@@ -254,6 +256,20 @@ def _commit(folder: Path, staging: Path, data: dict) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def clean_leftovers(folder: Path) -> None:
+    """Remove what killed builds left in ``folder`` (call it holding the export's lock): staging folders, manifest
+    copies, and replaced engines, put back first when the engines folder is missing (a build killed between the
+    two renames of ``_commit``: the manifest still names the old engines)."""
+    for entry in build_leftovers(folder):
+        replaced = entry.name.endswith(".old") or entry.name.startswith(f".{ENGINES}.old-")
+        if entry.is_dir() and replaced and not (folder / ENGINES).exists():
+            entry.rename(folder / ENGINES)
+        elif entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, max_beams: int = 4,
@@ -286,7 +302,9 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
         raise ElxError(f"cannot write in {folder} (permission denied); build the engines in a writable export folder")
     order = [manifest.step, *manifest.stages]  # the step first: its plugin is the likeliest failure
     total = len(order) * ENGINE_WEIGHT + (precision == "fp16") + 1
-    with Progress("elx build-engine", total, "none" if quiet else progress) as report:
+    with Progress("elx build-engine", total, "none" if quiet else progress) as report, \
+            output_lock(folder, "export folder"):  # elx export --force of the same folder waits for no one: refused
+        clean_leftovers(folder)
         build = _Build(folder, manifest, info, trt, targets, limits, precision, report)
         try:
             graphs, ngram_record, step_host = {}, None, None

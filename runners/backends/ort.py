@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -24,6 +25,20 @@ def session_options(threads: int | None = None):
     # same process) gets the cores instead of ORT's idle pool threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
+
+
+@contextmanager
+def allocation_failures(graph: str):
+    """ONNX Runtime's "Failed to allocate memory" (a run larger than the memory check's estimate,
+    ``runners/inputs/validation.py``: ``check_memory``) as one line instead of its exception."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - ORT raises its own exception types
+        text = str(err)
+        if "Failed to allocate memory" not in text and "bad_alloc" not in text:
+            raise
+        raise ElxError(f"ONNX Runtime ran out of memory running the {graph} graph; lower num_beams, the batch or "
+                       "the lengths") from None
 
 
 def load_sessions(manifest: Manifest, providers: list, threads: int | None = None) -> dict:
@@ -51,7 +66,8 @@ class OrtBackend(Backend):
         self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads)
 
     def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
-        return self.sessions[graph].run(outputs, feeds)
+        with allocation_failures(graph):
+            return self.sessions[graph].run(outputs, feeds)
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array)

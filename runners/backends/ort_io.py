@@ -26,7 +26,7 @@ import numpy as np
 from elx.runners.backends.base import Backend
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
-from elx.runners.backends.ort import load_sessions, session_options
+from elx.runners.backends.ort import allocation_failures, load_sessions, session_options
 
 _ONNX_TYPES = {"tensor(float)": "FLOAT", "tensor(float16)": "FLOAT16", "tensor(int64)": "INT64",
                "tensor(int32)": "INT32", "tensor(bool)": "BOOL"}
@@ -84,7 +84,8 @@ class OrtIoBackend(Backend):
         return [v.numpy() if name in host_outputs else v for name, v in zip(outputs, values)]
 
     def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
-        return self._bind_run(self.sessions[graph], feeds, outputs, host_outputs)
+        with allocation_failures(graph):
+            return self._bind_run(self.sessions[graph], feeds, outputs, host_outputs)
 
     def to_device(self, array: np.ndarray):
         return self._ortvalue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, self.device_id)

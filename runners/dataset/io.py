@@ -36,6 +36,7 @@ from pathlib import Path
 
 from elx.runners.dataset.run_record import OwnedOutput, RunRecord, State, add_fingerprint
 from elx.runners.errors import ElxError
+from elx.runners.inputs.user_files import MAX_BYTES, open_user_file, read_lines
 from elx.runners.manifest import FORMAT as MANIFEST_FORMAT
 from elx.runners.output_lock import signals_deferred, temp_sibling, write_failure
 
@@ -101,10 +102,11 @@ def read_records(path: Path, rules: InputRules):
 
 
 def _open(path: Path):
-    try:
-        return open(path, "rb")
-    except OSError as err:
-        raise ElxError(f"cannot read {path} ({err.strerror or err})")
+    """IN, a regular file (no FIFO, device or folder, checked on the open descriptor too), read line by line."""
+    return open_user_file(path, "--input-file", limit=None)
+
+
+LONG_LINE = f"longer than {MAX_BYTES >> 20} MiB (elx reads lines up to that)"
 
 
 def _txt_records(path: Path, rules: InputRules):
@@ -114,8 +116,11 @@ def _txt_records(path: Path, rules: InputRules):
         raise ElxError(f"{path}: a .txt input is text, and this export has no tokenizer; give a .jsonl input with "
                        "'input_ids' per line")
     with _open(path) as f:
-        for number, raw in enumerate(f, 1):
+        for number, raw in enumerate(read_lines(f), 1):
             index = number - 1
+            if raw is None:
+                yield Record(index, number, number, error=f"a line {LONG_LINE}")
+                continue
             try:
                 text = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError:
@@ -132,7 +137,11 @@ def _txt_records(path: Path, rules: InputRules):
 def _jsonl_records(path: Path, rules: InputRules):
     index = 0
     with _open(path) as f:
-        for number, raw in enumerate(f, 1):
+        for number, raw in enumerate(read_lines(f), 1):
+            if raw is None:
+                yield Record(index, number, number, error=f"a line {LONG_LINE}")
+                index += 1
+                continue
             if not raw.strip():
                 continue
             try:

@@ -143,7 +143,7 @@ def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH
             raise ElxError(f"{where(source, record.line)}: id {record.id!r} already on {unit(source)} "
                            f"{lines[record.id]}; ids must be unique (the output is keyed by them)")
         job.order[record.id], lines[record.id] = record.index, record.line
-        if record.error and not skip_bad:
+        if record.error and not skip_bad and record.id not in kept:  # an error line already in OUT: done
             raise ElxError(f"{where(source, record.line)}: {record.error}; "
                            "fix it or pass --skip-bad (an error line in the output instead)")
         if record.id in kept:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ from pathlib import Path
 
 
 from elx.runners.arguments import check_generate_file_call
+from elx.runners.errors import ElxError
 from elx.runners.output_lock import dead_siblings, output_lock
 from elx.runners.inputs.validation import check_threads
 from elx.runners.dataset.job import (DEFAULT_BATCH_SIZE, DatasetSummary, Failed, Job, check_options, check_paths,
@@ -158,21 +160,23 @@ class _Stages:
                 for done in finished:
                     while not done.wait(0.1):
                         pass
-        with _interrupts_held():  # the stages are past their last statement: gone in a moment, and uninterrupted
+        with _interrupts_held(redeliver=True):  # the stages are past their last statement: gone in a moment
             for thread in threads:
                 thread.join()
 
 
 @contextmanager
-def _interrupts_held():
-    """Further Ctrl-C/SIGTERM/SIGHUP are ignored while the stages drain after the first one, which is re-raised
-    then: a second exception there would leave the threads running into the interpreter's exit."""
-    previous = {}
+def _interrupts_held(redeliver: bool = False):
+    """Ctrl-C/SIGTERM/SIGHUP are held off while the stages drain or are joined: an exception there would leave the
+    threads running into the interpreter's exit.  After the first interrupt (``redeliver`` False: it is re-raised
+    then) further ones are dropped; otherwise (the stages finished on their own) the first one that came is raised
+    when the block ends, by its own handler: a signal in that moment ended the run with exit 0 and no word."""
+    previous, arrived = {}, []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         try:
             handler = signal.getsignal(signum)
             if callable(handler):  # a handler that raises; ignored and default dispositions stay as they are
-                previous[signum] = signal.signal(signum, lambda *_: None)
+                previous[signum] = signal.signal(signum, lambda number, _: arrived.append(number))
         except (ValueError, OSError):  # not the main thread: signals are not delivered here anyway
             pass
     try:
@@ -180,6 +184,8 @@ def _interrupts_held():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if redeliver and arrived:
+            previous[arrived[0]](arrived[0], None)
 
 
 def generate_file(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH_SIZE,
@@ -205,6 +211,15 @@ def generate_file(folder, input_file, output_file, *, batch_size: int = DEFAULT_
 
         check_reachable(os.environ.get("RAY_ADDRESS") if ray is True else ray)
     output = Path(os.path.abspath(Path(output_file).expanduser()))
+    if _discards(output):  # --output-file /dev/null (timing a run): written in a private folder, then dropped
+        if resume:
+            raise ElxError(f"--output-file {output} keeps nothing to resume; drop --resume")
+        given = dict(locals())
+        arguments = {**options, **{name: given[name] for name in _ARGUMENTS}}
+        with tempfile.TemporaryDirectory(prefix="elx-discarded-") as private:
+            summary = generate_file(folder, input_file, Path(private) / "results.jsonl", **arguments)
+        summary.output = output
+        return summary
     check_paths(Path(folder), Path(input_file), output)
     with output_lock(output, "--output-file"):
         for leftover, _ in dead_siblings(output, LEFTOVER_KINDS):  # what a killed run left: a sorted copy, a record
@@ -226,6 +241,19 @@ def generate_file(folder, input_file, output_file, *, batch_size: int = DEFAULT_
             summary = _run_local(job, generator, pipeline, progress)
     summary.seconds = time.monotonic() - start
     return summary
+
+
+_ARGUMENTS = ("batch_size", "max_tokens_per_batch", "sort", "window", "pipeline", "force", "skip_bad", "progress",
+              "threads", "backend", "device", "generator", "ray", "ray_actors", "ray_ship")
+
+
+def _discards(output: Path) -> bool:
+    """Whether ``output`` is the null device, where results go to be discarded (never locked, renamed or truncated:
+    elx's siblings of OUT would be files in /dev, and the final rename would replace the device)."""
+    try:
+        return os.path.samefile(output, os.devnull)
+    except OSError:
+        return False
 
 
 def _text(job: Job):

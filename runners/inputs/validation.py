@@ -299,7 +299,19 @@ def first_step_bytes(manifest, settings, batch: int, prompt_len: int) -> int:
     rows = batch * beams  # ``batch``: the inputs the search runs on (Whisper's repeats included)
     length = settings.total_max_length(prompt_len)
     copies = 8 if beams > 1 else 2
-    return rows * length * 8 * copies + rows * vocab_size(manifest) * 4 * 4
+    return rows * length * 8 * copies + rows * vocab_size(manifest) * 4 * 4 + step_activation_bytes(manifest, rows,
+                                                                                                    length)
+
+
+def step_activation_bytes(manifest, rows: int, length: int) -> int:
+    """What a decoder step's graph holds for ``rows`` rows besides the cache and the logits: a layer's widest
+    activations (the feed-forward's, taken as 4 d_model, and the attention scores and probabilities over ``length``
+    positions), float32, an input and an output of a node alive at once."""
+    dims = manifest.dims
+    d_model, heads = dims.get("d_model"), dims.get("num_heads")
+    if not (_is_int(d_model) and _is_int(heads)):
+        return 0
+    return rows * (4 * int(d_model) + 2 * int(heads) * length) * 4 * 2
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "float64": 8, "int64": 8, "int32": 4}

@@ -126,14 +126,36 @@ def config_values(config) -> dict:
     return {k: v for k, v in config.items() if v is not None and not k.startswith("_") and k != "transformers_version"}
 
 
-def _place(name: str, where: str) -> None:
-    """Refuse a name elx does not know (a typo, or a field of a newer transformers)."""
+# options of ``elx export`` a caller may pass to generate by mistake: chosen when the graphs are made
+EXPORT_OPTIONS = ("prompt_cache", "passes", "precision")
+
+
+def _place(name: str, where: str, rules=None) -> None:
+    """Refuse a name elx does not know (a typo, or a field of a newer transformers), and (``rules``: the caller's
+    options) a name only another family reads, such as Whisper's ``return_timestamps`` on T5 or Llama."""
+    owners = sorted(family.capitalize() for family, r in RULES.items() if name in r.options or name in r.fields)
+    if rules is not None and owners and name not in rules.options and name not in rules.fields:
+        raise ElxError(f"generation option {name!r}{where} applies to {', '.join(owners)} models only; drop it")
     if options.known(name):
         return
-    owners = sorted(family.capitalize() for family, r in RULES.items() if name in r.options)
     if owners:
         raise ElxError(f"generation option {name!r} applies to {', '.join(owners)} models only")
+    if name in EXPORT_OPTIONS:
+        raise ElxError(f"{name!r} is chosen when the model is exported (elx export --{name.replace('_', '-')}), not "
+                       "at generate time: export again with it")
     raise ElxError(f"unknown generation option {name!r}{where}")
+
+
+def _family_options(rules, given: dict, overrides: dict) -> None:
+    """What the caller set that the family would not use: refused in one line instead of ignored."""
+    for name, why in rules.inert_options.items():  # as an argument (a generation_config object may carry any field)
+        value = overrides.get(name)
+        if value is not None:
+            raise ElxError(f"{name}={value!r} does nothing here: {why}; drop it")
+    temperature = overrides.get("temperature", given.get("temperature"))
+    if isinstance(temperature, (list, tuple)) and not rules.temperature_fallback:
+        raise ElxError(f"temperature={list(temperature)!r}: a list of temperatures is Whisper's fallback (retried "
+                       "windows); this model takes one temperature: pass one number")
 
 
 def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
@@ -149,10 +171,11 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
     options.check_call_arguments(overrides)
     given = config_values(overrides.get("generation_config"))
     for name in given:
-        _place(name, " in generation_config")
+        _place(name, " in generation_config", rules)
     for name, value in overrides.items():
         if value is not None or name in OFF_WHEN_NONE:
-            _place(name, "")
+            _place(name, "", rules)
+    _family_options(rules, given, overrides)
     overrides = {k: v for k, v in overrides.items() if k not in options.CALL_ARGUMENTS or k == "seed"}
     defaults = dict(manifest.data.get("generation_defaults", {}))
     for name in defaults:

@@ -51,6 +51,11 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
                         precision=precision, prompt_cache=prompt_cache, progress=progress)
 
 
+def __dir__() -> list[str]:
+    """The public names, the lazily loaded ones (``Generator``, ``build_engine``, ``generate_file``) included."""
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str):
     if name == "Generator":
         from elx.runners.generate import Generator

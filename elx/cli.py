@@ -654,6 +654,9 @@ def cmd_build_engine(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ElxArgumentParser(prog="elx", description="Lossless faster generation: export, rewrite, run.")
+    from elx._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"elx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export a model to ONNX graphs + manifest, apply passes, verify")

@@ -58,14 +58,33 @@ def make_backend(manifest: Manifest, backend: str = "ort", device: str = "cpu", 
 
 
 class Generator:
+    """An export folder's graphs on a backend, generating as HF ``generate`` does.
+
+    ``Generator.from_folder(folder)`` loads it (ONNX Runtime on the CPU by default; no PyTorch or transformers);
+    ``generate(...)`` takes encoder inputs (``input_ids=``, ``text=``, ``messages=``, ``audio=``, or arrays by
+    role) and HF ``generate``'s option names, and returns a ``GenerationOutput`` (``sequences``,
+    ``sequences_scores``, ``text``, ...).  Errors a caller can fix are ``elx.ElxError``."""
+
     def __init__(self, model: Model):
         self.model = model
         self.rules = rules_for(model.manifest)
         self._stop_strings = {}  # stop-string tables per tokenizer and strings (runners/hooks.py)
 
+    def __repr__(self) -> str:
+        data = self.manifest.data
+        passes = ",".join(p["name"] for p in data.get("passes", [])) or "none"
+        backend = type(self.model.backend).__name__
+        return (f"Generator({str(self.manifest.folder)!r}, family={data.get('family')!r}, "
+                f"architecture={data.get('architecture')!r}, precision={data.get('precision', 'fp32')!r}, "
+                f"passes={passes!r}, backend={backend})")
+
     @classmethod
     def from_folder(cls, folder, *, backend: str = "ort", device: str = "cpu", threads: int | None = None,
                     device_id: int = 0) -> "Generator":
+        """Load the export in ``folder`` (``elx export``'s output; its manifest is checked once, here) on ``backend``
+        ("ort": ONNX Runtime with host arrays, "ort-io": with IOBinding, "tensorrt": the folder's engines) and
+        ``device`` ("cpu" or "cuda", ``device_id``), ONNX Runtime with ``threads`` intra-op threads (None: its
+        default)."""
         check_arguments("from_folder", locals())  # runners/arguments.py: one line naming a wrong argument
         manifest = Manifest.load(folder)
         return cls(Model(manifest, make_backend(manifest, backend, device, device_id, threads)))

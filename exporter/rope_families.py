@@ -97,7 +97,7 @@ class _Values:
 
 def verification_tokens() -> int:
     """The most tokens one sequence of the export's verification feeds (prompt, steps and the last token)."""
-    from elx.exporter.verify import DECODER_ONLY_SHAPES
+    from elx.exporter.verify_shapes import DECODER_ONLY_SHAPES
 
     return max(shape.source + shape.past + shape.step for shape in DECODER_ONLY_SHAPES)
 

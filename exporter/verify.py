@@ -33,6 +33,7 @@ from elx.runners.inputs.random_inputs import random_inputs
 from elx.runners.manifest import Manifest
 from elx.runners.model import Model
 from elx.runners.backends.ort import OrtBackend
+from elx.exporter.verify_shapes import DECODER_ONLY_SHAPES, SHAPES, Shape  # noqa: F401 (re-exported)
 
 # -- the fp32 tolerance -----------------------------------------------------------------------------------
 # Two float32 evaluations of the same network (PyTorch's kernels, ONNX Runtime's; or the graphs before and
@@ -81,23 +82,6 @@ def tolerance_record(magnitude: float, report: dict | None = None) -> dict:
         record["fp32_noise"] = {**report["fp32_noise"], "cases": cases}
         record["atol"] = max(record["atol"], report["tolerance"])
     return record
-
-
-@dataclass(frozen=True)
-class Shape:
-    batch: int
-    beams: int
-    source: int
-    past: int
-    step: int = 1
-
-    def as_dict(self) -> dict:
-        return dict(batch=self.batch, beams=self.beams, source=self.source, past=self.past, step=self.step)
-
-
-SHAPES = (Shape(1, 1, 5, 0), Shape(2, 3, 9, 4), Shape(3, 2, 6, 0, 2), Shape(2, 4, 11, 7))
-# decoder-only step graphs take one token per row; ``source`` is the prompt width, ``past`` the generated tokens
-DECODER_ONLY_SHAPES = (Shape(1, 1, 5, 0), Shape(2, 3, 9, 4), Shape(3, 2, 6, 1), Shape(2, 4, 11, 7), Shape(4, 1, 8, 3))
 
 
 def default_shapes(manifest: Manifest) -> tuple:
@@ -406,8 +390,8 @@ def require_within_tolerance(report: dict, what: str) -> None:
     if within and report["max_abs_logits_diff"] <= report["tolerance"]:  # the second test also catches NaN
         return
     shapes = [e for e in report["shapes"] if "tolerance" in e] or [dict(report)]
-    worst = max(shapes, key=lambda e: e["max_abs_logits_diff"] / e["tolerance"]
-                if np.isfinite(e["max_abs_logits_diff"]) else np.inf)
+    worst = max(shapes, key=lambda e: e["max_abs_logits_diff"] / e["tolerance"] if e["tolerance"] > 0 and
+                np.isfinite(e["max_abs_logits_diff"]) else np.inf)
     noise = worst.get("torch_fp32_vs_fp64")
     because = (f"; PyTorch's own fp32 error on that case is {noise:.3g}" if noise is not None else "")
     raise ElxError(f"{what}: max abs logits diff {worst['max_abs_logits_diff']:.3g} exceeds {worst['tolerance']:.3g} "

@@ -5,6 +5,8 @@ in elx, and asserts the behaviour it got wrong.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -72,7 +74,8 @@ def test_slim_exports_meet_the_tolerance_in_generation(pool, passes):
     try:
         loaded = pool.loaded(spec, passes)
     except ElxError as err:
-        assert "slim" in passes.replace("slim-cross", "") and "half the 0.0001 tolerance" in str(err)
+        # the export's bar: 1e-4 here, or fp32's own measured error times 4 where that is more (fp32_noise.py)
+        assert "slim" in passes.replace("slim-cross", "") and re.search(r"half the 0\.0001\d* tolerance", str(err))
         return
     assert "slim" not in passes.replace("slim-cross", ""), "slim was written for a model it cannot keep in 1e-4"
     ngram = 4 if "ngram" in passes else 0

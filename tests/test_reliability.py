@@ -388,7 +388,10 @@ def test_failed_verification_writes_nothing(tmp_path, model_folders, monkeypatch
     import elx.exporter.verify as verify
     from elx.exporter.export import export_model
 
-    monkeypatch.setattr(verify, "TOLERANCE", -1.0)
+    import elx.exporter.fp32_noise as fp32_noise
+
+    monkeypatch.setattr(verify, "TOLERANCE", -1.0)  # the magnitude rule's floor
+    monkeypatch.setattr(fp32_noise, "NOISE_MULTIPLE", -1.0)  # and the bar fp32's own error sets
     with pytest.raises(ElxError, match="exceeds"):
         export_model(str(model_folders["t5"]), tmp_path / "out", quiet=True)
     assert list(tmp_path.iterdir()) == []

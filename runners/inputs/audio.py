@@ -205,6 +205,9 @@ def _finite(samples: np.ndarray, path) -> np.ndarray:
 def read_audio(path) -> tuple[np.ndarray, int]:
     """A sound file as float32 mono samples and its sampling rate; one-line ElxError when unreadable."""
     info = audio_info(path)
+    if info.seconds > LONG_FORM_LIMIT:  # refused before a sample is read (a 2 GiB file of 16 kHz audio lasts 18 h)
+        raise ElxError(f"{info.path} lasts {info.seconds:.1f} s; elx reads up to {LONG_FORM_LIMIT} s (4 h) of audio "
+                       "per file: split it")
     return _gather(audio_blocks(info), info.frames), info.rate
 
 

@@ -297,6 +297,10 @@ def cmd_export(args) -> int:
 
 def cmd_generate(args) -> int:
     from elx.runners.inputs.text import token_rows
+    from elx.runners.inputs.validation import check_threads
+
+    if not args.ray:  # Ray's workers check it against their own nodes' cores
+        check_threads(args.threads)  # before ONNX Runtime is imported
 
     if args.input_file and args.stream:
         raise ElxError("--stream prints one generation as it runs; it does not go with --input-file")
@@ -478,6 +482,9 @@ def cmd_generate_file(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from elx.runners.inputs.validation import check_threads
+
+    check_threads(args.threads)  # before PyTorch and ONNX Runtime are imported
     options = generation_options(args)
     manifest = check_generation(args.folder, options)  # before PyTorch and transformers are imported
     _languages(args, manifest, options, "elx compare draws random input ids")

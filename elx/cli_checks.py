@@ -112,3 +112,46 @@ def check_export_folder(folder) -> None:
     from elx.runners.manifest import Manifest
 
     Manifest.load(folder)
+
+
+def check_subtitles(manifest, form: str, source: dict, options: dict) -> None:
+    """``--format srt|vtt``: subtitles of one Whisper transcription, with timestamps (turned on here)."""
+    if form not in ("srt", "vtt"):
+        return
+    if "input_features" not in manifest.encoder_inputs():
+        raise ElxError(f"--format {form} writes the subtitles of a Whisper transcription; this model ({manifest.family}) "
+                       "takes tokens: use --format human or jsonl")
+    if len(source.get("audio") or []) != 1:
+        raise ElxError(f"--format {form} writes one subtitle file: pass one --audio file per run (or use --format "
+                       "jsonl, which gives every file's segments)")
+    if (options.get("num_return_sequences") or 1) > 1:
+        raise ElxError(f"--format {form} writes one transcription: drop --num-return-sequences (or use --format jsonl)")
+    if options.get("return_timestamps") is False:
+        raise ElxError(f"--format {form} needs segment times: drop --no-return-timestamps")
+    options["return_timestamps"] = True
+
+
+def check_audio_files(manifest, files: list, options: dict) -> None:
+    """``--audio``: each file's header read (a missing, unreadable or damaged file, or one over 4 h, is refused before
+    the runtime loads); a file over one window (30 s) runs HF's long-form generation, which needs timestamps: they
+    are turned on, as ``--help`` says (HF's ``generate`` refuses long-form features under a generation config with
+    ``return_timestamps: false``, openai's own, until ``return_timestamps=True`` is passed: the CLI passes it)."""
+    from elx.runners.inputs.audio import LONG_FORM_LIMIT, audio_info, load_feature_extractor, resampled_length
+
+    infos = [audio_info(file) for file in files]  # the files' own faults first
+    for info in infos:
+        if info.seconds > LONG_FORM_LIMIT:
+            raise ElxError(f"{info.path} lasts {info.seconds:.1f} s; elx transcribes up to {LONG_FORM_LIMIT} s per "
+                           "file: split it")
+    extractor = load_feature_extractor(manifest.folder)
+    longest = None
+    for info in infos:
+        if resampled_length(info.frames, info.rate, extractor.sampling_rate) > extractor.n_samples:
+            longest = info if longest is None or info.seconds > longest.seconds else longest
+    if longest is None:
+        return
+    if options.get("return_timestamps") is False:
+        raise ElxError(f"{longest.path} lasts {longest.seconds:.1f} s: over {extractor.chunk_length} s Whisper runs "
+                       "HF's long-form generation, which needs timestamps; drop --no-return-timestamps (or "
+                       "return_timestamps from --generation-config)")
+    options["return_timestamps"] = True

@@ -27,6 +27,7 @@ from pathlib import Path
 from elx.runners.errors import ElxError
 from elx.runners.inputs.text_rules import FILES as TEXT_RULE_FILES
 from elx.runners.manifest import FILENAME, FORMAT
+from elx.runners.wording import arg, on_command_line
 from elx.runners.output_lock import dead_siblings, output_lock, signals_deferred, temp_sibling, write_failure
 
 TOKENIZER_DIR = "tokenizer"  # runners/inputs/text.py reads the tokenizer from there
@@ -37,11 +38,16 @@ TOKENIZER_DIR = "tokenizer"  # runners/inputs/text.py reads the tokenizer from t
 def output_path(output) -> Path:
     """``output`` as an absolute path (``~`` expanded, ``..`` folded); an empty name is refused."""
     if output is None or not str(output).strip():
-        raise ElxError("--output is empty; name the folder to write, e.g. --output my-export")
+        raise ElxError(f"{arg('output')} is empty; name the folder to write, e.g. {_example('my-export')}")
     path = Path(os.path.abspath(Path(str(output)).expanduser()))
     if path == path.parent:
         raise ElxError(f"output {path} is the root of the file system; name a new folder to write")
     return path
+
+
+def _example(folder) -> str:
+    """An example output, as the user would write it."""
+    return f"--output {folder}" if on_command_line() else f"output={str(folder)!r}"
 
 
 def _real(path: Path) -> Path:
@@ -152,12 +158,12 @@ def _check_replaceable(output: Path) -> None:
     also inside the folders elx writes (``tokenizer/``, ``engines/``)."""
     owned = elx_files(output)
     if owned is None:
-        raise ElxError(f"output folder {output} was not written by elx (no elx manifest.json); --force replaces only "
-                       "elx export folders: choose another --output")
+        raise ElxError(f"output folder {output} was not written by elx (no elx manifest.json); {arg('force', True)} "
+                       f"replaces only elx export folders: choose another {arg('output')}")
     foreign = foreign_files(output, owned)
     if foreign:
-        raise ElxError(f"output folder {output} holds {foreign[0]!r}, which elx did not write; --force would delete "
-                       "it: move it out or choose another --output")
+        raise ElxError(f"output folder {output} holds {foreign[0]!r}, which elx did not write; {arg('force', True)} "
+                       f"would delete it: move it out or choose another {arg('output')}")
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -170,9 +176,9 @@ def _check_parent(output: Path) -> None:
     """The nearest existing ancestor of ``output`` must be a folder this process may write in."""
     existing = _nearest_existing(output.parent)
     if not existing.is_dir():
-        raise ElxError(f"cannot create {output}: {existing} is a file; choose another --output")
+        raise ElxError(f"cannot create {output}: {existing} is a file; choose another {arg('output')}")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ElxError(f"cannot write in {existing} (permission denied); choose a writable --output")
+        raise ElxError(f"cannot write in {existing} (permission denied); choose a writable {arg('output')}")
 
 
 def _make_parents(folder: Path) -> list[Path]:
@@ -186,7 +192,7 @@ def _make_parents(folder: Path) -> list[Path]:
             path.mkdir(exist_ok=True)
         except OSError as err:
             _remove_if_empty(missing)
-            raise ElxError(f"cannot create {path} ({err.strerror}); choose a writable --output") from None
+            raise ElxError(f"cannot create {path} ({err.strerror}); choose a writable {arg('output')}") from None
     return missing
 
 
@@ -204,16 +210,16 @@ def check_output(output, force: bool = False, replaceable=None) -> Path:
     ``replaceable(output)`` refuses a folder ``force`` may not replace (default: anything but an elx export)."""
     output = output_path(output)
     if output.is_symlink():
-        raise ElxError(f"output {output} is a symbolic link; pass the folder it points to or another --output")
+        raise ElxError(f"output {output} is a symbolic link; pass the folder it points to or another {arg('output')}")
     reason = _protected_reason(output)
     if reason:
-        raise ElxError(f"output {output} {reason}; name a new folder to write, e.g. --output {output / 'elx-export'}")
+        raise ElxError(f"output {output} {reason}; name a new folder to write, e.g. {_example(output / 'elx-export')}")
     if output.exists() and not output.is_dir():
-        raise ElxError(f"output {output} exists and is not a folder; choose another --output")
+        raise ElxError(f"output {output} exists and is not a folder; choose another {arg('output')}")
     if output.is_dir() and any(output.iterdir()):
         if not force:
-            raise ElxError(f"output folder {output} already exists and is not empty; choose another --output "
-                           "(--force replaces an earlier elx export, nothing else)")
+            raise ElxError(f"output folder {output} already exists and is not empty; choose another {arg('output')} "
+                           f"({arg('force', True)} replaces an earlier elx export, nothing else)")
         (replaceable or _check_replaceable)(output)
     _check_parent(output)
     return output
@@ -276,7 +282,8 @@ def write_error(err: OSError, output: Path) -> ElxError | None:
     what = write_failure(err)
     if what is None:
         return None
-    return ElxError(f"writing {output} failed: {what}; nothing was written (free space or choose another --output)")
+    return ElxError(f"writing {output} failed: {what}; nothing was written (free space or choose another "
+                    f"{arg('output')})")
 
 
 @contextmanager

@@ -230,11 +230,17 @@ def _seconds(fn) -> float:
 
 def compare(folder, batch_size: int = 4, input_length: int = 32, seed: int = 0, threads: int | None = None,
             inputs: dict | None = None, atol: float | None = None, check_stability: bool = True,
-            backend: str = "ort", device: str = "cpu", timed: bool = False, **options) -> CompareReport:
+            backend: str = "ort", device: str = "cpu", timed: bool = False, model=None, **options) -> CompareReport:
     """Compare the export in ``folder`` (run by ``backend`` on ``device``) with HF ``generate`` on the CPU
-    (see the module docstring for the verdict); ``timed``: see ``compare_loaded``."""
+    (see the module docstring for the verdict); ``timed``: see ``compare_loaded``.  ``model``: where the source
+    model is now (an HF folder or GGUF file), when it moved from the path the manifest records."""
     generator = Generator.from_folder(folder, backend=backend, device=device, threads=threads)
-    model = reload_model(generator.manifest.data["source"])
+    source = generator.manifest.data["source"]
+    if model is not None:
+        from elx.exporter.model_source import relocated_source
+
+        source = relocated_source(source, model, generator.manifest.family)
+    model = reload_model(source)
     return compare_loaded(generator, model, batch_size=batch_size, input_length=input_length, seed=seed,
                           inputs=inputs, atol=atol, variants=HfVariants(model) if check_stability else None,
                           timed=timed, **options)

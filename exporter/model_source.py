@@ -166,3 +166,33 @@ def architecture_of(folder: Path) -> str:
         raise ElxError(f"{config_path} names no architecture; re-save the model with save_pretrained")
     check_dimensions(config, config_path)
     return architectures[0]
+
+
+def relocated_source(source: dict, model, family: str) -> dict:
+    """The manifest's ``source`` record with the model read from ``model`` instead of its recorded path (``elx compare
+    --model``, when the folder or GGUF file moved).  Light, for the command line: the new place must be the same kind
+    (a folder, or a GGUF file, whose SHA-256 ``reload_model`` still checks) and hold a model of the export's
+    ``family``; a seeded preset needs no weights and is refused.  Its weights are then held to the export's by the
+    comparison itself."""
+    from elx.runners.wording import arg
+
+    kind = source.get("kind")
+    if kind == "random-init":
+        raise ElxError(f"this export's weights are the seeded preset {source.get('model')!r}, rebuilt from its manifest; "
+                       f"drop {arg('model')}")
+    if kind not in ("local", "local-random-init", "hub-cache", "gguf"):
+        raise ElxError(f"the manifest's source kind {kind!r} is unknown; re-export the model with this elx")
+    path = Path(os.path.abspath(Path(str(model)).expanduser()))
+    if kind == "gguf":
+        where = locate_gguf(str(path))
+    else:
+        if not path.is_dir():
+            raise ElxError(f"{arg('model')} {model}: no such folder; name the HF folder this export was made from")
+        where = locate_model(str(path), random_init=bool(source.get("random_init")))
+    from elx.exporter.families import family_for_architecture
+
+    found = family_for_architecture(where.architecture()).name
+    if found != family:
+        raise ElxError(f"{arg('model')} {model} holds a {found} model; this export is {family}: name the model it "
+                       "was exported from")
+    return {**source, "path": str(path)}

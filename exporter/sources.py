@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 from elx.exporter.config_checks import check_generation_config, check_model_config
 from elx.exporter.families import Family, family_for_architecture
 from elx.exporter.model_source import architecture_of, locate_model, preset_names  # noqa: F401 - preset_names: also here
@@ -116,14 +117,16 @@ def reload_model(source: dict) -> torch.nn.Module:
     if kind in ("local", "local-random-init", "hub-cache"):
         path = source["path"]
         if not Path(path).is_dir():
-            raise ElxError(f"the model folder {path} recorded in the manifest is gone; re-export or restore it")
+            raise ElxError(f"the model folder {path} recorded in the manifest is gone; pass its new place with "
+                           f"{arg('model')}, re-export, or restore it")
         return resolve_model(path, random_init=source.get("random_init", False), seed=source.get("seed") or 0).model
     if kind == "gguf":
         from elx.exporter.gguf.metadata import read_gguf
 
         path, recorded = source["path"], (source.get("gguf") or {}).get("sha256")
         if not Path(path).is_file():
-            raise ElxError(f"the GGUF file {path} recorded in the manifest is gone; re-export or restore it")
+            raise ElxError(f"the GGUF file {path} recorded in the manifest is gone; pass its new place with "
+                           f"{arg('model')}, re-export, or restore it")
         if recorded and read_gguf(path).sha256() != recorded:
             raise ElxError(f"the GGUF file {path} differs from the one exported (its SHA-256 changed); re-export it")
         return resolve_model(path).model

@@ -1,10 +1,15 @@
 """One elx writer per output path, and the temporary siblings that killed writers leave.
 
-``output_lock(output)`` holds an exclusive ``flock`` on ``.NAME.lock`` beside ``output`` for as long
-as a write lasts, so that a second elx process writing the same output is refused at once (one
-line naming the holder's pid) instead of interleaving its results with the first one's.  The lock
-file holds the holder's pid and is removed on release.  The kernel drops a lock when its process
-dies (SIGKILL, power loss): a killed writer never blocks the next one.
+``output_lock(output)`` holds an exclusive lock on ``.NAME.lock`` beside ``output`` for as long as a write
+lasts, so that a second elx process writing the same output is refused at once (one line naming the
+holder's pid) instead of interleaving its results with the first one's.  The lock is ``filelock``'s native
+primitive on our own descriptor (``lock_descriptor``: ``flock`` on POSIX, ``LockFileEx`` on Windows), tried
+once; the descriptor is elx's so that the pid goes in and the file goes away exactly as before (with
+filelock's ``FileLock`` object instead, an export interrupted by Ctrl-C right after taking the lock died by
+SIGINT after its cleanup in 1 run of 3, exit -2 instead of 130: tests/test_reliability.py).  A lock file another process unlinked
+between our open and our lock is not taken.  The operating system drops a lock when its process dies
+(SIGKILL, power loss): a killed writer never blocks the next one.  The lock is taken on its own open file, so
+that it holds against this same process's next attempt too.
 
 Temporary siblings are named ``.NAME.PID-XXXXXXXX.KIND`` (``temp_sibling``): the PID says whose they
 are, so that the next writer (holding the lock) removes those of dead processes (``dead_siblings``)
@@ -15,7 +20,6 @@ and never one of a live process, nor any file of the user's.  Export folders
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import re
 import secrets
@@ -24,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 
 _DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 _WRITE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
@@ -62,21 +67,33 @@ def _lock_holder(fd: int) -> str:
     return f" (pid {text})" if text.isdigit() else ""
 
 
+def _option_name(option: str) -> str:
+    """``option`` as the message names it: a keyword (``output_file``: ``--output-file`` on the command line,
+    ``output_file`` in Python; runners/wording.py), or words used as they are (``export folder``)."""
+    keyword = option[2:].replace("-", "_") if option.startswith("--") else option
+    return arg(keyword) if keyword.isidentifier() else option
+
+
 def _acquire(path: Path, output: Path, option: str) -> int:
     """The descriptor of ``path`` locked exclusively (created if needed); ElxError when another process holds it."""
+    from filelock import lock_descriptor
+
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise ElxError(f"cannot write in {path.parent} ({write_failure(err) or err.strerror}); choose another "
-                           f"{option}") from None
+                           f"{_option_name(option)}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            locked = lock_descriptor(fd, blocking=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not locked:
             holder = _lock_holder(fd)
             os.close(fd)
             raise ElxError(f"another elx process{holder} is writing {output} right now; wait for it to finish or "
-                           f"choose another {option}") from None
+                           f"choose another {_option_name(option)}") from None
         try:  # the holder before us may have removed the file between our open and our lock: lock the new one
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -87,10 +104,10 @@ def _acquire(path: Path, output: Path, option: str) -> int:
 
 
 @contextmanager
-def output_lock(output: Path, option: str = "--output"):
+def output_lock(output: Path, option: str = "output"):
     """Hold an exclusive lock for writing ``output``; refuse at once when another process holds it.
 
-    ``option``: the command-line option that names the output, for the message."""
+    ``option``: the argument that names the output (a keyword: ``--flag`` on the command line), for the message."""
     path, fd = lock_path(output), None
     try:
         with signals_deferred():  # a signal lands after ``fd`` is set, inside the try: the lock file goes

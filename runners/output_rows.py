@@ -1,5 +1,6 @@
 """The rows ``elx generate`` prints: which input and hypothesis each returned sequence is, its score, its tokens
-and text, as a line for people or a JSON object for scripts (``--format jsonl``).
+and text, as a line for people or a JSON object for scripts (``--format jsonl``); Whisper's segments (start and
+end in seconds, text) under each row, in its JSON object, or as SubRip / WebVTT subtitles (``--format srt|vtt``).
 
 A row is what HF ``generate`` returns for it, less the left padding of a decoder-only prompt: GPT-2's
 returned rows begin with the prompt as the batch was padded (``padding_side="left"``, pad = EOS), so a
@@ -58,6 +59,54 @@ def human_line(row: OutputRow, with_text: bool = True) -> str:
     return line + (f"\n    {row.text}" if with_text and row.text is not None else "")
 
 
-def json_line(row: OutputRow) -> str:
-    """One JSON object: input, hypothesis, score (null without one), tokens, text (null without a tokenizer)."""
-    return json.dumps(asdict(row), ensure_ascii=False)
+def json_line(row: OutputRow, segments: list | None = None) -> str:
+    """One JSON object: input, hypothesis, score (null without one), tokens, text (null without a tokenizer); with
+    ``segments`` (Whisper with timestamps) also ``segments``: [{"start", "end", "text"}, ...]."""
+    data = asdict(row)
+    if segments is not None:
+        data["segments"] = [asdict(segment) for segment in segments]
+    return json.dumps(data, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: float  # seconds from the start of the audio
+    end: float
+    text: str | None  # None: the export has no tokenizer
+
+
+def row_segments(segments: list, decode=None) -> list[Segment]:
+    """HF's segments of one row (``out.segments[i]``: start, end, tokens) with their text: the tokens decoded as
+    HF's ``batch_decode(..., skip_special_tokens=True)`` decodes them (timestamp tokens dropped), stripped."""
+    out = []
+    for segment in segments:
+        text = decode(np.asarray(segment["tokens"])[None])[0].strip() if decode is not None else None
+        out.append(Segment(round(float(segment["start"]), 3), round(float(segment["end"]), 3), text))
+    return out
+
+
+def segment_line(segment: Segment) -> str:
+    """``  [0.00 -> 3.80] The quick brown fox.`` (human format, under the row)."""
+    words = f" {segment.text}" if segment.text else ""
+    return f"  [{segment.start:.2f} -> {segment.end:.2f}]{words}"
+
+
+def _clock(seconds: float, separator: str) -> str:
+    milliseconds = int(round(max(seconds, 0.0) * 1000))
+    hours, rest = divmod(milliseconds, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    return f"{hours:02d}:{minutes:02d}:{rest // 1000:02d}{separator}{rest % 1000:03d}"
+
+
+def subtitles(segments: list[Segment], form: str) -> str:
+    """The segments as a SubRip (``srt``: numbered cues, ``HH:MM:SS,mmm``) or WebVTT (``vtt``: a ``WEBVTT`` header,
+    ``HH:MM:SS.mmm``) file; segments without text are left out."""
+    separator = "," if form == "srt" else "."
+    cues = []
+    for segment in segments:
+        if not segment.text:
+            continue
+        timing = f"{_clock(segment.start, separator)} --> {_clock(segment.end, separator)}"
+        cues.append(f"{len(cues) + 1}\n{timing}\n{segment.text}\n" if form == "srt" else f"{timing}\n{segment.text}\n")
+    body = "\n".join(cues)
+    return body if form == "srt" else "WEBVTT\n\n" + body

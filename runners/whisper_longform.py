@@ -42,6 +42,7 @@ from dataclasses import replace
 import numpy as np
 
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 from elx.runners.generation_output import GenerationOutput
 from elx.runners.hooks import CallArguments, graph_may_block, search_hooks
 from elx.runners.inputs.validation import check_memory, typed_encoder_inputs
@@ -72,8 +73,8 @@ def timestamps_wanted(manifest, options: dict, frames: int) -> bool:
     if frames > window_frames(manifest):
         if value is False:
             raise ElxError(f"input features of {frames} frames (> {window_frames(manifest)}, 30 s) run HF's long-form "
-                           "generation, which needs timestamps (this model's generation config sets them off): pass "
-                           "return_timestamps=True (--return-timestamps)")
+                           "generation, which needs timestamps (this model's generation config sets them off, and HF's "
+                           f"generate refuses it too): pass {arg('return_timestamps', True)}")
         return True
     return bool(value)
 

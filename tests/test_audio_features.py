@@ -198,6 +198,88 @@ def test_features_from_files_export_folder(tmp_path):
     assert_bit_equal(got, hf_numpy_features(hf_extractor(128), samples).input_features)
 
 
+# ----------------------------------------------------------------------------- streamed reading, resampling, blocks
+
+
+def write_pcm16_wav(path: Path, samples: np.ndarray, rate: int, channels: int = 1):
+    data = np.clip(np.round(samples * 32767), -32768, 32767).astype("<i2").tobytes()
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * 2 * channels, 2 * channels, 16)
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    path.write_bytes(b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks)
+
+
+@pytest.mark.parametrize("block", [1, 7, 1000])
+def test_log_mel_in_blocks_is_the_one_shot_computation(block, monkeypatch):
+    """Issue 42 item 4: long clips' STFT and mel sums run a block of frames at a time; every remainder (1 frame up)
+    gives the bits of the one-shot computation (HF's numpy path), edges (reflect padding) included."""
+    from elx.runners.inputs import audio
+
+    ours = LogMelExtractor()
+    for n in (16000 * 2 + 77, 16000 * 2, 500, 161):
+        clip = noise(n, seed=n)
+        whole = audio.log_mel(audio.power_spectrogram(clip, ours.n_fft, ours.hop_length, ours.window),
+                              ours.mel_filters)
+        monkeypatch.setattr(audio, "FRAMES_PER_BLOCK", block)
+        got = audio.log_mel_spectrogram(clip, ours.n_fft, ours.hop_length, ours.window, ours.mel_filters)
+        monkeypatch.undo()
+        assert_bit_equal(got, whole)
+        assert_bit_equal(ours.features(clip), audio.whisper_scale(whole))
+
+
+def test_long_44k_file_streamed_resampled_and_featured_as_hf(tmp_path, monkeypatch):
+    """A 45 s 44.1 kHz stereo WAV, read in blocks, resampled with soxr on the way (``load_clip``): the samples are
+    ``resample(read_audio(...))``'s, and its long-form features over several 4096-frame blocks are HF's numpy
+    extractor's on them (truncation=False, padding="longest"), bit for bit."""
+    from elx.runners.inputs import audio
+
+    monkeypatch.setattr(audio, "BLOCK_FRAMES", 100_003)  # many read blocks, none aligned with anything
+    left, right = noise(44100 * 45, seed=1), tone(44100 * 45) * 0.5
+    path = tmp_path / "long44k.wav"
+    write_pcm16_wav(path, np.stack([left, right], 1).reshape(-1), 44100, channels=2)
+    samples, rate = audio.read_audio(path)
+    assert rate == 44100 and samples.size == 44100 * 45
+    ours = LogMelExtractor()
+    clip = audio.load_clip(path, ours, long_form=True)
+    assert np.array_equal(clip, audio.resample(samples, 44100, 16000))
+    assert clip.size == audio.resampled_length(samples.size, 44100, 16000) == 16000 * 45
+    features = features_from_audio(ours, [clip, noise(16000 * 3)], long_form=True)
+    want = hf_numpy_features(hf_extractor(), [clip, noise(16000 * 3)], truncation=False, padding="longest",
+                             return_attention_mask=True)
+    assert features["input_features"].shape[-1] > audio.FRAMES_PER_BLOCK  # two blocks, the second a remainder
+    assert_bit_equal(features["input_features"], want["input_features"])
+    assert features["attention_mask"].tolist() == want["attention_mask"].tolist()
+
+
+@pytest.mark.parametrize("rate", [8000, 11025, 22050, 32000, 44100, 48000, 7919])
+def test_resampled_length_is_known_from_the_header(rate):
+    """The CLI decides from a header whether a clip exceeds 30 s (long-form, timestamps on): the count it computes
+    is the resampler's."""
+    from elx.runners.inputs.audio import resample, resampled_length
+
+    for n in (1, 2, 3, rate * 30 - 1, rate * 30, rate * 30 + 1, 123_457):
+        assert resample(noise(n, seed=n), rate, 16000).size == resampled_length(n, rate, 16000), n
+
+
+def test_reading_and_resampling_hold_a_few_blocks_beside_the_result(tmp_path):
+    """Before, 10 min of 44.1 kHz audio went through one FFT of the whole file (68 s, ~600 MiB); now the file is
+    read and resampled block by block: the peak of numpy's allocations stays within the 16 kHz result and a few
+    blocks (tracemalloc sees numpy's buffers; no timing)."""
+    import tracemalloc
+
+    from elx.runners.inputs import audio
+
+    path = tmp_path / "two-minutes.wav"
+    write_pcm16_wav(path, noise(44100 * 120, seed=3), 44100)  # 10.6 MB on disk, 1.92 M samples at 16 kHz
+    tracemalloc.start()
+    try:
+        clip = audio.load_clip(path, LogMelExtractor(), long_form=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert clip.size == 16000 * 120
+    assert peak < clip.nbytes + 8 * audio.BLOCK_FRAMES * 4, (peak, clip.nbytes)  # the one-shot FFT needed ~20x
+
+
 # ----------------------------------------------------------------------------- errors
 
 

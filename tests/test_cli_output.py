@@ -97,3 +97,95 @@ def test_random_weights_note_in_dataset_mode(exported, tmp_path, capsys):
     assert main(["generate", str(exported("t5")), "--input-file", str(source), "--output-file",
                  str(tmp_path / "t.jsonl"), "--max-new-tokens", "2"]) == 0
     assert note not in capsys.readouterr().err  # trained weights (here: a saved folder) get no note
+
+
+def _random_copy(exported, tmp_path, family="t5"):
+    folder = tmp_path / f"random-{family}"
+    shutil.copytree(exported(family), folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["source"]["random_init"] = True  # what `elx export --random-init` records
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("elx: error: "), err
+    return err[0]
+
+
+def test_quiet_everywhere(exported, tmp_path, capsys):
+    """Issue 42 item 5: --quiet is taken by every command; on `generate --input-ids` it silences the random-weights
+    note (before: refused outside --input-file, so the note could not be silenced)."""
+    folder = _random_copy(exported, tmp_path)
+    argv = ["generate", str(folder), "--input-ids", "5 6 7", "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "random weights" in out.err and _rows(out.out)
+    assert main([*argv, "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and _rows(out.out)  # the rows still come
+    from elx.cli import build_parser
+
+    parser = build_parser()
+    for command in (["export", "--model", "m", "--output", "o"], ["generate", "d"], ["compare", "d"],
+                    ["bench"], ["build-engine", "d"], ["import-ct2", "s", "--output", "o"],
+                    ["import-gguf", "f", "--output", "o"]):
+        assert parser.parse_args([*command, "--quiet"]).quiet is True, command
+
+
+def test_messages_name_flags_on_the_cli_and_keywords_in_python(exported, tmp_path, capsys):
+    """Issue 42 item 5: the same refusal says `--output` / `--force` on the command line and `output` / `force=True`
+    from Python (before: Python errors said "choose another --output (--force ...)")."""
+    import pytest
+
+    import elx
+    from elx.runners.dataset.pipeline import generate_file
+    from elx.runners.errors import ElxError
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "thesis.txt").write_text("mine")
+    assert main(["export", "--model", "t5-tiny", "--random-init", "--output", str(taken)]) == 2
+    line = _one_error(capsys)
+    assert "choose another --output (--force replaces" in line
+    with pytest.raises(ElxError) as err:
+        elx.export("t5-tiny", taken, random_init=True)
+    assert "choose another output (force=True replaces" in str(err.value) and "--" not in str(err.value)
+
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": "a", "input_ids": [5, 6]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("someone's notes\n")
+    assert main(["generate", str(exported("t5")), "--input-file", str(source), "--output-file", str(out)]) == 2
+    line = _one_error(capsys)
+    assert "--resume" in line and "--force" in line
+    with pytest.raises(ElxError) as err:
+        generate_file(exported("t5"), source, out, progress="none")
+    assert "resume=True" in str(err.value) and "force=True" in str(err.value) and "--" not in str(err.value)
+
+
+def test_compare_model_points_at_a_moved_source(exported, model_folders, tmp_path, capsys):
+    """Issue 42 item 5: `elx compare --model SOURCE` when the folder the manifest records is gone."""
+    folder = tmp_path / "export"
+    shutil.copytree(exported("t5"), folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    recorded = manifest["source"]["path"]
+    manifest["source"]["path"] = str(tmp_path / "moved-away")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    argv = ["compare", str(folder), "--batch-size", "1", "--input-length", "4", "--max-new-tokens", "3"]
+    assert main(argv) == 2
+    assert "is gone; pass its new place with --model" in _one_error(capsys)
+    assert main([*argv, "--model", str(tmp_path / "nowhere")]) == 2
+    assert "--model" in _one_error(capsys)
+    assert main([*argv, "--model", str(model_folders["bart"])]) == 2
+    assert "holds a bart model; this export is t5" in _one_error(capsys)
+    assert main([*argv, "--model", recorded]) == 0
+    assert "identical" in capsys.readouterr().out
+
+
+def test_subtitles_are_whisper_only(exported, capsys):
+    assert main(["generate", str(exported("t5")), "--input-ids", "5 6", "--format", "srt"]) == 2
+    assert "--format srt writes the subtitles of a Whisper transcription" in _one_error(capsys)
+    assert main(["generate", str(exported("t5")), "--input-ids", "5 6", "--format", "vtt", "--stream"]) == 2
+    assert "--stream" in _one_error(capsys)

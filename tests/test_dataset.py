@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -467,17 +468,36 @@ def test_progress_bar_and_plain_lines():
     bar.shown -= 1.0
     bar.update(4, 120)
     bar.close()
-    assert "4/10" in term.text and "item/s" in term.text and "tok/s" in term.text
+    assert "4/10 items" in term.text and "items/s" in term.text and "tokens/s" in term.text
+    assert "it/s" not in term.text  # tqdm's own (smoothed) rate is not shown: one rate, the meter's
     plain = Progress(10, "auto", stream=type("Pipe", (Terminal,), {"isatty": lambda self: False})())
     assert plain.mode == "plain"
     plain.update(1, 10)
     plain.update(4, 40)
-    # rates and ETA at a given time, 2 s after the first batch: the format and the arithmetic, not the wall clock
-    # (issue 27 item 8: a rate measured on a loaded machine is 1.99, not 2.0)
-    now = plain.first[0] + 2.0
-    assert plain.rates(now) == (2.0, 20.0)  # 4 items and 40 tokens after the first batch, in 2 s
-    assert plain.line(now) == "5/10 items, 2.00 items/s, 20 tokens/s, ETA 00:00:02"
+    # rates and ETA at a given time, 2 s after the stage started: the format and the arithmetic, not the wall clock
+    # (issue 27 item 8: a rate measured on a loaded machine is 1.99, not 2.0); the first batch counts (issue 42: the
+    # bar said 11.1 items/s from the first batch on while the summary said 5.51 over the whole run)
+    now = plain.start + 2.0
+    assert plain.rates(now) == (2.5, 25.0)  # 5 items and 50 tokens since the stage started, in 2 s
+    assert plain.line(now) == "5/10 items, 2.50 items/s, 25 tokens/s, ETA 00:00:02"
     assert Progress(3, "plain").line() == "0/3 items, 0.00 items/s, 0 tokens/s, ETA ?"  # nothing finished yet
+
+
+def test_summary_rate_is_the_bars(tmp_path, folder, capsys):
+    """The summary's items/s is the generate stage's meter's (the rate the bar showed), next to the whole run's
+    time: one rate per stage."""
+    from elx.runners.dataset.job import DatasetSummary
+
+    source = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": r} for r in token_rows(6)])
+    out = tmp_path / "out.jsonl"
+    summary = generate_file(folder, source, out, batch_size=2, progress="none", max_new_tokens=3)
+    assert summary.generate_seconds is not None and 0 < summary.generate_seconds <= summary.seconds
+    assert summary.items_per_second == summary.written / summary.generate_seconds
+    assert DatasetSummary(out, 6, 6, 0, 0, 60, 3.0).items_per_second == 2.0  # without a meter: the whole run
+    assert elx_main(["generate", str(folder), "--input-file", str(source), "--output-file", str(tmp_path / "o2.jsonl"),
+                     "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"in \d+\.\d s; generating: \d+\.\d s, \d+\.\d\d items/s", err), err
 
 
 def test_audio_inputs_on_whisper(tmp_path, exported):
@@ -558,7 +578,7 @@ def test_disk_full_while_writing_lines_keeps_complete_lines(tmp_path, folder, ge
 
     monkeypatch.setattr(os, "write", fill_up)
     with pytest.raises(ElxError, match="no space left on the device; the finished lines are kept: free space, then "
-                                        "rerun with --resume"):
+                                        "rerun with resume=True"):  # Python names the keyword
         generate_file(folder, source, out, **run)
     monkeypatch.setattr(os, "write", real_write)
     assert out.read_bytes().endswith(b"\n") and len(read_lines(out)) == 6

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,7 @@ RUNNER = textwrap.dedent('''
 def refusals(folders: dict) -> list[tuple[list[str], str]]:
     """(command line, a fragment of its one-line error)."""
     t5, gpt2, llama, out = folders["t5-export"], folders["gpt2"], folders["llama"], folders["out"]
+    whisper = folders["whisper-export"]
     export = ["export", "--output", out]
     return [
         ([*export, "--model", "t5-tiny", "--random-init", "--pass", "foo"], "unknown pass 'foo'"),
@@ -86,12 +88,29 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         (["build-engine", t5, "--max-batch-size", "0"], "--max-batch-size"),
         (["build-engine", t5, "--precision", "int4"], "--precision"),
         (["build-engine", out], "no manifest.json"),
+        # issue 42: Whisper's subtitles, audio headers read before the runtime loads, --threads, compare --model
+        (["generate", t5, "--input-ids", "5 6", "--format", "srt"], "subtitles of a Whisper transcription"),
+        (["generate", whisper, "--audio", "missing.wav"], "does not exist"),
+        (["generate", whisper, "--audio", folders["junk"]], "not a WAV file"),
+        (["generate", whisper, "--audio", folders["five-hours"]], "elx transcribes up to 14400 s"),
+        (["generate", whisper, "--audio", folders["junk"], "--audio", folders["junk"], "--format", "vtt"],
+         "one subtitle file"),
+        (["generate", t5, "--input-ids", "5 6", "--threads", "100000"], "pass --threads"),
+        (["compare", t5, "--model", f"{out}/nowhere"], "--model"),
     ]
 
 
 def test_argument_errors_come_before_heavy_imports(tmp_path, model_folders, exported):
+    junk, five_hours = tmp_path / "junk.wav", tmp_path / "five-hours.wav"
+    junk.write_bytes(b"not a sound file")
+    fmt = struct.pack("<HHIIHH", 1, 1, 1000, 2000, 2, 16)  # 1 kHz 16-bit mono: 5 h in 36 MB, sparse
+    with open(five_hours, "wb") as f:
+        f.write(b"RIFF" + struct.pack("<I", 0) + b"WAVEfmt " + struct.pack("<I", 16) + fmt + b"data"
+                + struct.pack("<I", 5 * 3600 * 2000))
+        f.truncate(44 + 5 * 3600 * 2000)
     folders = {"t5-export": str(exported("t5")), "gpt2": str(model_folders["gpt2"]),
-               "llama": str(model_folders["llama"]), "out": str(tmp_path / "out")}
+               "llama": str(model_folders["llama"]), "out": str(tmp_path / "out"),
+               "whisper-export": str(exported("whisper")), "junk": str(junk), "five-hours": str(five_hours)}
     cases = refusals(folders)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps([argv for argv, _ in cases]), json.dumps(HEAVY)],

@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -240,8 +241,11 @@ def test_paths_that_are_not_files_are_refused_at_once(tmp_path, exported, model_
         f.truncate(17 << 20)
     big_lines = tmp_path / "big.jsonl"
     shutil.copy(big, big_lines)
-    huge_wav = tmp_path / "huge.wav"
+    huge_wav = tmp_path / "huge.wav"  # sparse: a WAV header, then 2 GiB of 16 kHz 16-bit silence (18.6 h)
+    fmt = struct.pack("<HHIIHH", 1, 1, 16000, 32000, 2, 16)
     with open(huge_wav, "wb") as f:
+        f.write(b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVEfmt " + struct.pack("<I", 16) + fmt + b"data"
+                + struct.pack("<I", 0xFFFFFFFF))
         f.truncate((2 << 30) + 1)
     model = tmp_path / "model-with-fifo-config"
     model.mkdir()
@@ -275,7 +279,7 @@ def test_paths_that_are_not_files_are_refused_at_once(tmp_path, exported, model_
         ("audio", str(wav_fifo), "FIFO"),
         ("audio", "/dev/zero", "character device"),
         ("audio", str(tmp_path), "directory"),
-        ("audio", str(huge_wav), "more than elx reads (2048 MiB)"),
+        ("audio", str(huge_wav), "lasts 67108.9 s; elx reads up to 14400 s"),  # read in blocks: hours, not bytes
     ]
     proc = subprocess.run([sys.executable, "-c", FILE_PROBES, json.dumps([[k, c] for k, c, _ in cases])],
                           capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)

@@ -241,7 +241,10 @@ def test_generate_audio_cli(multilingual, tmp_path, capsys):
 
     write_wav(tmp_path / "long.wav", np.zeros(16000 * 31, np.float32), 16000)
     (tmp_path / "bad.wav").write_bytes(b"RIFF....WAVEjunk")
-    cases = [([str(multilingual), "--audio", str(tmp_path / "long.wav")], "30 s"),
+    cases = [([str(multilingual), "--audio", str(tmp_path / "long.wav"), "--no-return-timestamps"], "over 30 s"),
+             ([str(multilingual), "--audio", str(tmp_path / "noise.wav"), "--audio", str(tmp_path / "noise.wav"),
+               "--format", "vtt"], "one subtitle file"),
+             ([str(multilingual), "--audio", str(tmp_path / "missing.wav")], "does not exist"),
              ([str(multilingual), "--audio", str(tmp_path / "bad.wav")], "malformed"),
              ([str(multilingual), "--audio", str(tmp_path / "noise.wav"), "--language", "xx"], "language")]
     for argv, message in cases:
@@ -374,6 +377,61 @@ def test_tiny_en_generate_cli(tiny_en, speech, capsys):
         assert sum(w in text.lower() for w in words) >= len(words) - 1
     assert elx_main(["generate", str(tiny_en["el"]), "--audio", files[0], "--language", "en"]) == 2
     assert "English-only" in capsys.readouterr().err
+
+
+@real
+def test_tiny_en_long_audio_subtitles_as_hf(tiny_en, speech, tmp_path, capsys):
+    """36 s of speech at espeak-ng's own 22050 Hz, no flags: elx generate resamples it (soxr, block by block),
+    transcribes it as HF's long-form generate(return_timestamps=True) does on the same 16 kHz samples (tokens and
+    segments identical), prints the text as HF's batch_decode(skip_special_tokens=True) gives it (no timestamp
+    tokens), and as SRT / VTT cues with the segment times."""
+    import subprocess
+
+    import torch
+    from transformers import WhisperForConditionalGeneration
+
+    from elx.runners.inputs.audio import read_audio, resample
+    from tests.hf_reference import hf_numpy_features
+
+    path = tmp_path / "long.wav"
+    text = " ".join([*CLIPS] * 3)
+    subprocess.run(["espeak-ng", "-v", "en-us", "-s", "130", "-w", str(path), text], check=True, timeout=120)
+    samples, rate = read_audio(path)
+    assert rate == 22050 and samples.size / rate > 30
+    audio = resample(samples, rate, 16000)  # what elx generate --audio feeds the feature extractor
+    tokenizer = speech["tokenizer"]
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor.from_pretrained(str(tiny_en["hf"]), local_files_only=True)
+    features = hf_numpy_features(extractor, [audio], truncation=False, padding="longest",
+                                 return_attention_mask=True)
+    model = WhisperForConditionalGeneration.from_pretrained(str(tiny_en["hf"]), local_files_only=True).eval()
+    with torch.no_grad():
+        hf = model.generate(torch.from_numpy(features["input_features"]), return_timestamps=True,
+                            return_segments=True)
+    hf_tokens = hf["sequences"][0].tolist()
+    hf_segments = hf["segments"][0]
+
+    assert elx_main(["generate", str(tiny_en["el"]), "--audio", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [int(t) for t in lines[0].split(": ", 1)[1].split()] == hf_tokens
+    assert lines[1].strip() == tokenizer.batch_decode([hf_tokens], skip_special_tokens=True)[0].strip()
+    assert "<|" not in lines[1]
+    segment_lines = lines[2:]
+    assert len(segment_lines) == len(hf_segments)
+    for line, segment in zip(segment_lines, hf_segments):
+        words = tokenizer.decode(segment["tokens"], skip_special_tokens=True).strip()
+        assert line == f"  [{float(segment['start']):.2f} -> {float(segment['end']):.2f}] {words}", line
+    assert sum(w in lines[1].lower() for w in ("quick", "fox", "stella", "weather", "sunny")) >= 4
+
+    assert elx_main(["generate", str(tiny_en["el"]), "--audio", str(path), "--format", "srt"]) == 0
+    cues = capsys.readouterr().out.strip().split("\n\n")
+    assert len(cues) == len(hf_segments) and cues[0].startswith("1\n00:00:00,000 --> 00:00:0")
+    last = hf_segments[-1]
+    assert cues[-1].split("\n")[2] == tokenizer.decode(last["tokens"], skip_special_tokens=True).strip()
+    assert elx_main(["generate", str(tiny_en["el"]), "--audio", str(path), "--format", "vtt"]) == 0
+    vtt = capsys.readouterr().out
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> ") and vtt.count(" --> ") == len(hf_segments)
 
 
 # ----------------------------------------------------------------------------- (c) el-self on real weights

@@ -342,13 +342,29 @@ def test_long_audio_files(exported, model_folders, tmp_path, capsys):
     assert np.array_equal(ours["input_features"], theirs["input_features"])  # HF's numpy path, bit for bit
     argv = ["generate", str(folder), "--audio", str(paths[0]), "--audio", str(paths[1]), "--language", "fr",
             "--max-new-tokens", "4"]
-    assert elx_main(argv) == 2 and "--return-timestamps" in capsys.readouterr().err  # long-form needs timestamps
-    assert elx_main([*argv, "--return-timestamps"]) == 0
-    printed = capsys.readouterr().out.splitlines()
+    # this generation config says return_timestamps: false, so HF's generate refuses the long-form features until
+    # return_timestamps=True is passed; from Python elx refuses the same way, the CLI passes it (as --help says)
+    with pytest.raises(ElxError, match="return_timestamps=True"):
+        Generator.from_folder(folder).generate(audio=[str(p) for p in paths], language="fr", max_new_tokens=4)
     expected = Generator.from_folder(folder).generate(audio=[str(p) for p in paths], language="fr", max_new_tokens=4,
                                                       return_timestamps=True)
-    rows = [line for line in printed if line.startswith("input ")]
-    assert [[int(t) for t in row.split(": ", 1)[1].split()] for row in rows] == \
-        expected.sequences.tolist()
-    assert sum(line.startswith("  [") for line in printed) == sum(len(item) for item in expected.segments)
+    for extra in ([], ["--return-timestamps"]):
+        assert elx_main([*argv, *extra]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        rows = [line for line in printed if line.startswith("input ")]
+        assert [[int(t) for t in row.split(": ", 1)[1].split()] for row in rows] == expected.sequences.tolist()
+        assert sum(line.startswith("  [") for line in printed) == sum(len(item) for item in expected.segments)
     assert expected.segments[0][-1]["start"] >= 30.0  # the long clip's second window
+    assert elx_main([*argv, "--no-return-timestamps"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "long.wav lasts 33.0 s" in err[0] and "drop --no-return-timestamps" in err[0], err
+    # jsonl: each row's segments with start, end and text; the tokens are the rows above
+    assert elx_main([*argv, "--format", "jsonl"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["tokens"] for line in lines] == expected.sequences.tolist()
+    for line, item in zip(lines, expected.segments):
+        assert [(s["start"], s["end"]) for s in line["segments"]] == [
+            (round(float(s["start"]), 3), round(float(s["end"]), 3)) for s in item]
+    # subtitles: one file per run; the cues are the segments (texts: this export has no tokenizer, so none)
+    assert elx_main([*argv, "--format", "srt"]) == 2
+    assert "one --audio file" in capsys.readouterr().err

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from elx.runners.dataset.run_record import OwnedOutput, RunRecord, State, add_fingerprint
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 from elx.runners.inputs.user_files import MAX_BYTES, open_user_file, read_lines
 from elx.runners.manifest import FORMAT as MANIFEST_FORMAT
 from elx.runners.output_lock import signals_deferred, temp_sibling, write_failure
@@ -103,7 +104,7 @@ def read_records(path: Path, rules: InputRules):
 
 def _open(path: Path):
     """IN, a regular file (no FIFO, device or folder, checked on the open descriptor too), read line by line."""
-    return open_user_file(path, "--input-file", limit=None)
+    return open_user_file(path, arg('input_file'), limit=None)
 
 
 LONG_LINE = f"longer than {MAX_BYTES >> 20} MiB (elx reads lines up to that)"
@@ -271,7 +272,8 @@ def check_output_path(target: Path, source: Path, folder: Path) -> None:
     its target a stale copy: pass the file it points to), a file with other hard links (the same), a folder, and
     what is not a regular file (a FIFO would block the run, a device swallow it)."""
     if target.is_symlink():
-        raise ElxError(f"--output-file {target} is a symbolic link (to {os.path.realpath(target)}); elx renames the "
+        raise ElxError(f"{arg('output_file')} {target} is a symbolic link (to {os.path.realpath(target)}); elx "
+                       "renames the "
                        "finished file into place, which would replace the link: pass the file it points to")
     try:
         st = os.stat(target)
@@ -279,22 +281,25 @@ def check_output_path(target: Path, source: Path, folder: Path) -> None:
         st = None
     if st is not None:
         if stat.S_ISDIR(st.st_mode):
-            raise ElxError(f"--output-file {target} is a folder; name a file")
+            raise ElxError(f"{arg('output_file')} {target} is a folder; name a file")
         if not stat.S_ISREG(st.st_mode):
-            raise ElxError(f"--output-file {target} is not a regular file (a FIFO, device or socket); name a file")
+            raise ElxError(f"{arg('output_file')} {target} is not a regular file (a FIFO, device or socket); name "
+                           "a file")
         if os.path.samefile(target, source):
-            raise ElxError(f"--output-file {target} is the input file {source}; write the results to another file")
+            raise ElxError(f"{arg('output_file')} {target} is the input file {source}; write the results to "
+                           "another file")
         if st.st_nlink > 1:
-            raise ElxError(f"--output-file {target} has {st.st_nlink - 1} other hard link(s); elx renames the "
+            raise ElxError(f"{arg('output_file')} {target} has {st.st_nlink - 1} other hard link(s); elx renames the "
                            "finished file into place, which would leave them a stale copy: name a file of its own")
     if not target.parent.is_dir():
-        raise ElxError(f"the folder of --output-file {target} does not exist")
+        raise ElxError(f"the folder of {arg('output_file')} {target} does not exist")
     real = Path(os.path.realpath(target))
     export = export_folder_holding(target)
     if export is None and Path(os.path.realpath(folder)) in real.parents:
         export = folder
     if export is not None:
-        raise ElxError(f"--output-file {target} lies inside the export folder {export}; write the results outside "
+        raise ElxError(f"{arg('output_file')} {target} lies inside the export folder {export}; write the "
+                       "results outside "
                        "it (elx owns that folder's files, and elx export --force deletes what it did not write)")
 
 
@@ -373,7 +378,7 @@ class OutputFile:
 
     def _failed(self, err: OSError):
         return _write_failed(err, self.path, "writing", "the finished lines are kept: free space, then rerun with "
-                             "--resume")
+                             f"{arg('resume', True)}")
 
     def close(self, sync: bool = True) -> None:
         """fsync and record what OUT holds (``sync``), then close it."""
@@ -418,7 +423,7 @@ def put_in_order(path: Path, order: dict, record: RunRecord, state: State) -> bo
                 os.replace(tmp, path)
         except OSError as err:
             raise _write_failed(err, path, "putting in input order", "its lines are complete (in the order they "
-                                "finished): free space, then rerun with --resume to sort them") from err
+                                f"finished): free space, then rerun with {arg('resume', True)} to sort them") from err
         finally:
             try:
                 tmp.unlink()

@@ -17,6 +17,7 @@ from elx.runners.dataset.io import (InputRules, Record, check_output_path, check
 from elx.runners.dataset.run_record import (OwnedOutput, RunRecord, add_fingerprint, first_difference, owned_output, record_fingerprint,
                           run_identity)
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 from elx.runners.families import rules_for
 from elx.runners.manifest import Manifest
 from elx.runners.search.settings import GenerationSettings, resolve_settings
@@ -34,16 +35,22 @@ class DatasetSummary:
     errors: int  # error lines among them (skip_bad)
     skipped: int  # inputs already in the output (resume)
     new_tokens: int  # generated tokens (all returned rows, prompt excluded)
-    seconds: float
+    seconds: float  # the whole run: reading and sorting the input, loading the model, generating, writing
     reordered: bool = False  # the output was rewritten into input order at the end
+    generate_seconds: float | None = None  # the generate stage, as its progress meter measured it (None: seconds)
+
+    @property
+    def _stage_seconds(self) -> float:
+        return self.seconds if self.generate_seconds is None else self.generate_seconds
 
     @property
     def items_per_second(self) -> float:
-        return self.written / self.seconds if self.seconds > 0 else 0.0
+        """Lines per second of the generate stage: the rate its progress bar showed (runners/progress.py)."""
+        return self.written / self._stage_seconds if self._stage_seconds > 0 else 0.0
 
     @property
     def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.new_tokens / self._stage_seconds if self._stage_seconds > 0 else 0.0
 
 
 @dataclass
@@ -96,17 +103,18 @@ class Job:
 
     def bad(self, record: Record) -> ElxError:
         return ElxError(f"{where(self.input, record.line)}: {record.error}; fix it (finished lines are kept: rerun "
-                        "with --resume) or pass --skip-bad")
+                        f"with {arg('resume', True)}) or pass {arg('skip_bad', True)}")
 
 
 def check_options(batch_size, max_tokens_per_batch, resume: bool, force: bool) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ElxError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
+        raise ElxError(f"{arg('batch_size')} must be an integer >= 1, got {batch_size!r}")
     if max_tokens_per_batch is not None and (isinstance(max_tokens_per_batch, bool) or
                                              not isinstance(max_tokens_per_batch, int) or max_tokens_per_batch < 1):
-        raise ElxError(f"--max-tokens-per-batch must be an integer >= 1, got {max_tokens_per_batch!r}")
+        raise ElxError(f"{arg('max_tokens_per_batch')} must be an integer >= 1, got {max_tokens_per_batch!r}")
     if resume and force:
-        raise ElxError("--resume continues the output file and --force replaces it; pass one of them")
+        raise ElxError(f"{arg('resume', True)} continues the output file and {arg('force', True)} replaces it; pass "
+                       "one of them")
 
 
 def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH_SIZE,
@@ -145,7 +153,7 @@ def plan_job(folder, input_file, output_file, *, batch_size: int = DEFAULT_BATCH
         job.order[record.id], lines[record.id] = record.index, record.line
         if record.error and not skip_bad and record.id not in kept:  # an error line already in OUT: done
             raise ElxError(f"{where(source, record.line)}: {record.error}; "
-                           "fix it or pass --skip-bad (an error line in the output instead)")
+                           f"fix it or pass {arg('skip_bad', True)} (an error line in the output instead)")
         if record.id in kept:
             kept_digest = add_fingerprint(kept_digest, record_fingerprint(record))
     if existing is not None:
@@ -177,14 +185,16 @@ def _existing_output(target: Path, run: dict, resume: bool, force: bool) -> Owne
     if not target.exists() or target.stat().st_size == 0:
         return None
     if not (resume or force):
-        raise ElxError(f"{target} exists and is not empty; pass --resume to continue it or --force to replace it")
+        raise ElxError(f"{target} exists and is not empty; pass {arg('resume', True)} to continue it or "
+                       f"{arg('force', True)} to replace it")
     existing = owned_output(target, force=force)
     if force:
         return None
     difference = first_difference(existing.record.run, run)
     if difference:
-        raise ElxError(f"{target} was written by another run ({difference}); --resume continues the same export with "
-                       "the same options: pass the first run's, or --force to replace the output")
+        raise ElxError(f"{target} was written by another run ({difference}); {arg('resume', True)} continues the "
+                       f"same export with the same options: pass the first run's, or {arg('force', True)} to replace "
+                       "the output")
     return existing
 
 
@@ -193,14 +203,14 @@ def _check_resumed(job: Job, existing: OwnedOutput, kept_digest: int) -> None:
     for rid in existing.ids:
         if rid not in job.order:
             raise ElxError(f"{job.output} holds id {rid!r}, which {job.input} does not have: is it the output of "
-                           "another input? Pass another --output-file, or --force to replace it")
+                           f"another input? Pass another {arg('output_file')}, or {arg('force', True)} to replace it")
         if rid in job.done:
             raise ElxError(f"{job.output} holds id {rid!r} twice; it was not written by one elx run")
         job.done.add(rid)
     if kept_digest != existing.state.inputs:
         raise ElxError(f"the inputs of {job.input} whose results {job.output} holds are not those they were generated "
-                       "from (changed, or another file with the same ids); --resume continues the same inputs: pass "
-                       "the first run's --input-file, or --force to replace the output")
+                       f"from (changed, or another file with the same ids); {arg('resume', True)} continues the same "
+                       f"inputs: pass the first run's {arg('input_file')}, or {arg('force', True)} to replace the output")
     positions = [job.order[rid] for rid in existing.ids]
     job.done_in_order = all(a < b for a, b in zip(positions, positions[1:]))
     job.done_last = max(positions, default=-1)

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from elx.runners.arguments import check_generate_file_call
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 from elx.runners.output_lock import dead_siblings, output_lock
 from elx.runners.inputs.validation import check_threads
 from elx.runners.dataset.job import (DEFAULT_BATCH_SIZE, DatasetSummary, Failed, Job, check_options, check_paths,
@@ -213,7 +214,7 @@ def generate_file(folder, input_file, output_file, *, batch_size: int = DEFAULT_
     output = Path(os.path.abspath(Path(output_file).expanduser()))
     if _discards(output):  # --output-file /dev/null (timing a run): written in a private folder, then dropped
         if resume:
-            raise ElxError(f"--output-file {output} keeps nothing to resume; drop --resume")
+            raise ElxError(f"{arg('output_file')} {output} keeps nothing to resume; drop {arg('resume', True)}")
         given = dict(locals())
         arguments = {**options, **{name: given[name] for name in _ARGUMENTS}}
         with tempfile.TemporaryDirectory(prefix="elx-discarded-") as private:
@@ -221,7 +222,7 @@ def generate_file(folder, input_file, output_file, *, batch_size: int = DEFAULT_
         summary.output = output
         return summary
     check_paths(Path(folder), Path(input_file), output)
-    with output_lock(output, "--output-file"):
+    with output_lock(output, "output_file"):
         for leftover, _ in dead_siblings(output, LEFTOVER_KINDS):  # what a killed run left: a sorted copy, a record
             leftover.unlink(missing_ok=True)
         job = plan_job(folder, input_file, output, batch_size=batch_size, max_tokens_per_batch=max_tokens_per_batch,

@@ -35,6 +35,7 @@ from elx.runners.dataset.writer import Progress, Writer, _finish
 from elx.runners.dataset.io import Record, error_line, where
 from elx.runners.dataset.run_record import record_fingerprint
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 
 MAX_BLOCKS = 10_000
 CONNECT_SECONDS = 10.0  # how long a cluster address may take to answer
@@ -45,7 +46,7 @@ def _import_ray():
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise ElxError("--ray needs Ray Data: pip install 'elx[ray]'")
+        raise ElxError(f"{arg('ray')} needs Ray Data: pip install 'elx[ray]'")
     return ray
 
 
@@ -91,7 +92,7 @@ class GenerateActor:
             folder = self.tmp
         elif not (Path(folder) / "manifest.json").is_file():
             raise ElxError(f"export folder {folder} not found on Ray node {socket.gethostname()}; put it on storage "
-                           "every node reads at the same path, or pass --ray-ship")
+                           f"every node reads at the same path, or pass {arg('ray_ship', True)}")
         self.generator = Generator.from_folder(folder, threads=threads)
         self.settings = self.generator.settings(**(options or {}))
         self.several = self.generator.rules.rows_per_input(self.settings) > 1
@@ -175,7 +176,7 @@ def check_reachable(address, timeout: float = CONNECT_SECONDS) -> None:
     text = str(address).removeprefix("ray://")
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
-        raise ElxError(f"--ray {address}: a cluster address is HOST:PORT (or ray://HOST:PORT for Ray Client)")
+        raise ElxError(f"{arg('ray')} {address}: a cluster address is HOST:PORT (or ray://HOST:PORT for Ray Client)")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as err:
@@ -188,7 +189,7 @@ def run_on_ray(job: Job, text, *, address=None, actors: int | None = None, ship:
                threads: int | None = None, progress: str = "auto") -> DatasetSummary:
     ray = _import_ray()
     if actors is not None and actors < 1:
-        raise ElxError(f"--ray-actors must be >= 1, got {actors}")
+        raise ElxError(f"{arg('ray_actors')} must be >= 1, got {actors}")
     progress_bar = Progress(job.remaining, progress)
     writer = Writer(job, text, progress_bar)
     started = False
@@ -233,7 +234,7 @@ def run_on_ray(job: Job, text, *, address=None, actors: int | None = None, ship:
                     if error and not job.skip_bad:
                         bad = json.loads(line)
                         raise ElxError(f"{where(job.input, bad['line'])}: {bad['error']}; fix it (finished lines are "
-                                       "kept: rerun with --resume) or pass --skip-bad")
+                                       f"kept: rerun with {arg('resume', True)}) or pass {arg('skip_bad', True)}")
                     writer.write_line(int(index), str(line), fingerprints[int(index)], int(new_tokens), bool(error))
                 writer.checkpoint()
     except KeyboardInterrupt as err:

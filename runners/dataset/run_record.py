@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 from elx.runners.output_lock import signals_deferred, temp_sibling
 
 FORMAT = "elx-dataset-run"
@@ -163,8 +164,9 @@ class OwnedOutput:
 
 
 def _not_elx(output: Path, why: str, force: bool) -> ElxError:
-    action = "--force replaces only an output elx wrote" if force else "--resume continues only an output elx wrote"
-    return ElxError(f"{output} {why}; {action}: pass another --output-file (or move the file away yourself)")
+    action = (f"{arg('force', True)} replaces only an output elx wrote" if force
+              else f"{arg('resume', True)} continues only an output elx wrote")
+    return ElxError(f"{output} {why}; {action}: pass another {arg('output_file')} (or move the file away yourself)")
 
 
 def owned_output(output: Path, *, force: bool) -> OwnedOutput:

@@ -5,78 +5,13 @@ Shared by the local pipeline (``runners/dataset/pipeline.py``) and Ray Data (``r
 """
 from __future__ import annotations
 
-import sys
-import time
-
-import numpy as np
-
 from elx.runners.dataset.io import OutputFile, error_line, put_in_order
 from elx.runners.dataset.run_record import record_fingerprint
 from elx.runners.errors import ElxError
+from elx.runners.progress import Meter
 from elx.runners.dataset.job import DatasetSummary, Failed, Job, result_text
 
-PLAIN_PROGRESS_SECONDS = 10.0
-
-
-class Progress:
-    """A tqdm bar on a terminal (items, items/s, generated tokens/s, ETA), plain lines every 10 s otherwise, or none."""
-
-    def __init__(self, total: int, mode: str = "auto", stream=None):
-        self.stream = stream or sys.stderr
-        if mode == "auto":
-            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "plain"
-        if mode not in ("bar", "plain", "none"):
-            raise ElxError(f"progress must be auto, bar, plain or none, not {mode!r}")
-        self.mode, self.total = mode, total
-        self.items = self.tokens = 0
-        self.start = self.shown = time.monotonic()
-        self.first = None  # (time, items, tokens) of the first update: rates and ETA count from there, not from
-        # the model loading or the Ray start-up before it
-        self.bar = None
-        if mode == "bar":
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="item", file=self.stream, dynamic_ncols=True, smoothing=0.05,
-                            desc="elx generate")
-
-    def update(self, items: int, tokens: int) -> None:
-        now = time.monotonic()
-        self.items += items
-        self.tokens += tokens
-        if self.first is None:
-            self.first = (now, self.items, self.tokens)
-            if self.bar is not None:
-                self.bar.unpause()  # tqdm's rate and ETA: from the first batch on, not from the loading
-        if self.bar is not None:
-            self.bar.update(items)
-            if now - self.shown >= 0.5:
-                self.bar.set_postfix_str(f"{self.rates(now)[1]:.0f} tok/s", refresh=False)
-                self.shown = now
-        elif self.mode == "plain" and now - self.shown >= PLAIN_PROGRESS_SECONDS:
-            self.shown = now
-            print(f"elx: {self.line(now)}", file=self.stream, flush=True)
-
-    def rates(self, now: float | None = None) -> tuple[float, float]:
-        """Items/s and generated tokens/s since the first finished batch (0 before a second one)."""
-        if self.first is None:
-            return 0.0, 0.0
-        start, items, tokens = self.first
-        elapsed = (now or time.monotonic()) - start
-        if elapsed <= 0 or self.items == items:
-            return 0.0, 0.0
-        return (self.items - items) / elapsed, (self.tokens - tokens) / elapsed
-
-    def line(self, now: float | None = None) -> str:
-        rate, token_rate = self.rates(now)
-        eta = (self.total - self.items) / rate if rate > 0 else float("nan")
-        eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if np.isfinite(eta) else "?"
-        return f"{self.items}/{self.total} items, {rate:.2f} items/s, {token_rate:.0f} tokens/s, ETA {eta_text}"
-
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+Progress = Meter  # the generate stage's meter (runners/progress.py): the bar, the plain lines and the summary's rate
 
 
 class Writer:
@@ -149,5 +84,6 @@ def _finish(job: Job, writer: Writer, errors: list) -> DatasetSummary:
     if errors:
         _raise_first(errors)
     reordered = False if writer.in_order else put_in_order(job.output, job.order, job.record, writer.file.state())
+    progress = writer.progress  # the generate stage's meter: the summary's rate is the one its bar showed
     return DatasetSummary(job.output, len(job.order), writer.written, writer.errors, len(job.done),
-                          writer.new_tokens, 0.0, reordered)
+                          writer.new_tokens, 0.0, reordered, generate_seconds=progress.seconds())

@@ -20,6 +20,7 @@ length from), which ``runners/whisper_longform.py`` transcribes window by window
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,36 +28,60 @@ from pathlib import Path
 import numpy as np
 
 from elx.runners.errors import ElxError
-from elx.runners.inputs.user_files import read_user_file
+from elx.runners.inputs.user_files import check_user_file, open_user_file
 
 TOKENIZER_DIR = "tokenizer"
 _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
 
 
-def _parse_wav(data: bytes, name: str) -> tuple[np.ndarray, int]:
-    if len(data) < 12 or data[:4] not in (b"RIFF", b"RIFX") or data[8:12] != b"WAVE":
+@dataclass(frozen=True)
+class AudioInfo:
+    """What a sound file's header says: enough to refuse it (too long, an unsupported encoding) before reading it."""
+
+    path: Path
+    rate: int  # samples per second and channel
+    frames: int  # samples per channel
+    channels: int
+    wav: tuple | None = None  # (format tag, bytes per sample, data offset, data bytes) of a WAV file; None: soundfile
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.rate
+
+
+def _wav_info(handle, size: int, name: str, path: Path) -> AudioInfo:
+    """The ``fmt`` and ``data`` chunks of a RIFF/WAVE file, read chunk header by chunk header (the samples stay on
+    disk); a data chunk that claims more than the file holds (a cut file, a streamed header) ends at the file's end."""
+    head = handle.read(12)
+    if len(head) < 12 or head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
         raise ElxError(f"{name} is not a WAV file (no RIFF/WAVE header)")
-    if data[:4] == b"RIFX":
+    if head[:4] == b"RIFX":
         raise ElxError(f"{name}: big-endian WAV (RIFX) is not supported; convert it to a standard WAV")
-    fmt, payload, offset = None, None, 12
-    while offset + 8 <= len(data):
-        chunk, size = data[offset: offset + 4], struct.unpack("<I", data[offset + 4: offset + 8])[0]
-        body = data[offset + 8: offset + 8 + size]
+    fmt, data, offset = None, None, 12
+    while offset + 8 <= size:
+        handle.seek(offset)
+        header = handle.read(8)
+        if len(header) < 8:
+            break
+        chunk, length = header[:4], struct.unpack("<I", header[4:])[0]
         if chunk == b"fmt ":
-            fmt = body
+            fmt = handle.read(min(length, 64))
         elif chunk == b"data":
-            payload = body
+            data = (offset + 8, max(0, min(length, size - offset - 8)))
             if fmt is not None:
                 break
-        offset += 8 + size + (size & 1)
-    if fmt is None or len(fmt) < 16 or payload is None:
+        offset += 8 + length + (length & 1)
+    if fmt is None or len(fmt) < 16 or data is None:
         raise ElxError(f"{name} is a truncated or malformed WAV file (no fmt/data chunk)")
     tag, channels, rate, _, block, bits = struct.unpack("<HHIIHH", fmt[:16])
     if tag == _EXTENSIBLE and len(fmt) >= 26:
         tag = struct.unpack("<H", fmt[24:26])[0]  # the sub-format GUID starts with the format tag
     width = _check_format(name, tag, channels, rate, block, bits)
-    usable = len(payload) - len(payload) % block
-    raw = payload[:usable]
+    return AudioInfo(path, int(rate), data[1] // block, channels, (tag, width, data[0], data[1] // block * block))
+
+
+def _decode(raw: bytes, tag: int, width: int, channels: int) -> np.ndarray:
+    """WAV sample bytes (whole frames) → float32 mono, channels averaged."""
     if tag == _PCM and width == 1:
         samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
     elif tag == _PCM and width == 2:
@@ -71,7 +96,7 @@ def _parse_wav(data: bytes, name: str) -> tuple[np.ndarray, int]:
         samples = np.frombuffer(raw, "<f4").astype(np.float32)
     else:
         samples = np.frombuffer(raw, "<f8").astype(np.float32)
-    return samples.reshape(-1, channels).mean(axis=1, dtype=np.float32), int(rate)
+    return samples.reshape(-1, channels).mean(axis=1, dtype=np.float32)
 
 
 _COMPRESSED = {2: "ADPCM", 6: "A-law", 7: "mu-law", 0x11: "IMA ADPCM", 0x55: "MP3"}
@@ -100,45 +125,137 @@ def _check_format(name: str, tag: int, channels: int, rate: int, block: int, bit
     return width
 
 
-MAX_AUDIO_BYTES = 2 << 30  # 2 GiB: over 18 hours of 16 kHz 16-bit mono WAV, 3 hours of 48 kHz stereo
+BLOCK_FRAMES = 1 << 19  # frames read, decoded and resampled at a time (12 s of 44.1 kHz): memory beside the result
+
+
+def audio_info(path) -> AudioInfo:
+    """The header of a sound file (WAV, or what ``soundfile`` reads when installed), without its samples; one-line
+    ElxError when it is missing, no regular file, or not readable as audio."""
+    path = Path(path)
+    if not path.exists():
+        raise ElxError(f"audio file {path} does not exist")
+    with open_user_file(path, "audio file", limit=None) as handle:  # a regular file: no FIFO, device or folder
+        magic = handle.read(4)
+        if magic in (b"RIFF", b"RIFX"):
+            handle.seek(0)
+            info = _wav_info(handle, os.fstat(handle.fileno()).st_size, str(path), path)
+        else:
+            info = None
+    if info is None:
+        soundfile = _soundfile(path)
+        try:
+            found = soundfile.info(str(path))
+        except Exception as err:  # noqa: BLE001 - soundfile raises its own error types
+            raise ElxError(f"cannot decode {path} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+        info = AudioInfo(path, int(found.samplerate), int(found.frames), int(found.channels))
+        if not MIN_RATE <= info.rate <= MAX_RATE or info.channels < 1:
+            raise ElxError(f"{path}: malformed header ({info.rate} Hz, {info.channels} channels)")
+    if info.frames == 0:
+        raise ElxError(f"{path} holds no audio samples")
+    return info
+
+
+def _soundfile(path):
+    try:
+        import soundfile
+    except ImportError:
+        raise ElxError(f"{path} is not a WAV file; convert it to WAV (or pip install soundfile for other formats)")
+    return soundfile
+
+
+def audio_blocks(info: AudioInfo, frames: int | None = None):
+    """The file's samples as float32 mono blocks of ``frames`` frames (the last one shorter), read as they are
+    needed (default ``BLOCK_FRAMES``); a non-finite sample is refused in one line."""
+    frames = BLOCK_FRAMES if frames is None else frames
+    if info.wav is not None:
+        tag, width, offset, size = info.wav
+        block = width * info.channels
+        with open_user_file(info.path, "audio file", limit=None) as handle:
+            handle.seek(offset)
+            left = size
+            while left > 0:
+                raw = handle.read(min(left, frames * block))
+                raw = raw[: len(raw) - len(raw) % block]
+                if not raw:
+                    break
+                left -= len(raw)
+                yield _finite(_decode(raw, tag, width, info.channels), info.path)
+        return
+    soundfile = _soundfile(info.path)
+    check_user_file(info.path, "audio file")
+    try:
+        with soundfile.SoundFile(str(info.path)) as sound:
+            while True:
+                samples = sound.read(frames, dtype="float32", always_2d=True)
+                if not len(samples):
+                    break
+                yield _finite(samples.mean(axis=1, dtype=np.float32), info.path)
+    except ElxError:
+        raise
+    except Exception as err:  # noqa: BLE001 - soundfile raises its own error types
+        raise ElxError(f"cannot decode {info.path} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+
+
+def _finite(samples: np.ndarray, path) -> np.ndarray:
+    if not np.all(np.isfinite(samples)):
+        raise ElxError(f"{path} holds non-finite samples (NaN or inf)")
+    return samples
 
 
 def read_audio(path) -> tuple[np.ndarray, int]:
     """A sound file as float32 mono samples and its sampling rate; one-line ElxError when unreadable."""
-    path = Path(path)
-    if not path.exists():
-        raise ElxError(f"audio file {path} does not exist")
-    data = read_user_file(path, "audio file", MAX_AUDIO_BYTES)  # a regular file: no FIFO, device or folder
-    if data[:4] in (b"RIFF", b"RIFX"):
-        samples, rate = _parse_wav(data, str(path))
-    else:
-        try:
-            import soundfile
-        except ImportError:
-            raise ElxError(f"{path} is not a WAV file; convert it to WAV (or pip install soundfile for other formats)")
-        try:
-            samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
-        except Exception as err:  # noqa: BLE001 - soundfile raises its own error types
-            raise ElxError(f"cannot decode {path} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
-        samples = samples.mean(axis=1, dtype=np.float32)
-    if samples.size == 0:
-        raise ElxError(f"{path} holds no audio samples")
-    if not np.all(np.isfinite(samples)):
-        raise ElxError(f"{path} holds non-finite samples (NaN or inf)")
-    return samples, rate
+    info = audio_info(path)
+    if info.seconds > LONG_FORM_LIMIT:  # refused before a sample is read (a 2 GiB file of 16 kHz audio lasts 18 h)
+        raise ElxError(f"{info.path} lasts {info.seconds:.1f} s; elx reads up to {LONG_FORM_LIMIT} s (4 h) of audio "
+                       "per file: split it")
+    return _gather(audio_blocks(info), info.frames), info.rate
+
+
+def _gather(blocks, expected: int) -> np.ndarray:
+    """Blocks of samples into one float32 array, written in place (no second copy of a long clip)."""
+    out, used = np.empty(max(expected, 0), dtype=np.float32), 0
+    for block in blocks:
+        if used + block.size > out.size:  # more than the header said (a resampler's last samples)
+            out = np.concatenate([out[:used], np.empty(max(block.size, out.size // 8), np.float32)])
+        out[used: used + block.size] = block
+        used += block.size
+    return out[:used] if used < out.size else out
+
+
+def resampled_blocks(blocks, rate: int, target: int):
+    """Blocks at ``rate`` → blocks at ``target``: soxr's polyphase resampler (quality HQ), streamed, so that a long
+    file never sits in memory at its own rate; the identity when the rates agree."""
+    if rate == target:
+        yield from blocks
+        return
+    try:
+        import soxr
+    except ImportError:
+        raise ElxError(f"audio at {rate} Hz needs resampling to {target} Hz: pip install soxr (an elx dependency)")
+    stream = soxr.ResampleStream(rate, target, 1, dtype="float32")
+    for block in blocks:
+        out = stream.resample_chunk(np.ascontiguousarray(block, dtype=np.float32), last=False)
+        if out.size:
+            yield out
+    out = stream.resample_chunk(np.zeros(0, np.float32), last=True)
+    if out.size:
+        yield out
+
+
+def resampled_length(frames: int, rate: int, target: int) -> int:
+    """Samples ``resampled_blocks`` gives for ``frames`` samples at ``rate``: frames · target / rate rounded half up
+    (soxr's count; tests/test_audio_features.py checks it), so that a header tells whether a clip fits 30 s."""
+    return frames if rate == target else (2 * frames * target + rate) // (2 * rate)
 
 
 def resample(audio: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Band-limited resampling through the spectrum; 100 ms of zero padding avoids wrap-around."""
+    """``audio`` at ``rate`` → float32 at ``target``, exactly as ``load_clip`` resamples a file of these samples (the
+    same polyphase resampler over the same ``BLOCK_FRAMES`` blocks)."""
+    audio = np.asarray(audio, dtype=np.float32)
     if rate == target or audio.size == 0:
         return audio.astype(np.float32)
-    pad = rate // 10
-    padded = np.pad(audio.astype(np.float64), pad)
-    out_len = int(round(padded.size * target / rate))
-    spectrum = np.fft.rfft(padded)[: out_len // 2 + 1]
-    result = np.fft.irfft(spectrum, out_len) * (out_len / padded.size)
-    trim = int(round(pad * target / rate))
-    return result[trim: out_len - trim].astype(np.float32)
+    blocks = (audio[i: i + BLOCK_FRAMES] for i in range(0, audio.size, BLOCK_FRAMES))
+    return _gather(resampled_blocks(blocks, rate, target), resampled_length(audio.size, rate, target))
 
 
 # ----------------------------------------------------------------------------- log-mel numerics
@@ -239,6 +356,54 @@ def whisper_scale(log_spec: np.ndarray) -> np.ndarray:
     log_spec = log_spec[:, :-1]
     log_spec = np.maximum(log_spec, log_spec.max() - DYNAMIC_RANGE)
     return (log_spec + np.float32(4.0)) / np.float32(4.0)
+
+
+FRAMES_PER_BLOCK = 4096  # STFT frames computed at a time (41 s of audio): a long clip's float64 temporaries stay small
+
+
+def frame_count(samples: int, n_fft: int, hop_length: int) -> int:
+    """STFT frames of a clip of ``samples`` samples, centred (reflect-padded by n_fft // 2 on each side)."""
+    return (samples + 2 * (n_fft // 2) - n_fft) // hop_length + 1
+
+
+def _reflect_padded(waveform: np.ndarray, pad: int, lo: int, hi: int) -> np.ndarray:
+    """``np.pad(waveform, pad, mode="reflect")[lo:hi]``, built from the samples it needs (the whole clip is never
+    copied): inside the clip a view; at an edge the reflection of enough samples there."""
+    n = waveform.size
+    start, stop = lo - pad, hi - pad  # in the clip's indices
+    if start >= 0 and stop <= n:
+        return waveform[start:stop]
+    first = 0 if start < 0 else min(start, max(0, n - pad - 1))  # a right reflection reads pad + 1 samples
+    last = n if stop > n else max(stop, min(n, pad + 1))  # a left one too
+    piece = np.pad(waveform[first:last], (pad if start < 0 else 0, pad if stop > n else 0), mode="reflect")
+    origin = first + pad - (pad if start < 0 else 0)  # the padded index of piece[0]
+    return piece[lo - origin: hi - origin]
+
+
+def log_mel_spectrogram(waveform: np.ndarray, n_fft: int, hop_length: int, window: np.ndarray, filters: np.ndarray,
+                        frames: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """``log_mel(power_spectrogram(waveform, ...), filters)`` [n_mels, frames], computed ``FRAMES_PER_BLOCK`` frames
+    at a time into ``out``: bit-equal to the one-shot computation (each frame's FFT, power and mel sums are its own:
+    checked for block remainders of 1 frame up in tests/test_audio_features.py), with temporaries of one block.
+    ``frames``: compute only the first ones (Whisper drops the last frame: ``whisper_scale``)."""
+    pad = n_fft // 2
+    frames = frame_count(waveform.size, n_fft, hop_length) if frames is None else frames
+    out = np.empty((filters.shape[1], frames), dtype=np.float32) if out is None else out
+    for first in range(0, frames, FRAMES_PER_BLOCK):
+        last = min(frames, first + FRAMES_PER_BLOCK)
+        piece = _reflect_padded(waveform, pad, first * hop_length, (last - 1) * hop_length + n_fft)
+        view = np.lib.stride_tricks.sliding_window_view(piece.astype(np.float64), n_fft)[::hop_length]
+        spectrum = np.fft.rfft(view * window, axis=-1).astype(np.complex64)
+        out[:, first:last] = log_mel(np.abs(spectrum, dtype=np.float64) ** 2, filters)
+    return out
+
+
+def _scale_in_place(log_spec: np.ndarray) -> np.ndarray:
+    """``whisper_scale`` on a spectrogram whose last frame was never computed, in place (the same float32 steps)."""
+    np.maximum(log_spec, log_spec.max() - DYNAMIC_RANGE, out=log_spec)
+    log_spec += np.float32(4.0)
+    log_spec /= np.float32(4.0)
+    return log_spec
 
 
 # ----------------------------------------------------------------------------- the extractor
@@ -344,10 +509,14 @@ class LogMelExtractor:
             segment[self.n_samples - samples.size:] = samples
         return segment
 
-    def features(self, segment: np.ndarray) -> np.ndarray:
-        """Log-mel features of one padded segment, float32 [feature_size, nb_max_frames]."""
-        power = power_spectrogram(segment, self.n_fft, self.hop_length, self.window)
-        return whisper_scale(log_mel(power, self.mel_filters))
+    def features(self, segment: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Log-mel features of one padded segment (or a whole long clip), float32 [feature_size, frames - 1]: HF's
+        spectrogram less its last frame, scaled (``whisper_scale``), computed block by block into ``out``."""
+        segment = np.asarray(segment, dtype=np.float32)
+        frames = frame_count(segment.size, self.n_fft, self.hop_length) - 1
+        log_spec = log_mel_spectrogram(segment, self.n_fft, self.hop_length, self.window, self.mel_filters, frames,
+                                       out)
+        return _scale_in_place(log_spec)
 
     def __call__(self, audio: list) -> np.ndarray:
         """Clips at ``sampling_rate`` → float32 [B, feature_size, nb_max_frames], as HF's extractor with
@@ -360,13 +529,16 @@ class LogMelExtractor:
         return_attention_mask=True``: every clip right-padded to the longest (L samples, L // hop_length frames);
         a frame is 1 where it starts on a real sample."""
         longest = max(len(samples) for samples in audio)
-        padded = np.full((len(audio), longest), self.padding_value, dtype=np.float32)
-        for row, samples in zip(padded, audio):
-            row[: len(samples)] = np.asarray(samples, dtype=np.float32)
-        features = np.stack([self.features(row) for row in padded])
+        frames = frame_count(longest, self.n_fft, self.hop_length) - 1
+        features = np.empty((len(audio), self.feature_size, frames), dtype=np.float32)
+        for row, samples in zip(features, audio):
+            samples = np.asarray(samples, dtype=np.float32)
+            if samples.size < longest:  # right-padded to the longest (only the shorter clips are copied)
+                samples = np.concatenate([samples, np.full(longest - samples.size, self.padding_value, np.float32)])
+            self.features(samples, out=row)
         starts = np.arange(features.shape[-1]) * self.hop_length
         mask = np.stack([starts < len(samples) for samples in audio]).astype(np.int64)
-        return {"input_features": np.ascontiguousarray(features, dtype=np.float32), "attention_mask": mask}
+        return {"input_features": features, "attention_mask": mask}
 
     def attention_mask(self, lengths) -> np.ndarray:
         """int32 [B, nb_max_frames]: 1 where a frame starts on a real sample, as HF's ``return_attention_mask=True``.
@@ -426,17 +598,24 @@ def features_from_audio(extractor: LogMelExtractor, audio: list, names: list | N
 LONG_FORM_LIMIT = 4 * 3600  # seconds: a longer file (or a header with a tiny rate) is refused before resampling
 
 
-def load_clip(path, extractor: LogMelExtractor, long_form: bool = False) -> np.ndarray:
-    """A sound file as float32 mono samples at the extractor's rate; one that lasts longer than a segment (30 s;
-    ``long_form``: ``LONG_FORM_LIMIT``) is refused before it is resampled (a long file, or a header with a tiny
-    sampling rate, would take without bound)."""
-    samples, rate = read_audio(path)
-    seconds = samples.size / rate
+def check_duration(info: AudioInfo, extractor: LogMelExtractor, long_form: bool = False) -> None:
+    """Refuse, from the header alone, a file longer than a segment (30 s; ``long_form``: ``LONG_FORM_LIMIT``): a long
+    file, or a header with a tiny sampling rate, would take without bound."""
     limit = LONG_FORM_LIMIT if long_form else extractor.chunk_length
-    if seconds > limit:
+    if info.seconds > limit:
         how = "split it" if long_form else "transcribe it with timestamps (HF's long-form algorithm)"
-        raise ElxError(f"{path} lasts {seconds:.1f} s; elx transcribes up to {limit} s per file here: {how}")
-    return resample(samples, rate, extractor.sampling_rate)
+        raise ElxError(f"{info.path} lasts {info.seconds:.1f} s; elx transcribes up to {limit} s per file here: {how}")
+
+
+def load_clip(path, extractor: LogMelExtractor, long_form: bool = False) -> np.ndarray:
+    """A sound file as float32 mono samples at the extractor's rate, read and resampled block by block
+    (``resampled_blocks``: memory beside the result stays a few blocks, whatever the file's rate and length); one
+    that lasts too long (``check_duration``) is refused before any sample is read."""
+    info = audio_info(path)
+    check_duration(info, extractor, long_form)
+    target = extractor.sampling_rate
+    expected = resampled_length(info.frames, info.rate, target)
+    return _gather(resampled_blocks(audio_blocks(info), info.rate, target), expected)
 
 
 def features_from_files(folder, files, long_form: bool = False) -> dict:

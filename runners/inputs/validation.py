@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg, on_command_line
 
 # Models without a position table (T5's relative positions) have no length limit of their own;
 # the search allocates [rows, max length] token buffers up front, so the total length is capped here.
@@ -248,6 +249,10 @@ def max_threads() -> int:
     return THREADS_PER_CORE * usable_cores()
 
 
+def _threads(n: int) -> str:
+    return f"--threads {n}" if on_command_line() else f"threads={n}"
+
+
 def check_threads(threads) -> None:
     """``threads`` (``--threads``): None (ONNX Runtime's default, one per core) or an integer from 1 to
     ``max_threads()``; ``$OMP_NUM_THREADS`` (read by the search's top-k and PyTorch's log-softmax) within the same
@@ -255,17 +260,20 @@ def check_threads(threads) -> None:
     cap, cores = max_threads(), usable_cores()
     why = f"at most {cap} ({THREADS_PER_CORE} per core of the {cores} this process may use; beyond the cores threads " \
           "only compete for them)"
+    name = arg("threads")
     if threads is not None:
         if not _is_int(threads):
-            raise ElxError(f"threads (--threads) must be an integer, got {threads!r}")
+            raise ElxError(f"{name} must be an integer, got {threads!r}")
         if threads < 1:
-            raise ElxError(f"threads (--threads) must be >= 1, got {threads}; leave it unset for ONNX Runtime's "
-                           "default (one per core)")
+            raise ElxError(f"{name} must be >= 1, got {threads}; leave it unset for ONNX Runtime's default (one per "
+                           "core)")
         if threads > cap:
-            raise ElxError(f"threads (--threads) is {threads}, {why}: pass --threads {cores} or fewer")
+            raise ElxError(f"{name} is {threads}, {why}: pass {_threads(cap)} or fewer ({_threads(cores)}, one per "
+                           "core, is usually fastest)")
     value = os.environ.get("OMP_NUM_THREADS", "").strip()
     if value.isdigit() and int(value) > cap:
-        raise ElxError(f"OMP_NUM_THREADS is {value}, {why}: set it to {cores} or fewer")
+        raise ElxError(f"OMP_NUM_THREADS is {value}, {why}: set it to {cap} or fewer ({cores}, one per core, is "
+                       "usually fastest)")
 
 
 # -- memory --------------------------------------------------------------------------------------------

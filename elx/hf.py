@@ -156,7 +156,9 @@ def cached_export(source: Path, *, cache_dir=None, passes: str | None = None, pr
     ``again``): ``CACHE/<folder name>-<key>``, the key hashing the source's contents and the export's options."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     key = _export_key(source_digest(source, cache), passes, precision, prompt_cache)
-    out = cache / f"{source.resolve().name or 'model'}-{key}"
+    parts = source.resolve().parts  # a hub snapshot (models--org--name/snapshots/HASH) is named by its repository
+    name = parts[-3] if len(parts) > 3 and parts[-2] == "snapshots" else parts[-1]
+    out = cache / f"{name or 'model'}-{key}"
     if again or not (out / FILENAME).is_file():
         elx.export(str(source), out, passes=passes, precision=precision, prompt_cache=prompt_cache,
                    force=out.exists(), progress=progress)

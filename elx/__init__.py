@@ -65,6 +65,10 @@ def __getattr__(name: str):
         from elx.exporter.tensorrt.build import build_engine
 
         return build_engine
+    if name == "hf":  # the transformers drop-in (elx/hf.py); it imports PyTorch and transformers
+        import importlib
+
+        return importlib.import_module("elx.hf")
     if name == "generate_file":
         from elx.runners.dataset.pipeline import generate_file
 

@@ -9,7 +9,8 @@ it also removes what killed runs (SIGKILL, power loss) left of the same output: 
 folders whose process (the PID in their name) is gone.
 
 What may be replaced (``check_output``): nothing that exists, without ``force``; with ``force``,
-an empty folder or a folder elx wrote (an elx ``manifest.json`` and only the files it lists; inside
+an empty folder or a folder elx wrote (an elx ``manifest.json`` and only the files it lists, and the
+``config.json`` / ``generation_config.json`` ``elx.hf`` writes beside them; inside
 ``tokenizer/`` only the files HF's ``save_pretrained`` writes for a tokenizer or feature extractor,
 inside ``engines/`` only those the manifest's engines section names).  Anything else there, in a
 sub-folder too, makes ``--force`` refuse, naming it: it is the user's, and a replaced folder is deleted.
@@ -31,6 +32,9 @@ from elx.runners.wording import arg, on_command_line
 from elx.runners.output_lock import dead_siblings, output_lock, signals_deferred, temp_sibling, write_failure
 
 TOKENIZER_DIR = "tokenizer"  # runners/inputs/text.py reads the tokenizer from there
+# the source model's transformers configs, which elx.hf (from_pretrained's cached exports, save_pretrained) writes
+# beside the graphs for the drop-in's ``config`` / ``generation_config``
+HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 # -- what may be written ---------------------------------------------------------------------------
@@ -104,7 +108,7 @@ def elx_files(folder: Path) -> set[str] | None:
         return None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return None
-    names = {FILENAME, TOKENIZER_DIR, *(f"{TOKENIZER_DIR}/{name}" for name in TOKENIZER_FILES)}
+    names = {FILENAME, TOKENIZER_DIR, *HF_CONFIG_FILES, *(f"{TOKENIZER_DIR}/{name}" for name in TOKENIZER_FILES)}
     for section in data.values():  # folders a section of the manifest names (build-engine's "engines")
         if isinstance(section, dict) and isinstance(section.get("folder"), str) and "/" not in section["folder"]:
             names.add(section["folder"])

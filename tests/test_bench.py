@@ -11,12 +11,21 @@ import numpy as np
 import pytest
 
 
+def _results_of(work):
+    """A bench's results folder: ``results/latest`` (each run in its own timestamped folder), or ``results``
+    itself while elx/cli.py still writes there."""
+    from elx.exporter.bench.results import latest_folder
+
+    return latest_folder(work / "results") or work / "results"
+
+
 def test_bench_quick(tmp_path, capsys):
     from elx.cli import main
 
     assert main(["bench", "--quick", "--peers", "ort-beamsearch,ct2", "--work", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    report = json.loads((tmp_path / "t5-tiny" / "results" / "bench.json").read_text())
+    results = _results_of(tmp_path / "t5-tiny")
+    report = json.loads((results / "bench.json").read_text())
     systems = {s["system"]: s for s in report["systems"]}
     expected = {"HF generate (PyTorch)", "elx baseline", "elx el", "ORT BeamSearch op"}
     try:
@@ -37,10 +46,18 @@ def test_bench_quick(tmp_path, capsys):
     assert base["cache_bytes"] == el["cache_bytes"]
     assert report["flops_per_generate"] > 0 and report["matmul_peak_gflops"] > 0 and report["read_bandwidth_gb_s"] > 0
     assert report["roofline"]["floor_s"] > 0 and all(s["time_over_floor"] > 0 for s in systems.values())
-    table = (tmp_path / "t5-tiny" / "results" / "bench.md").read_text()
-    assert table.count("| elx") == 2 and "| ORT BeamSearch op |" in table
-    assert table.startswith("SMOKE RUN") and report["settings"]["smoke"]
+    table = (results / "bench.md").read_text()
+    summary, details = table.split("\n## Details\n")
+    assert summary.count("| elx") == 2 and details.count("| elx") == 2 and "| ORT BeamSearch op |" in summary
+    first = summary.splitlines()[:2]  # the conclusion, one line per pass set, from this run's numbers
+    assert first[0].startswith("elx baseline: ") and first[1].startswith("elx el: ")
+    el_speed = systems["HF generate (PyTorch)"]["median_s"] / el["median_s"]
+    assert first[1].startswith(f"elx el: {el_speed:.2f}× HF, ") and "tokens = HF on 2/2 rows" in first[1]
+    assert "smaller than elx baseline's" in first[1] and first[1].endswith("(smoke run, not a measurement)")
+    assert " KB" in summary and "| 0.0 |" not in summary  # t5-tiny's state in KB, not 0.0 MB
+    assert report["settings"]["smoke"] and "time / floor" in details and "time / floor" not in summary
     assert any(line.startswith("SMOKE RUN") for line in printed.splitlines())  # the table as printed
+    assert printed.lstrip().startswith("elx baseline: ")
     assert "t5-tiny (random init, seed 0), batch 2, input 32, beams 2" in table
     # the BeamSearch op's file: loadable IR, fed elx's attention mask; an n-gram variant shares its weights
     import onnx
@@ -440,3 +457,136 @@ def test_a_pass_set_is_made_from_the_baseline_without_loading_the_model_again(tm
     shutil.rmtree(folders[0])
     assert ensure_exports("t5-tiny", True, ["baseline", "el"], tmp_path) == folders[1:2] + folders[:1]
     assert exports[2:] == ["baseline"] and applied[1:] == ["el"] and (folders[1] / "weights.data").is_file()
+
+
+# -- what the bench prints and keeps (exporter/bench/results.py) -----------------------------------------------
+
+def _fabricated(medians: dict, states: dict, rows: dict, smoke=False, new_tokens=32, batch=32) -> dict:
+    """A bench report as run_bench returns it, from medians, input-state bytes and (same, of) rows per system."""
+    hf = medians["HF generate (PyTorch)"]
+    systems = [{"system": name, "median_s": m, "samples_per_s": batch / m, "tokens_per_s": batch * new_tokens / m,
+                "speedup_vs_hf": hf / m, "state_bytes": states.get(name), "cache_bytes": states.get(name) and 3 * 2**20,
+                "peak_rss_growth_bytes": 700 * 2**10, "tokens_equal_hf": rows[name][0] == rows[name][1],
+                "rows_equal_hf": list(rows[name]), "note": "", "gflops_per_s": 12.5, "roofline_fraction": 0.1,
+                "time_over_floor": m / 0.25, "all_seconds": [m, m * 1.05, m * 0.98]} for name, m in medians.items()]
+    return {"settings": {"batch_size": batch, "input_length": 256, "num_beams": 4, "new_tokens": new_tokens,
+                         "no_repeat_ngram_size": 0, "repeats": 3, "smoke": smoke},
+            "model": {"model": "t5-small", "random_init": True, "seed": 0}, "matmul_peak_gflops": 180.0,
+            "read_bandwidth_gb_s": 13.5, "flops_per_generate": 2.5e10,
+            "roofline": {"floor_s": 0.25, "bytes": 4e9, "layout": "kv", "memory_bound_phases": 32, "phases": 33},
+            "skipped_peers": {}, "systems": systems}
+
+
+def test_the_first_lines_conclude_from_the_runs_own_numbers():
+    """One line per elx pass set, first: its speed against HF and each peer (medians of the same run), its rows
+    with HF's tokens, its input state against the elx baseline's; nothing in it is fixed text but the words."""
+    from elx.exporter.bench.bench import markdown_table
+    from elx.exporter.bench.results import conclusion_lines
+
+    medians = {"HF generate (PyTorch)": 2.84, "elx baseline": 1.9, "elx el": 2.0, "CTranslate2": 1.94,
+               "ORT BeamSearch op": 2.5}
+    states = {"elx baseline": 12 * 2**20, "elx el": 2**20}
+    rows = {name: (32, 32) for name in medians} | {"CTranslate2": (27, 32)}
+    report = _fabricated(medians, states, rows)
+    assert conclusion_lines(report) == [
+        "elx baseline: 1.49× HF, 1.02× CTranslate2, 1.32× ORT BeamSearch op, tokens = HF on 32/32 rows; "
+        "input state 12.0 MB",
+        "elx el: 1.42× HF, 0.97× CTranslate2, 1.25× ORT BeamSearch op, tokens = HF on 32/32 rows; "
+        "input state 12× smaller than elx baseline's (1.00 MB vs 12.0 MB)"]
+    assert markdown_table(report).splitlines()[:2] == conclusion_lines(report)
+    # other numbers, other words: a slower el, two rows off HF's, a larger state; a smoke run says so
+    medians["elx el"], states["elx el"], rows["elx el"] = 4.0, 18 * 2**20, (30, 32)
+    changed = conclusion_lines(_fabricated(medians, states, rows, smoke=True))
+    assert changed[1] == ("elx el: 0.71× HF, 0.48× CTranslate2, 0.62× ORT BeamSearch op, tokens = HF on 30/32 rows; "
+                          "input state 1.50× larger than elx baseline's (18.0 MB vs 12.0 MB) "
+                          "(smoke run, not a measurement)")
+    # no baseline in the run: the state is said, not compared; no peers: HF alone
+    only = _fabricated({"HF generate (PyTorch)": 1.0, "elx el": 0.5}, {"elx el": 96 * 2**10},
+                       {"HF generate (PyTorch)": (4, 4), "elx el": (4, 4)})
+    assert conclusion_lines(only) == ["elx el: 2.00× HF, tokens = HF on 4/4 rows; input state 96.0 KB"]
+    # a decoder's per-beam prompt keeps no input state: said as 0 B beside the reference's
+    forms = ["HF generate (PyTorch)", "elx baseline (prompt beam-shared)", "elx baseline (prompt per-beam)"]
+    decoder = _fabricated(dict(zip(forms, (1.0, 0.5, 0.8))), dict(zip(forms[1:], (3000, 0))),
+                          {n: (2, 2) for n in forms})
+    assert conclusion_lines(decoder)[1] == ("elx baseline (prompt per-beam): 1.25× HF, tokens = HF on 2/2 rows; input "
+                                            "state 0 B (elx baseline (prompt beam-shared)'s: 2.93 KB)")
+
+
+def test_memory_takes_the_unit_that_keeps_its_digits():
+    """The input-state column rounded to 0.0/0.1 MB at t5-tiny sizes (issue 42): each value takes its own unit."""
+    from elx.exporter.bench.results import details_markdown, human_bytes, summary_markdown
+
+    assert [human_bytes(n) for n in (None, 0, 512, 1536, 96 * 2**10, 1023 * 2**10, 12 * 2**20, 5 * 2**30)] == \
+        ["-", "0 B", "512 B", "1.50 KB", "96.0 KB", "1023 KB", "12.0 MB", "5.00 GB"]
+    assert human_bytes(2**20 + 2**19) == "1.50 MB" and human_bytes(40_000) == "39.1 KB"
+    names = ["HF generate (PyTorch)", "elx baseline", "elx el"]
+    report = _fabricated(dict(zip(names, (0.4, 0.1, 0.12))), {"elx baseline": 49_408, "elx el": 12_544},
+                         {n: (2, 2) for n in names}, new_tokens=8, batch=2)
+    summary = summary_markdown(report)
+    assert "| elx el | 15.0 | 133 | 0.120 | 3.33× | 12.2 KB | 3.00 MB | 700 KB | yes |" in summary
+    assert "| elx baseline | 12.5 | 160 | 0.100 | 4.00× | 48.2 KB |" in summary
+    assert "input state 3.94× smaller than elx baseline's (12.2 KB vs 48.2 KB)" in summary
+    assert "0.0 MB" not in summary and " 0.0 " not in summary
+    # the jargon is in the details section only
+    assert "time / floor" not in summary and "GFLOP" not in summary and "memory" not in summary.split("|")[0]
+    assert "| elx el | 0.120 | 16.67 | 12.5 | 0.48× | 0.120, 0.126, 0.118 |" in details_markdown(report)
+
+
+def test_each_run_has_its_own_results_folder_and_latest_points_at_the_newest(tmp_path, monkeypatch):
+    import os
+
+    from elx.exporter.bench.results import latest_folder, new_results_folder, save_bench
+
+    root = tmp_path / "t5-tiny" / "results"
+    names = ["HF generate (PyTorch)", "elx el"]
+    first = new_results_folder(root, now=1_795_861_865.0)
+    save_bench(_fabricated(dict(zip(names, (1.0, 0.5))), {}, {n: (2, 2) for n in names}), first)
+    second = new_results_folder(root, now=1_795_861_865.0)  # the same second: a suffix, not the same folder
+    save_bench(_fabricated(dict(zip(names, (1.0, 0.25))), {}, {n: (2, 2) for n in names}), second)
+    import time
+
+    assert first.name == time.strftime("%Y-%m-%dT%H-%M-%S", time.localtime(1_795_861_865.0))
+    assert second.name == first.name + "-2" and first != second
+    assert sorted(p.name for p in root.iterdir()) == [first.name, second.name, "latest"]
+    assert latest_folder(root) == second and (root / "latest").resolve() == second.resolve()
+    assert (root / "latest" / "bench.md").read_text().startswith("elx el: 4.00× HF")
+    assert (first / "bench.md").read_text().startswith("elx el: 2.00× HF")  # the earlier run is kept as it was
+    assert json.loads((first / "bench.json").read_text())["systems"][1]["median_s"] == 0.5
+    third = new_results_folder(root, now=1_795_861_866.0)
+    assert third.name > second.name and latest_folder(root) == third
+    # where links cannot be made, latest is a file holding the folder's name
+    monkeypatch.setattr(os, "symlink", lambda *a, **k: (_ for _ in ()).throw(OSError("no links here")))
+    fourth = new_results_folder(root, now=1_795_861_867.0)
+    assert (root / "latest").is_file() and not (root / "latest").is_symlink()
+    assert latest_folder(root) == fourth and len(list(root.iterdir())) == 5
+
+
+def test_a_saved_run_has_its_plot_whenever_matplotlib_imports(tmp_path, monkeypatch):
+    """``tools/setup.sh`` installs matplotlib: there the plot is drawn; without it, one line says why not."""
+    import importlib.util
+
+    from elx.exporter.bench.results import save_bench
+
+    names = ["HF generate (PyTorch)", "elx baseline", "elx el"]
+    report = _fabricated(dict(zip(names, (0.4, 0.1, 0.12))), {}, {n: (2, 2) for n in names}, smoke=True)
+    (tmp_path / "a").mkdir()
+    printed = save_bench(report, tmp_path / "a").splitlines()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "a" / "bench.png").stat().st_size > 1000
+        assert f"wrote {tmp_path / 'a' / 'bench.png'}" in printed
+    else:
+        assert not (tmp_path / "a" / "bench.png").exists()
+    assert printed[0].startswith("elx baseline: 4.00× HF") and printed[-1].startswith("details (roofline")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    (tmp_path / "b").mkdir()
+    printed = save_bench(report, tmp_path / "b").splitlines()
+    assert [line for line in printed if line.startswith("no plot: matplotlib is not installed")]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["bench.json", "bench.md"]
+
+
+def test_setup_installs_matplotlib_on_its_own_line():
+    """The bench extra fails as a whole when one of its packages cannot install; matplotlib has its own line."""
+    from pathlib import Path
+
+    lines = (Path(__file__).parents[1] / "tools" / "setup.sh").read_text().splitlines()
+    assert any(line.startswith("$PIP matplotlib") for line in lines)

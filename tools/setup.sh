@@ -14,6 +14,7 @@ PIP="python3 -m pip install -q --disable-pip-version-check"
 $PIP torch==2.13.0
 $PIP -e ".[test]"
 $PIP -e ".[test,ray]" || echo "setup: ray unavailable; the Ray Data test will skip"
+$PIP matplotlib || echo "setup: matplotlib unavailable; elx bench draws no plots (it says so in one line)"
 $PIP -e ".[test,bench]" || echo "setup: the bench extra is unavailable; elx bench draws no plots, the ct2 peer skips"
 $PIP --no-deps kernel-lens==2.0.1 || echo "setup: kernel-lens unavailable; plugin compile tests will skip"
 $PIP "tensorrt-rtx-cu13==1.7.1.116" || echo "setup: tensorrt-rtx-cu13 unavailable; TensorRT engine tests will skip"

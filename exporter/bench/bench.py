@@ -12,7 +12,8 @@ reached, and time / floor (the roofline below; its bytes are fp32's, so an int8 
 Peers (``elx.exporter.bench.peers``): ONNX Runtime's BeamSearch op and CTranslate2 (fp32 or int8), on the
 same weights.  A pass set ending in ``@int8`` is exported with ``--precision int8``.
 A ``--quick`` run is labelled a smoke run in its table, JSON and plots: one repeat of a tiny model
-is no measurement.
+is no measurement.  What is printed and kept (the conclusion lines first, the table in everyday units, the
+roofline columns in a Details section, each run in its own timestamped folder): ``exporter/bench/results.py``.
 
 Roofline (``phase_flops``, ``phase_bytes``, ``roofline``).  Generation is split into phases, the
 encoder (with the cross-attention K/V projection) and each decoder step; a phase cannot take less
@@ -720,14 +721,6 @@ def ensure_engines(folders: list[Path], settings: BenchSettings, quiet: bool = F
                          progress=progress)
 
 
-def _ratio(value) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _mb(value) -> str:
-    return "-" if value is None else f"{value / 2**20:.1f}"
-
-
 SMOKE = "SMOKE RUN (--quick: tiny model, one repeat), not a measurement"
 
 
@@ -777,34 +770,8 @@ def peer_lead_note(report: dict) -> str | None:
 
 
 def markdown_table(report: dict) -> str:
-    roof = report.get("roofline")
-    head = (f"{describe(report)}; matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s, read bandwidth "
-            f"{report.get('read_bandwidth_gb_s', 0):.1f} GB/s; {report['flops_per_generate'] / 1e9:.1f} GFLOP")
-    if roof:
-        head += (f" and {roof['bytes'] / 1e9:.2f} GB moved per generate; floor {roof['floor_s']:.3f} s ({roof['layout']} "
-                 f"layout, {roof['memory_bound_phases']}/{roof['phases']} phases memory-bound)")
-    else:
-        head += " per generate; no byte floor (the byte model covers encoder-decoder generation)"
-    head += "\n"
-    for name, why in (report.get("skipped_peers") or {}).items():
-        head += f"\npeer {name} skipped: {why}\n"
-    if report.get("hf_precision_note"):
-        head += f"\n{report['hf_precision_note']}\n"
-    note = peer_lead_note(report)
-    if note:
-        head += f"\n{note}\n"
-    if report["settings"].get("one_at_a_time"):
-        head += ("\nsystems ran one at a time (--one-at-a-time: each loaded, warmed up, timed and released before "
-                 "the next), not interleaved\n")
-    lines = ["| system | median s | samples/s | tokens/s | vs HF | input state MB | self cache MB | "
-             "peak RSS +MB | GFLOP/s | time / floor | tokens = HF |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in report["systems"]:
-        equal = "yes" if r["tokens_equal_hf"] else ("no: " + r["note"] if r["note"] else "NO")
-        if not r["tokens_equal_hf"] and r.get("rows_equal_hf"):
-            equal += " ({}/{} rows)".format(*r["rows_equal_hf"])
-        lines.append(f"| {r['system']} | {r['median_s']:.3f} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup_vs_hf']:.2f}x | {_mb(r['state_bytes'])} | {_mb(r['cache_bytes'])} | "
-                     f"{_mb(r['peak_rss_growth_bytes'])} | {r['gflops_per_s']:.1f} | "
-                     f"{_ratio(r.get('time_over_floor'))} | {equal} |")
-    return head + "\n" + "\n".join(lines)
+    """The run as Markdown: the conclusion in words, the table in everyday units, then a Details section
+    (``exporter/bench/results.py``)."""
+    from elx.exporter.bench.results import report_markdown
+
+    return report_markdown(report)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from elx.exporter.bench.bench import SMOKE, BenchSettings, describe, generator_for, markdown_table, run_bench
+from elx.exporter.bench.results import human_bytes
 from elx.exporter.progress import Progress
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs
@@ -67,11 +68,12 @@ def plot_bench(report: dict, path: Path) -> str:
     import matplotlib.pyplot as plt
 
     names = [r["system"] for r in report["systems"]]
+    steps = report["settings"]["new_tokens"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.barh(names, [r["median_s"] for r in report["systems"]], color="tab:blue")
-    left.set(xlabel="seconds per generate (median)", title="seconds, same run")
+    left.barh(names, [r["median_s"] / steps * 1e3 for r in report["systems"]], color="tab:blue")
+    left.set(xlabel=f"ms per new token (median generate / {steps} tokens; lower is faster)", title="time, same run")
     right.barh(names, [r["speedup_vs_hf"] for r in report["systems"]], color="tab:green")
-    right.set(xlabel="speedup over HF generate (x)", title="ratio, same run")
+    right.set(xlabel="speed as a multiple of HF generate's (×; higher is faster)", title="ratio, same run")
     right.axvline(1.0, color="grey", lw=0.8, ls="--")
     right.set_yticklabels([])
     for ax in (left, right):
@@ -110,13 +112,19 @@ def _write(out: Path, name: str, payload, tables: str) -> None:
     (out / f"{name}.md").write_text(tables + "\n")
 
 
+def _work_of(out: Path) -> Path:
+    """The bench's ``--work``/<model> folder of a results folder (``results/<time>``), where peers' conversions
+    are cached across runs; ``out`` itself for a folder laid out otherwise."""
+    return out.parent.parent if out.parent.name == "results" else out
+
+
 def _sweep(folders, settings: BenchSettings, out: Path, field: str, values, name: str, label: str, xlabel: str,
            peers, log, progress=None) -> Path:
     """Run the bench once per value of one setting; write JSON, Markdown and a plot named ``name``."""
     reports = []
     for value in values:
         log(f"sweep {name}: {label} {value}")
-        reports.append(run_bench(folders, replace(settings, **{field: value}), peer_names=peers, work=out,
+        reports.append(run_bench(folders, replace(settings, **{field: value}), peer_names=peers, work=_work_of(out),
                                  progress=progress))
     title = describe(reports[0], without=field)
     tables = "\n\n".join(f"### {label} {v}\n\n{markdown_table(r)}" for v, r in zip(values, reports))
@@ -153,7 +161,7 @@ def sweep_budget(folders, settings: BenchSettings, out: Path, budget_mb: float, 
                 source = gen.manifest.data["source"]
                 per_item = _bytes_per_item(gen, settings)
                 batch = max(1, int(budget_mb * 2**20 // per_item))
-                log(f"sweep budget: {folder.name}: {per_item / 2**20:.2f} MB per input → batch {batch}")
+                log(f"sweep budget: {folder.name}: {human_bytes(per_item)} per input → batch {batch}")
                 inputs = random_inputs(gen.manifest, batch, settings.input_length, np.random.default_rng(settings.seed))
                 stage.step("warm-up")
                 gen.generate(inputs, **settings.generation())  # warm-up
@@ -173,10 +181,10 @@ def sweep_budget(folders, settings: BenchSettings, out: Path, budget_mb: float, 
     title = describe({"settings": asdict(settings), "model": source}, without="batch_size")
     lines = [f"memory budget {budget_mb:.0f} MB for live generation state (input-related state + self cache); "
              f"{title}\n",
-             "| system | MB per input | max batch | median s | samples/s | throughput vs baseline |",
+             "| system | state per input | max batch | median s | samples/s | throughput vs baseline |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['system']} | {r['bytes_per_input'] / 2**20:.2f} | {r['max_batch']} | {r['median_s']:.2f} | "
+        lines.append(f"| {r['system']} | {human_bytes(r['bytes_per_input'])} | {r['max_batch']} | {r['median_s']:.2f} | "
                      f"{r['samples_per_s']:.2f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x |")
     _write(out, "sweep_budget", {"budget_mb": budget_mb, "rows": rows}, "\n".join(lines))
     _plot_budget(out / "sweep_budget.png", rows, budget_mb, title)

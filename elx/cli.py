@@ -595,7 +595,7 @@ def _check_cuda_bench(backend: str) -> None:
 
 def cmd_bench(args) -> int:
     from elx.exporter.bench.peers import parse_peers
-    from elx.exporter.bench.sweeps import plot_bench, require_matplotlib, sweep_beam, sweep_budget, sweep_input
+    from elx.exporter.bench.sweeps import require_matplotlib, sweep_beam, sweep_budget, sweep_input
     from elx.runners.inputs.validation import check_threads
 
     # the arguments first, then the heavy imports (elx.exporter.bench.bench: PyTorch, transformers, ONNX Runtime)
@@ -620,8 +620,8 @@ def cmd_bench(args) -> int:
     check_bench_model(model, random_init, _pass_sets(args.pass_sets), forms, args.pass_sets)
     if args.device == "cuda":
         _check_cuda_bench(args.backend)
-    from elx.exporter.bench.bench import (BenchSettings, ensure_engines, ensure_exports, export_precision, markdown_table,
-                                run_bench)
+    from elx.exporter.bench.bench import BenchSettings, ensure_engines, ensure_exports, export_precision, run_bench
+    from elx.exporter.bench.results import new_results_folder, save_bench
 
     work = Path(args.work) / Path(model).name
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
@@ -633,22 +633,17 @@ def cmd_bench(args) -> int:
                              quiet=args.quiet, progress=progress, precision=export_precision(settings))
     if settings.backend == "tensorrt":
         ensure_engines(folders, settings, quiet=args.quiet, progress=progress)
-    out = work / "results"
-    out.mkdir(parents=True, exist_ok=True)
+    out = new_results_folder(work / "results")  # results/<local time>/ for this run; results/latest points at it
     if args.sweep in ("none", "all"):
         report = run_bench(folders, settings, peer_names=peers, work=work, progress=progress)
-        table = markdown_table(report)
-        (out / "bench.json").write_text(json.dumps(report, indent=1))
-        (out / "bench.md").write_text(table + "\n")
-        print(table)
-        print(plot_bench(report, out / "bench.png"))
+        print(save_bench(report, out))  # the conclusion and table; bench.json, bench.md (+ details), bench.png
     if args.sweep in ("input", "all"):
         print(f"wrote {sweep_input(folders, settings, out, peers=peers, progress=progress)}")
     if args.sweep in ("beam", "all"):
         print(f"wrote {sweep_beam(folders, settings, out, peers=peers, progress=progress)}")
     if args.sweep in ("budget", "all"):
         print(f"wrote {sweep_budget(folders, settings, out, args.budget_mb, progress=progress)}")
-    print(f"results in {out}")
+    print(f"results in {out} ({work / 'results' / 'latest'} points at it)")
     return 0
 
 

@@ -245,7 +245,8 @@ def test_timed_rounds_shuffle_the_order_after_the_first_round():
 
 def test_a_peer_lead_is_explained_in_numbers():
     """The smoke bench showed a peer 2x ahead of elx on t5-tiny with no word of why (issue 27)."""
-    from elx.exporter.bench.bench import markdown_table, peer_lead_note
+    from elx.exporter.bench.bench import peer_lead_note
+    from elx.exporter.bench.results import report_markdown as markdown_table
 
     def system(name, median):
         return {"system": name, "median_s": median, "samples_per_s": 1, "tokens_per_s": 1, "speedup_vs_hf": 1,
@@ -330,7 +331,8 @@ def test_bench_on_cuda_without_a_cuda_device_is_one_line_before_any_export(tmp_p
 def test_one_at_a_time_runs_each_system_alone_with_the_same_tokens(exported, capsys):
     """``--one-at-a-time``: HF, then the peers (converted from HF's model), then each elx runner after HF's model
     is released; each system warmed up and timed alone, with the tokens compared with HF's as in interleaved runs."""
-    from elx.exporter.bench.bench import BenchSettings, markdown_table, run_bench
+    from elx.exporter.bench.bench import BenchSettings, run_bench
+    from elx.exporter.bench.results import report_markdown as markdown_table
 
     from elx.runners.generate import Generator
 
@@ -480,7 +482,7 @@ def _fabricated(medians: dict, states: dict, rows: dict, smoke=False, new_tokens
 def test_the_first_lines_conclude_from_the_runs_own_numbers():
     """One line per elx pass set, first: its speed against HF and each peer (medians of the same run), its rows
     with HF's tokens, its input state against the elx baseline's; nothing in it is fixed text but the words."""
-    from elx.exporter.bench.bench import markdown_table
+    from elx.exporter.bench.results import report_markdown as markdown_table
     from elx.exporter.bench.results import conclusion_lines
 
     medians = {"HF generate (PyTorch)": 2.84, "elx baseline": 1.9, "elx el": 2.0, "CTranslate2": 1.94,

@@ -287,7 +287,8 @@ def test_per_layer_rule_keeps_an_out_of_line_layer(exported, model_folders, monk
 
 def test_bench_runs_precision_exports_and_says_what_hf_runs(converted):
     """fp16 and int8 exports side by side with HF (fp32 on the CPU, said in one line), tokens counted per row."""
-    from elx.exporter.bench.bench import BenchSettings, hf_precision_note, markdown_table, run_bench
+    from elx.exporter.bench.bench import BenchSettings, hf_precision_note, run_bench
+    from elx.exporter.bench.results import report_markdown as markdown_table
 
     settings = BenchSettings(batch_size=2, input_length=6, num_beams=2, new_tokens=3, repeats=1, precision="fp16")
     report = run_bench([converted("gpt2", "fp16"), converted("gpt2", "int8")], settings, progress="none")

@@ -363,7 +363,7 @@ def test_cli_bench_both_prompt_cache_forms(gpt2, tmp_path, capsys):
     assert main(["bench", "--model", str(folder), "--pass-sets", "baseline", "--prompt-cache", "shared|per-beam",
                  "--batch-size", "2", "--input-length", "12", "--num-beams", "3", "--new-tokens", "4",
                  "--repeats", "1", "--work", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / folder.name / "results" / "bench.json").read_text())
+    report = json.loads((tmp_path / folder.name / "results" / "latest" / "bench.json").read_text())
     systems = {s["system"]: s for s in report["systems"]}
     shared, per_beam = systems["elx baseline (prompt beam-shared)"], systems["elx baseline (prompt per-beam)"]
     assert shared["tokens_equal_hf"] and per_beam["tokens_equal_hf"]

@@ -281,7 +281,7 @@ def bench_runs(env: dict, out: Path, work: Path, batches, fp16_flag: bool) -> li
                        "--model", BENCH_MODEL, "--random-init", "--pass-sets", "baseline|el", "--num-beams", "4",
                        "--batch-size", str(batch), "--work", str(work / precision), "--quiet"]
                 run = {"backend": backend, "precision": precision, "batch": batch, "cmd": cmd,
-                       "results": str(work / precision / BENCH_MODEL / "results" / "bench.json")}
+                       "results": str(work / precision / BENCH_MODEL / "results" / "latest" / "bench.json")}
                 if backend == "tensorrt" and (reason := _tensorrt_refusal(env)):
                     run["unsupported"] = reason
                 elif backend == "ort" and (reason := _ort_refusal(env)):
@@ -379,9 +379,7 @@ def run_bench(runs: list[dict], out: Path, timeout: float):
         if "unsupported" in run:
             continue
         name = f"{run['backend']}_{run['precision']}_b{run['batch']}"
-        stale = Path(run["results"])
-        if stale.exists():
-            stale.unlink()  # a failed run must not report the previous run's numbers
+        stale = Path(run["results"])  # results/latest/: each bench run writes a folder of its own and points at it
         run.update(run_logged(run["cmd"], out / "bench" / f"{name}.log", timeout))
         if run["rc"] == 0 and stale.is_file():
             shutil.copy(stale, out / "bench" / f"{name}.json")

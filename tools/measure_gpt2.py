@@ -41,7 +41,8 @@ def hf_live_cache_bytes(model, inputs: dict, options: dict) -> int:
 def main() -> None:
     import numpy as np
 
-    from elx.exporter.bench.bench import BenchSettings, ensure_exports, markdown_table, run_bench
+    from elx.exporter.bench.bench import BenchSettings, ensure_exports, run_bench
+    from elx.exporter.bench.results import report_markdown as markdown_table
     from elx.exporter.sources import reload_model
     from elx.runners.inputs.random_inputs import random_inputs
     from elx.runners.manifest import Manifest

@@ -767,11 +767,3 @@ def peer_lead_note(report: dict) -> str | None:
     return (text + ": the time is fixed per-step cost, not the model's arithmetic; elx runs its search loop in "
             "Python between ONNX Runtime calls, the peers run theirs in C++. The README's Benchmarks section has "
             "measured runs at real sizes")
-
-
-def markdown_table(report: dict) -> str:
-    """The run as Markdown: the conclusion in words, the table in everyday units, then a Details section
-    (``exporter/bench/results.py``)."""
-    from elx.exporter.bench.results import report_markdown
-
-    return report_markdown(report)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from elx.exporter.bench.bench import describe, peer_lead_note
+from elx.exporter.bench.plots import plot_bench
 
 HF_PREFIX = "HF generate"
 
@@ -229,8 +230,6 @@ def latest_folder(root: Path) -> Path | None:
 def save_bench(report: dict, out: Path) -> str:
     """``bench.json``, ``bench.md`` (summary and details) and ``bench.png`` in ``out``; returns what to print: the
     summary, the plot's line (where it went, or why there is none) and where the details are."""
-    from elx.exporter.bench.sweeps import plot_bench
-
     out = Path(out)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     (out / "bench.md").write_text(report_markdown(report) + "\n")

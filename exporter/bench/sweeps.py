@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from elx.exporter.bench.bench import SMOKE, BenchSettings, describe, generator_for, markdown_table, run_bench
-from elx.exporter.bench.results import human_bytes
+from elx.exporter.bench.bench import BenchSettings, describe, generator_for, run_bench
+from elx.exporter.bench.plots import has_matplotlib, plot_bench, require_matplotlib, save_figure  # noqa: F401 (the CLI's)
+from elx.exporter.bench.results import human_bytes, report_markdown
 from elx.exporter.progress import Progress
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs
@@ -38,49 +39,6 @@ def _series(reports: list, key: str) -> dict:
         for system in report["systems"]:
             out.setdefault(system["system"], []).append(system[key])
     return out
-
-
-def require_matplotlib() -> None:
-    """Refuse a sweep up front, in one line, when its plots cannot be drawn."""
-    from elx.runners.errors import ElxError
-
-    if not has_matplotlib():
-        raise ElxError("--sweep draws plots with matplotlib, which is not installed; pip install 'elx[bench]' "
-                       "(the bench extra)") from None
-
-
-def has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def plot_bench(report: dict, path: Path) -> str:
-    """Bars of one bench run (median seconds, speedup over HF) in ``path``; returns the line to print: where the
-    plot went, or that matplotlib is missing."""
-    if not has_matplotlib():
-        return "no plot: matplotlib is not installed (pip install 'elx[bench]'; tools/setup.sh installs it)"
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["system"] for r in report["systems"]]
-    steps = report["settings"]["new_tokens"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.barh(names, [r["median_s"] / steps * 1e3 for r in report["systems"]], color="tab:blue")
-    left.set(xlabel=f"ms per new token (median generate / {steps} tokens; lower is faster)", title="time, same run")
-    right.barh(names, [r["speedup_vs_hf"] for r in report["systems"]], color="tab:green")
-    right.set(xlabel="speed as a multiple of HF generate's (×; higher is faster)", title="ratio, same run")
-    right.axvline(1.0, color="grey", lw=0.8, ls="--")
-    right.set_yticklabels([])
-    for ax in (left, right):
-        ax.invert_yaxis()
-        ax.grid(axis="x", alpha=0.3)
-    _save(fig, path, describe(report))
-    return f"wrote {path}"
 
 
 def _plot(path: Path, xs, reports: list, xlabel: str, title: str) -> None:
@@ -103,7 +61,7 @@ def _plot(path: Path, xs, reports: list, xlabel: str, title: str) -> None:
         ax.set_xticklabels([str(x) for x in xs])
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
-    _save(fig, path, title)
+    save_figure(fig, path, title)
 
 
 def _write(out: Path, name: str, payload, tables: str) -> None:
@@ -127,7 +85,7 @@ def _sweep(folders, settings: BenchSettings, out: Path, field: str, values, name
         reports.append(run_bench(folders, replace(settings, **{field: value}), peer_names=peers, work=_work_of(out),
                                  progress=progress))
     title = describe(reports[0], without=field)
-    tables = "\n\n".join(f"### {label} {v}\n\n{markdown_table(r)}" for v, r in zip(values, reports))
+    tables = "\n\n".join(f"### {label} {v}\n\n{report_markdown(r)}" for v, r in zip(values, reports))
     _write(out, name, {"x": list(values), "reports": reports}, tables)
     _plot(out / f"{name}.png", values, reports, xlabel, title)
     return out / f"{name}.png"
@@ -206,21 +164,4 @@ def _plot_budget(path: Path, rows: list, budget_mb: float, title: str) -> None:
     for ax in (left, right):
         ax.tick_params(axis="x", rotation=20)
         ax.grid(axis="y", alpha=0.3)
-    _save(fig, path, title)
-
-
-def _save(fig, path: Path, title: str) -> None:
-    """The figure, titled with the model and settings (in red for a smoke run), as a PNG.
-
-    The title is wrapped to the figure's width (about 0.55 em per character at 9 pt) and the saved image
-    grows to hold everything drawn (``bbox_inches="tight"``): a long smoke-run title is never clipped."""
-    import textwrap
-
-    import matplotlib.pyplot as plt
-
-    size = 9
-    width = max(20, int(fig.get_figwidth() * 72 / (0.55 * size)))
-    fig.suptitle(textwrap.fill(title, width), fontsize=size, color="red" if title.startswith(SMOKE) else "black")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, title)

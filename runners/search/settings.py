@@ -199,6 +199,9 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
     refused = options.refusal(effective)
     if refused:
         raise ElxError(refused[1])
+    if not rules.temperature_fallback:  # Whisper samples from its temperature list, not from do_sample
+        options.warn_ignored_flags(defaults)  # HF validates the model's generation config on its own first
+        options.warn_ignored_flags(effective, {*given, *overrides})
     if values.get("decoder_start_token_id") is None and values.get("bos_token_id") is not None:
         values["decoder_start_token_id"] = values["bos_token_id"]  # HF's _prepare_special_tokens fallback
     settings = GenerationSettings(**rules.resolve(manifest, values, extra))

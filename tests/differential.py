@@ -688,9 +688,10 @@ class Stats:
 
     def progress(self) -> None:
         """A progress line in the report every 50 examples (long runs)."""
-        if self.examples % 50 == 0:
+        if self.examples % 50 == 0:  # the counts so far (a long run stopped early still reports them)
             self._append({"variant": self.variant, "progress": self.examples, "failures": len(self.failures),
-                          "fragile_rows": self.fragile_rows, "rows": self.rows})
+                          "fragile_rows": self.fragile_rows, "rows": self.rows, "identical_rows": self.identical_rows,
+                          "classes": dict(self.classes), "refusals": dict(self.refusals)})
 
     @staticmethod
     def _append(record: dict) -> None:

@@ -206,12 +206,13 @@ def test_the_issues_callbacks(t5, kind, form, run, expected):
 def test_sampling_refusal_names_the_processor(t5):
     generator, _ = t5
 
-    def add_nan(ids, scores):
+    def add_inf(ids, scores):
         scores[:, 3] = np.inf
         return scores
 
-    with pytest.raises(ElxError, match=r"do_sample=True: .* hold \+inf; logits processor add_nan returned such"):
-        generator.generate(input_ids=INPUTS, max_new_tokens=3, do_sample=True, seed=0, logits_processor=[add_nan])
+    with pytest.raises(ElxError, match=r"do_sample=True: row 0's scores hold \+inf, which cannot be sampled from; "
+                                       r"logits processor add_inf returned such scores"):
+        generator.generate(input_ids=INPUTS, max_new_tokens=3, do_sample=True, seed=0, logits_processor=[add_inf])
 
 
 @pytest.mark.parametrize("value,match", [

@@ -53,7 +53,7 @@ class Sampler:
         else:
             source = ("nothing can be sampled (HF's torch.multinomial fails too): check the model's logits and the "
                       "options that ban tokens (bad_words_ids, suppress_tokens, ...)")
-        raise ElxError(f"do_sample=True: the scores row {int(bad[0])} samples from {what}; {source}")
+        raise ElxError(f"do_sample=True: row {int(bad[0])}'s scores {what}, which cannot be sampled from; {source}")
 
     def _full(self, probs, active: np.ndarray):
         """``probs`` of the active rows inside HF's full matrix (uniform rows elsewhere)."""

@@ -241,4 +241,4 @@ def _forced_and_suppressed(s: GenerationSettings) -> None:
         if forced and forced <= suppressed:
             raise ElxError(f"{name} = {sorted(forced) if len(forced) > 1 else next(iter(forced))} is also in "
                            "suppress_tokens: forcing a token while suppressing it leaves no token at that step (HF "
-                           f"refuses it too); remove it from one of them (to prevent an early EOS use min_new_tokens)")
+                           "refuses it too); remove it from one of them (to prevent an early EOS use min_new_tokens)")

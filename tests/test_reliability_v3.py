@@ -532,9 +532,42 @@ def test_a_forced_token_that_is_suppressed_is_refused_as_hf_does(exported, model
     assert "\n" not in str(info.value)
 
 
+def test_gpt_neox_per_head_fused_projection():
+    """GPT-NeoX's query_key_value is fused per head ([R, t, h, 3·d_k], then split): K's and V's columns of W are
+    found where they are, as one head-major projection (before: "unexpected head split []", so slim refused the
+    family).  A hand-built graph of the exported pattern, checked against numpy."""
+    import numpy as np
+    import onnx_graphsurgeon as gs
+    from onnx import TensorProto, helper, numpy_helper
+
+    from elx.exporter.passes.qkv import head_projection
+
+    rng = np.random.default_rng(0)
+    d, heads, d_k = 8, 2, 4
+    w = rng.standard_normal((d, heads * 3 * d_k)).astype(np.float32)
+    b = rng.standard_normal(heads * 3 * d_k).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["linear"]),
+             helper.make_node("Reshape", ["linear", "shape"], ["view"]),
+             helper.make_node("Transpose", ["view"], ["heads"], perm=[0, 2, 1, 3]),
+             helper.make_node("Split", ["heads"], ["q", "k", "v"], axis=3, num_outputs=3)]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"),
+             numpy_helper.from_array(np.array([0, 0, heads, 3 * d_k], np.int64), "shape")]
+    graph = helper.make_graph(nodes, "neox", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, d])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "qkv"], inits)
+    tensors = gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])).tensors()
+    x = rng.standard_normal((1, 3, d))
+    parts = np.split((x @ w + b).reshape(1, 3, heads, 3 * d_k).transpose(0, 2, 1, 3), 3, axis=3)
+    for name, expected in zip("qkv", parts):
+        found = head_projection(tensors[name])
+        assert found.x is tensors["x"] and found.w.shape == (d, heads * d_k)
+        got = (x @ found.w + found.b).reshape(1, 3, heads, d_k).transpose(0, 2, 1, 3)  # a separate projection's
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not LONG, reason="exports GPT-NeoX and slims it (a minute); set ELX_LONG_TESTS=1")
 def test_slim_applies_to_gpt_neox(exported, tmp_path):
     """GPT-NeoX (MHA, per-head fused query_key_value, partial rotary) was refused with "unexpected head split []
-    before the cache concat"; its K and V are parts of one per-head fused projection: slim applies, HF's tokens."""
+    before the cache concat"; slim applies now, with HF's tokens."""
     from elx.exporter.compare import compare
     from elx.exporter.export import apply_passes
     from elx.runners.manifest import Manifest
@@ -546,20 +579,25 @@ def test_slim_applies_to_gpt_neox(exported, tmp_path):
     assert report.all_identical and report.max_logits_diff <= 1e-4
 
 
-def test_slim_refuses_qwen3_saying_why(exported, model_folders, tmp_path, capsys):
+def test_slim_refuses_qwen3_at_once_saying_why(model_folders, tmp_path, capsys):
     """Qwen3 normalizes K per head (k_norm): refused at once by the catalog, saying so (before: "add_312 is not
-    computed from a head-split projection", after the baseline export); the rewrite itself names the norm too."""
+    computed from a head-split projection", after the baseline export)."""
+    started = time.monotonic()
+    line = refused(capsys, "export", "--model", model_folders["qwen3"], "--pass", "slim", "--output", tmp_path / "o",
+                   "--quiet")
+    assert "normalizes each head's key" in line and "V is no function of the cached K" in line
+    assert time.monotonic() - started < 30 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(not LONG, reason="exports Qwen3 (a minute); set ELX_LONG_TESTS=1")
+def test_slim_rewrite_names_a_key_norm(exported):
+    """Past the catalog (a family it does not know to normalize K), the rewrite names the norm on K's path."""
     from elx.exporter.passes import slim_rope
     from elx.exporter.passes.el_self_decoder_only import layers_of
     from elx.exporter.passes.rewrite import load_graph
     from elx.exporter.passes.slim_math import Unfit
     from elx.runners.manifest import Manifest
 
-    started = time.monotonic()
-    line = refused(capsys, "export", "--model", model_folders["qwen3"], "--pass", "slim", "--output", tmp_path / "o",
-                   "--quiet")
-    assert "normalizes each head's key" in line and "V is no function of the cached K" in line
-    assert time.monotonic() - started < 30 and not (tmp_path / "o").exists()
     manifest = Manifest.load(exported("qwen3"))
     layer = slim_rope.RopeLayer(layers_of(manifest)[0])
     with pytest.raises(Unfit, match="K is normalized per head .* V is no function of the cached K"):

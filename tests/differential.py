@@ -676,6 +676,7 @@ class Stats:
     pass_refused: Counter = field(default_factory=Counter)  # spec/pass set -> examples skipped: the pass refused
     refusals: dict = field(default_factory=dict)  # spec/pass set -> "expected (why): ..." or "UNEXPECTED: ..."
     classes: Counter = field(default_factory=Counter)  # spec/pass set/setting class (export), family/class (search)
+    excused: Counter = field(default_factory=Counter)  # export: "spec/pass set: why HF's answer is fragile" -> rows
     failures: list = field(default_factory=list)
     kinds: Counter = field(default_factory=Counter)  # spec/pass set (export) or family (search) -> examples
     beams: Counter = field(default_factory=Counter)
@@ -715,6 +716,7 @@ class Stats:
             lines.extend(f"    refused {k}: {v[:300]}" for k, v in sorted(self.refusals.items()))
         if self.variant == "export":
             lines.append(f"  worst teacher-forced logits diff {self.max_logits_diff:.2e}")
+            lines.extend(f"    excused {v} rows: {k[:300]}" for k, v in sorted(self.excused.items()))
         lines.append("  beams: " + " ".join(f"{k}:{v}" for k, v in sorted(self.beams.items())))
         if self.options:
             lines.append("  options: " + ", ".join(f"{k} {v}" for k, v in sorted(self.options.items())))
@@ -794,6 +796,10 @@ def run_export_example(stats: Stats, pool: ExportPool, spec: ModelSpec, passes: 
                   for i, r in enumerate(report.rows) if not r.identical])
     elif report.fragile:
         stats.excused_examples += 1
+        for row in report.fragile:  # why each was excused, by spec / pass set (the closing notes count them)
+            why = ("; ".join(r.split(" of ±")[0] for r in row.stability.reasons) if row.stability is not None
+                   else "not checked")
+            stats.excused[f"{spec.name}/{passes or 'baseline'}: {why}"] += 1
 
 
 # -- the search-only variant -------------------------------------------------------------------------

@@ -967,6 +967,12 @@ def _same_rows(hf: np.ndarray, elx: np.ndarray) -> list[bool]:
     return [r < elx.shape[0] and bool(np.array_equal(hf[r], elx[r])) for r in range(hf.shape[0])]
 
 
+def _unsamplable(err: RuntimeError) -> bool:
+    """HF's sampling failing on scores nothing can be drawn from (NaN / inf: e.g. the exponential decay penalty's
+    abs(-inf) on an EOS banned by min_length); elx refuses such runs in one line (``Sampler.check``)."""
+    return "probability tensor contains" in str(err) or "invalid multinomial distribution" in str(err)
+
+
 def run_search_example(stats: Stats, family: str, seed: int, config: dict, inputs: dict, options: dict,
                        eos_mode: str = "default", eos_rank: int = 0, search_device=None) -> None:
     """One search-only example: elx's search on HF's fp64 logits against HF generate(use_cache=False), fp64.
@@ -998,7 +1004,9 @@ def run_search_example(stats: Stats, family: str, seed: int, config: dict, input
     elx_arguments = call_arguments(options, vocab, int(next(iter(inputs.values())).shape[0]), torch_tensors=False)
     try:
         hf, hf_extras = hf_search(model, inputs, options, vocab)
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not _unsamplable(err):
+            raise
         try:
             generator.generate(inputs, **elx_arguments)
         except ElxError:

@@ -151,12 +151,7 @@ def decoder_prefix(manifest, settings, prompt: np.ndarray, ids, causal_prefix: b
     if AUDIO in manifest.encoder_inputs():
         raise ElxError("Whisper builds its decoder prompt itself (language, task); decoder_input_ids are not "
                        "supported for it: use language= and task=")
-    try:
-        ids = np.asarray(ids, dtype=np.int64)
-    except (TypeError, ValueError):
-        raise ElxError("decoder_input_ids must be rows of token ids of equal length")
-    if ids.ndim == 1:
-        ids = ids[None, :]
+    ids = _prefix_rows(ids)
     if ids.ndim != 2 or ids.shape[1] < 1 or ids.shape[0] != prompt.shape[0]:
         raise ElxError(f"decoder_input_ids has shape {list(ids.shape)}; pass one row per input ({prompt.shape[0]}) "
                        "of at least one token")
@@ -176,3 +171,24 @@ def decoder_prefix(manifest, settings, prompt: np.ndarray, ids, causal_prefix: b
         raise ElxError(f"decoder_input_ids make a {ids.shape[1]}-token decoder prompt but max_length is {max_length}: "
                        "nothing to generate; raise max_length or set max_new_tokens")
     return ids
+
+
+def _prefix_rows(value) -> np.ndarray:
+    """``decoder_input_ids`` as int64 [rows, P]: rows of ints (one row alone is taken as one input's); floats and
+    bools are refused as token ids are everywhere (``runners/arguments.py``), never truncated."""
+    from elx.runners.arguments import token_array, token_rows
+
+    name = "decoder_input_ids"
+    if hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
+        flat = np.asarray(value)
+        if flat.ndim == 1:
+            value = flat[None, :]
+    elif isinstance(value, (list, tuple)) and value and not any(hasattr(v, "__len__") for v in value):
+        value = [value]
+    array = token_array(name, value)
+    if array is None:
+        rows = token_rows(name, value)
+        if len({len(r) for r in rows}) > 1:
+            raise ElxError(f"{name} rows have different lengths; pass rows of equal length")
+        array = np.asarray(rows, dtype=np.int64)
+    return array.astype(np.int64, copy=False)

@@ -159,3 +159,81 @@ def known(name: str) -> bool:
     """Whether ``name`` is a generation option elx places (setting, no-op, refused field, custom field, argument)."""
     return (name in SETTINGS or name in NO_OPS or name in CUSTOM_FIELDS or name in CALL_ARGUMENTS
             or name in REFUSED_ARGUMENTS)
+
+
+# -- flags a run ignores: HF's warning (GenerationConfig.validate's "minor issues", transformers 5.24) -------------
+
+# sampling-only flags and the value that means "off" (None: any value set is a flag), checked when do_sample is not
+# True; beam-only flags when num_beams is 1; per-step outputs without return_dict_in_generate; HF's order
+_SAMPLING_ONLY = (("temperature", 1.0), ("top_p", 1.0), ("min_p", None), ("top_h", None), ("typical_p", 1.0),
+                  ("top_k", 50), ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0))
+_BEAM_ONLY = (("early_stopping", False), ("length_penalty", 1.0))
+_OUTPUT_FLAGS = ("output_scores", "output_logits")
+_WARNED: set = set()
+
+
+def _should_warn(outer: str, inner: str, user_set: set | None) -> bool:
+    """HF's ``_should_warn``: not when the caller set the mode (``do_sample`` / ``num_beams``) but the flag came from
+    the model's generation config."""
+    return user_set is None or not (outer in user_set and inner not in user_set)
+
+
+def ignored_flags(values: dict, user_set: set | None = None) -> list[str]:
+    """The flags HF's ``GenerationConfig.validate`` reports as "not valid and may be ignored" for ``values`` (the
+    generation config's set fields; ``user_set``: the names the caller gave, None: all of them), in HF's order."""
+    out = []
+    if values.get("do_sample") is not True:
+        for name, off in _SAMPLING_ONLY:
+            value = values.get(name)
+            if value is not None and value != off and _should_warn("do_sample", name, user_set):
+                out.append(name)
+    if (values.get("num_beams") or 1) == 1:
+        for name, off in _BEAM_ONLY:
+            value = values.get(name)
+            if value is not None and value != off and _should_warn("num_beams", name, user_set):
+                out.append(name)
+    if values.get("return_dict_in_generate") is not True:
+        out.extend(name for name in _OUTPUT_FLAGS if values.get(name) is True)
+    return out
+
+
+def warn_ignored_flags(values: dict, user_set: set | None = None) -> None:
+    """Warn once per process and message, as HF's ``logger.warning_once`` does, about flags this run ignores: top_p
+    without do_sample is greedy search, silently, unless someone says so.  Written to stderr as ``elx: warning:
+    ...`` through the ``elx`` logger (``logging.getLogger("elx")``: silence or redirect it there)."""
+    flags = ignored_flags(values, user_set)
+    if not flags:
+        return
+    modes = []
+    if any(f in dict(_SAMPLING_ONLY) for f in flags):
+        modes.append("sampling (do_sample=True)")
+    if any(f in dict(_BEAM_ONLY) for f in flags):
+        modes.append("beam search (num_beams > 1)")
+    if any(f in _OUTPUT_FLAGS for f in flags):
+        modes.append("return_dict_in_generate=True")
+    shown = ", ".join(f"{f}={values[f]!r}" for f in flags)
+    message = (f"{shown}: {'these flags only apply' if len(flags) > 1 else 'this flag only applies'} with "
+               f"{' / '.join(modes)}, which this run does not use, so {'they are' if len(flags) > 1 else 'it is'} "
+               "ignored (HF warns the same); set the mode or unset the flag")
+    if tuple(flags) in _WARNED:  # HF's message names the flags, not their values: once per set of flags
+        return
+    _WARNED.add(tuple(flags))
+    _logger().warning(message)
+
+
+def _logger():
+    import logging
+    import sys
+
+    logger = logging.getLogger("elx")
+    if not logger.handlers:
+        class _Stderr(logging.Handler):  # the current sys.stderr at each record (it may be replaced after import)
+            def emit(self, record):
+                try:
+                    sys.stderr.write(f"elx: warning: {record.getMessage()}\n")
+                except Exception:  # noqa: BLE001 - a warning never breaks a run
+                    self.handleError(record)
+
+        logger.addHandler(_Stderr())
+        logger.propagate = False
+    return logger

@@ -21,6 +21,11 @@ CI runs a derandomized slice (a few minutes: three exported specs, fixed example
 
 (all specs; ``ELX_DIFF_SEED`` picks another random stream; the report gets the stats as JSON;
 ``ELX_DIFF_SPECS=fsmt,mbart,...`` limits the export variant to the named specs).
+
+A pass set drawn for a spec that refuses it counts as a failure unless the refusal is one the draws expect
+(``differential.EXPECTED_REFUSALS``: no layer accurate enough on random weights, Qwen3's k_norm for slim); every
+refusal is listed in the summary (issue 40: slim refusing GPT-NeoX had been dropped silently).  The summary counts
+examples per spec × pass set × setting class (greedy, beam, sampling, processors, scores; "+ngram").
 """
 from __future__ import annotations
 
@@ -31,9 +36,9 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.differential import (DECODER_ONLY, EOS_MODES, ROPE_DECODER_ONLY, SPECS, TRANSLATION, ModelInfo, Stats,
-                                batches, decoder_only_lengths, generation_options, issue25_options, language_options,
-                                pass_sets, random_configs, rope_info, run_export_example, run_search_example, uniform,
-                                with_ngram)
+                                batches, decoder_only_lengths, expected_refusal, generation_options, issue25_options,
+                                language_options, pass_sets, random_configs, rope_info, run_export_example,
+                                run_search_example, setting_class, uniform, with_ngram)
 
 EXAMPLES = int(os.environ.get("ELX_DIFF_EXAMPLES") or 0)
 CI = EXAMPLES == 0
@@ -150,3 +155,63 @@ def _info(family: str, config: dict) -> ModelInfo:
         return ModelInfo(family, vocab, specials[0] if family == "pegasus" else 1, specials,
                          source_vocab=config.get("src_vocab_size"))
     return ModelInfo(family, vocab, 2, (2, 3), (config["num_mel_bins"], 2 * config["max_source_positions"]))
+
+
+# -- issue 40: the draws cover the families, and a refusal nobody expected fails ---------------------------------
+
+def test_the_specs_cover_the_issue_40_families():
+    """Phi-3, Gemma, Qwen3, Mistral, GPT-NeoX, Llama with linear and llama3 RoPE, OPT, mBART, M2M100, Pegasus, FSMT,
+    Marian; slim is drawn for every RoPE MHA spec (GPT-NeoX and an MHA Qwen3 included)."""
+    from tests.conftest import ROPE_CONFIGS, rope_config
+
+    families = {s.family for s in SPECS}
+    assert {"phi3", "gemma", "qwen3", "mistral", "gpt_neox", "llama", "opt", "mbart", "m2m100", "pegasus", "fsmt",
+            "marian"} <= families
+    rope_types = {rope_config(ROPE_CONFIGS["llama"][2], **s.config)["rope_scaling"]["rope_type"]
+                  for s in SPECS if s.family == "llama" and "rope_scaling" in rope_config(ROPE_CONFIGS["llama"][2],
+                                                                                          **s.config)}
+    assert {"linear", "llama3"} <= rope_types
+    slim = {s.name for s in SPECS if "slim=skip-bad" in pass_sets(s) and s.family in ROPE_DECODER_ONLY}
+    assert {"gpt_neox", "qwen3-mha", "llama-linear-mha", "llama-peaked-mha", "qwen2", "phi3"} <= slim
+
+
+class _RefusingPool:
+    def __init__(self, error: str):
+        self.error = error
+
+    def loaded(self, spec, passes):
+        from elx.runners.errors import ElxError
+
+        raise ElxError(self.error)
+
+
+@pytest.mark.parametrize("spec_name,error,failure", [
+    ("gpt_neox", "pass slim: decoder self-attention layer 0: unexpected head split [] before the cache concat "
+                 "(...); nothing was written", True),  # issue 40: dropped silently before
+    ("gpt_neox", "pass slim does not apply to gpt_neox exports (decoder-only): ...; drop it from --pass", True),
+    ("qwen3-mha", "pass slim does not apply to qwen3 exports (decoder-only): Qwen3 normalizes each head's key "
+                  "(...); drop it from --pass", False),
+    ("llama-peaked-mha", "pass slim: no decoder self-attention layer is accurate enough to rewrite (max abs logits "
+                         "diff beyond 5e-05 (half the 0.0001 tolerance)); nothing was written", False),
+    ("llama-peaked-mha", "pass slim: no decoder self-attention layer can be rewritten (layer 0: W_K is "
+                         "ill-conditioned (cond 2e+06 > 1e+06)); nothing was written", False),
+])
+def test_a_refusal_nobody_expected_is_a_failure(spec_name, error, failure):
+    spec = next(s for s in SPECS if s.name == spec_name)
+    stats = Stats("export")
+    run_export_example(stats, _RefusingPool(error), spec, "slim=skip-bad", {}, {"num_beams": 1})
+    assert stats.pass_refused[f"{spec_name}/slim=skip-bad"] == 1 and stats.examples == 0
+    assert bool(stats.failures) == failure
+    listed = stats.refusals[f"{spec_name}/slim=skip-bad"]
+    assert listed.startswith("UNEXPECTED" if failure else "expected") and error in listed
+    assert (expected_refusal(spec, "slim=skip-bad", error) is None) == failure
+    assert f"refused {spec_name}/slim=skip-bad" in stats.summary()
+
+
+@pytest.mark.parametrize("options,kind", [({"num_beams": 1}, "greedy"), ({"num_beams": 4}, "beam"),
+                                          ({"num_beams": 2, "no_repeat_ngram_size": 3}, "beam+ngram"),
+                                          ({"do_sample": True, "top_k": 5}, "sampling"),
+                                          ({"repetition_penalty": 1.3}, "processors"),
+                                          ({"return_dict_in_generate": True, "output_scores": True}, "scores")])
+def test_setting_classes(options, kind):
+    assert setting_class(options) == kind

@@ -79,19 +79,26 @@ def _is_rotary(family: str) -> bool:
 
 GQA = ("slim attention needs W_K square ([d, h·d_k] with h·d_k = d) to compute V from K; with {kv} key/value heads "
        "for {heads} query heads (GQA/MQA) K spans only {kv}·d_k of d dimensions and does not determine V")
+KEY_NORM = ("{family} normalizes each head's key (an RMSNorm of x·W_K per head, k_norm) before RoPE and the cache: the "
+            "cached K is no affine function of the layer's input, so V is no function of the cached K (slim attention "
+            "needs V = K·W_K⁻¹·W_V)")
+# families whose attention normalizes K per head before caching it (decided from the family alone)
+KEY_NORM_FAMILIES = {"qwen3": "Qwen3"}
 ROPE = ("RoPE rotates each cached key by its own position (K_n = R_n·(x_n·W_K)), so W_K cannot move to the query "
         "side as one product (q·W_Kᵀ)·Xᵀ over all keys: EL-attention would recompute every key each step; "
         "--pass slim keeps the keys before RoPE instead (MHA models)")
 
 
 def _slim_refuses(family: str, kind: str, dims: dict | None) -> str | None:
-    """Decoder-only models without rotary positions, and GQA/MQA models (``slim_rope.py``: V is no function of K
-    there; decided only when ``dims`` give both head counts)."""
+    """Decoder-only models without rotary positions, models that normalize K per head (Qwen3), and GQA/MQA models
+    (``slim_rope.py``: V is no function of K there; decided only when ``dims`` give both head counts)."""
     if kind == "encoder-decoder":
         return None
     if not _is_rotary(family):
         return ("its decoder-only rewrite is for models with rotary positions (Llama-family: the K cache kept "
                 "before RoPE); GPT-2/OPT graphs are not supported")
+    if family in KEY_NORM_FAMILIES:
+        return KEY_NORM.format(family=KEY_NORM_FAMILIES[family])
     heads, kv = (dims or {}).get("num_heads"), (dims or {}).get("num_kv_heads")
     if heads and kv and kv != heads:
         return GQA.format(kv=kv, heads=heads)

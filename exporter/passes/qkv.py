@@ -8,7 +8,8 @@ exported chain (dynamo, GPT-2):
 
     x [R, t, D] ─Reshape[-1, D]─ Gemm(W, b) ─Reshape[.., sum]─ Split(axis −1) ─(slice j)─ Reshape ─ Transpose(0,2,1,3)
 
-``head_projection`` returns, for either form, the ``Projection`` (x, W, b, head-split chain) of
+GPT-NeoX fuses per head instead (``per_head_fused_projection``): the head split comes first, then the Split.
+``head_projection`` returns, for each form, the ``Projection`` (x, W, b, head-split chain) of
 the tensor a cache concatenates, x being the [R, t, D] input (the layer norm's output).
 """
 from __future__ import annotations
@@ -22,17 +23,14 @@ from elx.exporter.passes.slim_math import Projection, Unfit
 
 def head_projection(tensor) -> Projection:
     """``tensor`` = head-split(x·W (+ b)), from a projection of its own or a slice of a fused one (a Split's
-    output, or a Slice of the last axis: Phi-3's ``qkv_proj``)."""
-    try:
-        return separate_projection(tensor)
-    except Unfit as separate:
+    output, or a Slice of the last axis: Phi-3's ``qkv_proj``), or a part of a per-head fused one (GPT-NeoX)."""
+    why = []
+    for form in (separate_projection, fused_projection, sliced_projection, per_head_fused_projection):
         try:
-            return fused_projection(tensor)
-        except Unfit as fused:
-            try:
-                return sliced_projection(tensor)
-            except Unfit as sliced:
-                raise Unfit(f"{separate} (nor a slice of a fused projection: {fused}; {sliced})")
+            return form(tensor)
+        except Unfit as unfit:
+            why.append(str(unfit))
+    raise Unfit(f"{why[0]} (nor a slice of a fused projection: {'; '.join(why[1:])})")
 
 
 def sliced_projection(tensor) -> Projection:
@@ -52,6 +50,32 @@ def sliced_projection(tensor) -> Projection:
     width = weight.shape[1]
     cols = slice(*slice(int(np.reshape(start, -1)[0]), int(np.reshape(end, -1)[0])).indices(width)[:2])
     return Projection(x, weight[:, cols], None if bias is None else bias[cols], chain)
+
+
+def per_head_fused_projection(tensor) -> Projection:
+    """GPT-NeoX's ``query_key_value``: the product x·W + b is viewed as [R, t, h, parts·d_k], transposed to
+    [R, h, t, parts·d_k] and split along its last axis, so part j of head i is columns i·parts·d_k + j·d_k ... of W.
+    Returned as the head-major projection [D, h·d_k] those columns make (what a Reshape [R, t, h, d_k] + Transpose
+    of a separate x·W_j gives), with no chain (the head split precedes the Split; slim_rope reads x, W and b only;
+    el-self, which reads the chain, refuses rotary models)."""
+    split = producer(tensor)
+    if split is None or split.op != "Split" or split.attrs.get("axis", 0) not in (-1, 3):
+        raise Unfit(f"{tensor.name} is not a part of a Split along the last axis of [R, h, t, parts·d_k]")
+    transpose = producer(split.inputs[0])
+    if transpose is None or transpose.op != "Transpose" or list(transpose.attrs.get("perm", [])) != [0, 2, 1, 3]:
+        raise Unfit(f"{split.inputs[0].name} is not a head transpose (0, 2, 1, 3) of the fused product")
+    product, group = _restored_rows(transpose.inputs[0])  # the Reshape [R, t, h, parts·d_k] keeps the last axis
+    if group is None:
+        raise Unfit(f"{transpose.inputs[0].name} is not a Reshape of the fused product into heads")
+    weight, bias, x = _linear(product)
+    width = weight.shape[1]
+    if width % group:
+        raise Unfit(f"the fused product's {width} columns are not whole heads of {group}")
+    sizes = _split_sizes(split, group)
+    part = next(i for i, out in enumerate(split.outputs) if out is tensor)
+    start = int(sum(sizes[:part]))
+    cols = (np.arange(width // group)[:, None] * group + start + np.arange(sizes[part])[None, :]).reshape(-1)
+    return Projection(x, np.asarray(weight)[:, cols], None if bias is None else bias[cols], [])
 
 
 def fused_projection(tensor) -> Projection:

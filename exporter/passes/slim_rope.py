@@ -144,6 +144,24 @@ def _from_positions(tensor, positions) -> bool:
     return found
 
 
+_NORMS = ("ReduceMean", "ReduceL2", "LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization",
+          "Sqrt", "Reciprocal")
+
+
+def _visited(tensor, limit: int = 64) -> list:
+    """The tensors above ``tensor`` (its nearest ``limit`` ancestors' outputs, breadth first)."""
+    out, queue, seen = [], [tensor], set()
+    while queue and len(out) < limit:
+        current = queue.pop(0)
+        node = producer(current)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(current)
+        queue.extend(t for t in node.inputs if not isinstance(t, gs.Constant))
+    return out
+
+
 def find_rotation(graph: gs.Graph, rotated, x) -> Rotation:
     """The RoPE nodes turning K = head-split(x·W_K + b_K) into ``rotated`` (see the module doc)."""
     positions = graph.tensors().get(POSITION_IDS)
@@ -162,6 +180,11 @@ def find_rotation(graph: gs.Graph, rotated, x) -> Rotation:
             seen.add(id(node))
             queue.extend(t for t in node.inputs if not isinstance(t, gs.Constant))
     if raw is None:
+        found = {producer(t).op for t in _visited(rotated) if producer(t) is not None}
+        norms = [op for op in _NORMS if op in found]
+        if norms:  # Qwen3's k_norm (the catalog refuses the family at once; this names it for any other)
+            raise Unfit(f"K is normalized per head (a {norms[0]} between K's projection and the cache) before RoPE, so "
+                        "the cached K is no affine function of the layer's input and V is no function of the cached K")
         raise Unfit(f"{rotated.name} is not computed from a head-split projection of the layer's input")
     if raw is rotated:
         raise Unfit("no rotary embedding between K's projection and the cache")

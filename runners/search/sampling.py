@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from elx.runners.errors import ElxError
 from elx.runners.search.log_softmax import numpy_softmax, torch_module
 
 
@@ -33,6 +34,26 @@ class Sampler:
             self.generator = None if seed is None else self.torch.Generator().manual_seed(int(seed))
         else:
             self.generator = np.random.Generator(np.random.PCG64(seed))
+        self.processors = ()  # the run's processors (the searches set them): a refusal names the caller's culprit
+
+    def check(self, scores: np.ndarray) -> None:
+        """Refuse scores nothing can be drawn from (a NaN or +inf, or every score -inf in a row) in one line naming
+        the caller's logits processor that returned them, where HF's ``torch.multinomial`` raises a RuntimeError
+        ("probability tensor contains either inf, nan or element < 0")."""
+        top = scores.max(axis=1)  # a NaN anywhere in a row makes its max NaN
+        bad = np.flatnonzero(~np.isfinite(top))
+        if not bad.size:
+            return
+        value = top[bad[0]]
+        what = "hold a NaN" if np.isnan(value) else "hold +inf" if value > 0 else "are all -inf (no token is left)"
+        culprits = [p.name for p in self.processors if getattr(p, "returned_invalid", False)]
+        if culprits:
+            source = (f"logits processor {', '.join(culprits)} returned such scores: return finite scores (HF's "
+                      "torch.multinomial fails on them too)")
+        else:
+            source = ("nothing can be sampled (HF's torch.multinomial fails too): check the model's logits and the "
+                      "options that ban tokens (bad_words_ids, suppress_tokens, ...)")
+        raise ElxError(f"do_sample=True: row {int(bad[0])}'s scores {what}, which cannot be sampled from; {source}")
 
     def _full(self, probs, active: np.ndarray):
         """``probs`` of the active rows inside HF's full matrix (uniform rows elsewhere)."""
@@ -49,6 +70,7 @@ class Sampler:
     def tokens(self, scores: np.ndarray, active: np.ndarray) -> np.ndarray:
         """One token per active row from ``softmax(scores)`` (HF's ``_sample``); ``active``: the rows' indices
         among HF's ``total`` rows."""
+        self.check(scores)
         torch = self.torch
         if torch is not None:
             probs = torch.nn.functional.softmax(torch.from_numpy(scores), dim=-1)
@@ -60,6 +82,7 @@ class Sampler:
     def candidates(self, scores: np.ndarray, active: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
         """``count`` continuations per active item drawn without replacement from ``softmax(scores)`` [n, beams·vocab],
         sorted by score, best first: (scores, flat indices) as HF's ``_get_top_k_continuations`` returns them."""
+        self.check(scores)
         torch = self.torch
         if torch is not None:
             accumulated = torch.from_numpy(scores)

@@ -125,6 +125,8 @@ def greedy_search(model, state: EncoderState, settings: GenerationSettings, proc
     cur_len, memory = p_len, []
     recorded = _Recorder(hooks)
     device = device_scorer(model, processors, hooks, prompt, 1)
+    if hooks.sampler is not None:  # a refused draw names the caller's processor that returned NaN / inf
+        hooks.sampler.processors = processors
     if hooks.streamer is not None:
         hooks.streamer.put(prompt.copy())
     while cur_len < max_len and active.size:
@@ -218,6 +220,8 @@ def beam_search(model, state: EncoderState, settings: GenerationSettings, proces
     active = np.arange(batch)  # rows of the per-item arrays still in the model's batch
     log_softmax = log_softmax_function()  # resolved once, not per step
     device = device_scorer(model, processors, hooks, prompt, k)
+    if hooks.sampler is not None:  # a refused draw names the caller's processor that returned NaN / inf
+        hooks.sampler.processors = processors
     cache = model.empty_cache(batch * k)
     step_tokens = running[:, :, :p_len].reshape(batch * k, p_len).copy()
     cur_len, memory = p_len, []

@@ -199,6 +199,9 @@ def resolve_settings(manifest: Manifest, **overrides) -> GenerationSettings:
     refused = options.refusal(effective)
     if refused:
         raise ElxError(refused[1])
+    if not rules.temperature_fallback:  # Whisper samples from its temperature list, not from do_sample
+        options.warn_ignored_flags(defaults)  # HF validates the model's generation config on its own first
+        options.warn_ignored_flags(effective, {*given, *overrides})
     if values.get("decoder_start_token_id") is None and values.get("bos_token_id") is not None:
         values["decoder_start_token_id"] = values["bos_token_id"]  # HF's _prepare_special_tokens fallback
     settings = GenerationSettings(**rules.resolve(manifest, values, extra))
@@ -222,3 +225,20 @@ def _validate(s: GenerationSettings, prompt_len: int | None) -> None:
     if s.no_repeat_ngram_size < 0:
         raise ElxError(f"no_repeat_ngram_size must be >= 0, got {s.no_repeat_ngram_size}")
     check_generation_options(s)  # runners/option_checks.py: sampling, penalties, constraints, outputs
+    _forced_and_suppressed(s)
+
+
+def _forced_and_suppressed(s: GenerationSettings) -> None:
+    """HF's ``GenerationConfig.validate`` (5.24): a forced token (``forced_bos_token_id``, ``forced_eos_token_id``)
+    whose every id is also in ``suppress_tokens`` leaves no token at the forcing step (HF raises; elx would generate
+    from a row of -inf: greedy takes an arbitrary id, beams score -1e9)."""
+    suppressed = set(s.suppress_tokens or ())
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+        forced = getattr(s, name)
+        if forced is None or not suppressed:
+            continue
+        forced = {int(t) for t in (forced if isinstance(forced, (list, tuple)) else [forced])}
+        if forced and forced <= suppressed:
+            raise ElxError(f"{name} = {sorted(forced) if len(forced) > 1 else next(iter(forced))} is also in "
+                           "suppress_tokens: forcing a token while suppressing it leaves no token at that step (HF "
+                           "refuses it too); remove it from one of them (to prevent an early EOS use min_new_tokens)")

@@ -62,7 +62,7 @@ def build_processors(settings: GenerationSettings, prompt_len: int, graph_blocks
         out.append(NoRepeatNGram(s.no_repeat_ngram_size))
     if s.encoder_no_repeat_ngram_size > 0 and inputs.encoder_ids is not None:
         out.append(EncoderNoRepeatNGram(s.encoder_no_repeat_ngram_size, inputs.encoder_ids))
-    if s.bad_words_ids is not None:
+    if s.bad_words_ids is not None and BadWords.banned(s.bad_words_ids, s.eos_token_id):  # only EOS ids: HF bans none
         out.append(BadWords(s.bad_words_ids, s.eos_token_id))
     min_length = s.total_min_length(prompt_len)
     if min_length > 0 and s.eos_token_id:  # HF's MinLength and MinNewTokens processors ban the same

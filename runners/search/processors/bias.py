@@ -51,13 +51,19 @@ class SequenceBias:
 
 class BadWords(SequenceBias):
     """HF's ``NoBadWordsLogitsProcessor``: a -inf bias on each sequence; one-token sequences equal to an EOS
-    id are left out (HF's rule: EOS stays possible)."""
+    id are left out (HF's rule: EOS stays possible).  Where that leaves nothing, HF's processor bans nothing:
+    ``build_processors`` then builds none (``banned`` is empty)."""
 
     hf = "NoBadWordsLogitsProcessor"
 
+    @staticmethod
+    def banned(bad_words_ids: list, eos: list) -> list:
+        """The sequences HF bans: ``bad_words_ids`` less the one-token sequences equal to an EOS id."""
+        return [list(ids) for ids in bad_words_ids if all(list(ids) != [e] for e in eos)]
+
     def __init__(self, bad_words_ids: list, eos: list):
-        kept = [list(ids) for ids in bad_words_ids if all(list(ids) != [e] for e in eos)]
+        kept = self.banned(bad_words_ids, eos)
         if not kept:
-            raise ElxError(f"bad_words_ids {bad_words_ids} only lists EOS tokens, which it never bans (HF refuses "
-                           "this too); drop them")
+            raise ElxError(f"bad_words_ids {bad_words_ids} only lists EOS tokens, which are never banned: there is "
+                           "nothing to ban")
         super().__init__([[ids, float("-inf")] for ids in kept])

@@ -110,7 +110,10 @@ class PrefixConstrained:
 
     HF groups the rows ``group`` at a time (``max(num_beams, num_return_sequences)``, the rows of one input)
     and, where every row of a group would be left with nothing, allows the listed tokens at score 0.
-    ``fn`` gets the item index and the row's tokens (an int64 numpy array) and returns token ids."""
+    ``fn`` gets the item index and the row's tokens (an int64 numpy array) and returns token ids (a list, tuple or
+    integer array); anything else (None, a string, a number, floats, bools, ids outside the vocabulary) is refused
+    in one line naming the function (``allowed_ids``), where HF raises a TypeError / IndexError from its indexing
+    or, for floats and negative ids, silently uses other tokens."""
 
     hf = "PrefixConstrainedLogitsProcessor"
 
@@ -121,14 +124,43 @@ class PrefixConstrained:
         rows, vocab = scores.shape
         mask = np.full((rows, vocab), NEG_INF, dtype=scores.dtype)
         for row in range(rows):
-            allowed = list(self.fn(row // self.group, tokens[row]))
-            if len(allowed) == 0:
-                raise ElxError(f"prefix_allowed_tokens_fn returned no token for batch item {row // self.group}: the "
-                               "constraint cannot be satisfied; fix the function")
-            mask[row, np.asarray(allowed, dtype=np.int64)] = 0.0
+            mask[row, allowed_ids(self.fn(row // self.group, tokens[row]), vocab, row // self.group)] = 0.0
         processed = scores + mask
         unsatisfiable = np.isneginf(processed.max(axis=1)).reshape(-1, self.group).all(axis=1)
         rows_of = np.repeat(unsatisfiable, self.group)
         processed[rows_of] = mask[rows_of]
         scores[...] = processed
         return scores
+
+
+def allowed_ids(value, vocab: int, item: int) -> np.ndarray:
+    """What ``prefix_allowed_tokens_fn`` returned for batch item ``item``, as int64 token ids; an ``ElxError`` naming
+    the function for anything that is not a non-empty sequence of ids in ``0 .. vocab - 1`` (nested lists are
+    flattened, as HF's indexing reads them)."""
+    def refuse(what: str, fix: str = "return a list of token ids (ints)"):
+        raise ElxError(f"prefix_allowed_tokens_fn returned {what} for batch item {item}; {fix}")
+
+    if value is None or isinstance(value, (str, bytes, dict, set, frozenset)) or not hasattr(value, "__len__"):
+        refuse(_shown(value))
+    if len(value) == 0:
+        refuse("no token", "the constraint cannot be satisfied; fix the function")
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):  # ragged nested lists
+        refuse(f"{_shown(value)}, not a flat sequence of ids")
+    if array.dtype.kind not in "iu":
+        kinds = {"f": "floats", "b": "bools", "c": "complex numbers"}
+        refuse(f"{_shown(value)} ({kinds.get(array.dtype.kind, f'values of type {array.dtype}')}, not token ids)",
+               "token ids are ints: return ints (floats are not rounded or truncated)")
+    array = array.reshape(-1).astype(np.int64, copy=False)
+    if array.size == 0:  # nested empty lists
+        refuse("no token", "the constraint cannot be satisfied; fix the function")
+    outside = array[(array < 0) | (array >= vocab)]
+    if outside.size:
+        refuse(f"token id {int(outside[0])}, outside the vocabulary (0 to {vocab - 1})", "return ids of this model")
+    return array
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}" if value is not None else "None"

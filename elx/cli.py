@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -848,13 +849,28 @@ def _from_json(err: BaseException) -> bool:
     return any(Path(frame.filename).parent.name == "json" for frame in frames)
 
 
+@contextmanager
+def _warnings_silenced(quiet: bool):
+    """``--quiet`` silences elx's warnings too (the ``elx`` logger: sampling flags without --do-sample, ...) for the
+    command, and puts the level back after it (``run`` is also called in-process)."""
+    logger = logging.getLogger("elx")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def run(argv=None, parser=None) -> int:
     parser = parser or build_parser()
     with _termination_as_exception(), command_line():  # messages name flags (runners/wording.py)
         try:
             args = parser.parse_args(argv)
             _quiet_libraries()
-            return args.run(args)
+            with _warnings_silenced(getattr(args, "quiet", False)):
+                return args.run(args)
         except ElxError as err:
             print(f"elx: error: {err}", file=sys.stderr)
             return 2

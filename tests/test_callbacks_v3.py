@@ -282,3 +282,22 @@ def test_ignored_flags_warn_once_as_hf_does(t5, capsys, options):
     for line, flags in zip(lines, hf_flags):
         assert [f for f in re.findall(r"(\w+)=", line.split(":", 2)[2]) if f not in ("do_sample", "num_beams",
                                                                                      "return_dict_in_generate")] == flags
+
+
+def test_the_cli_warns_and_quiet_silences_the_warning(exported, capsys):
+    """``elx generate --top-p 0.9`` without ``--do-sample`` says it is greedy (HF warns); ``--quiet`` silences that
+    warning, for that command only (the ``elx`` logger's level is put back)."""
+    import logging
+
+    from elx.cli import run as elx_run
+    from elx.runners import options as elx_options
+
+    folder = str(exported("t5"))
+    for quiet in (True, False, True):
+        elx_options._WARNED.clear()
+        capsys.readouterr()
+        assert elx_run(["generate", folder, "--input-ids", "5 6 7", "--top-p", "0.9", "--max-new-tokens", "2",
+                        *(["--quiet"] if quiet else [])]) == 0
+        warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elx: warning:")]
+        assert (warnings == []) if quiet else (len(warnings) == 1 and "top_p" in warnings[0]), warnings
+    assert logging.getLogger("elx").level == logging.NOTSET

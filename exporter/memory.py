@@ -15,3 +15,30 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def free_weights(model) -> None:
+    """Release every parameter and buffer of a PyTorch module (moved to the meta device: the module stays, its
+    tensors hold no memory), then give the memory back (``release_memory``).  Whoever still holds the module
+    can no longer run it."""
+    model.to("meta")
+    release_memory()
+
+
+def own_copies(model) -> None:
+    """Give every parameter and buffer of ``model`` its own memory, one tensor at a time, instead of views of the
+    weights file ``from_pretrained`` mapped (safetensors): the file's mapping is released with the last view.
+
+    A mapped model converted in place to float64 (the verification's ``in_float64``) holds the whole mapping
+    until every tensor is converted: float32 mapped + float64 at once, 3× the weights (measured on the real
+    SmolLM2-135M: peak 2096 MiB during the conversion).  With its own copies each float32 tensor is freed as
+    its float64 one is made: 2× the weights."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for key, tensor in table.items():
+                    if tensor is not None and not tensor.is_meta:
+                        tensor.data = tensor.data.clone()
+    release_memory()

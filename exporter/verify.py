@@ -333,11 +333,12 @@ def closeness(report: dict) -> float:
     return float("inf") if any(np.isnan(r) for r in ratios) else max(ratios, default=0.0)
 
 
-def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0) -> dict:
+def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release_model=None) -> dict:
     """The exported graphs (through the runtime) against HF's PyTorch forward, each case held to the bar its own
     fp32 error sets (``exporter/fp32_noise.py``): PyTorch fp32 and fp64 run the same cases first (the model is
     converted to float64 in place and back), then the graphs.  The report adds ``fp32_noise``: per case, PyTorch
-    fp32 vs fp64 and the graphs vs fp64."""
+    fp32 vs fp64 and the graphs vs fp64.  ``release_model()``, if given, runs between the two (the export frees
+    HF's model there, so that it and the graphs' sessions are never in memory together)."""
     from elx.exporter.fp32_noise import NOISE_MULTIPLE, NOISE_RULE, Float64Side, case_bars, in_float64
 
     shapes = shapes or default_shapes(manifest)
@@ -345,6 +346,9 @@ def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0) -> dict
     fp32 = RecordedSide(torch_side, manifest, shapes, [seed])
     with in_float64(model):
         fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed])
+    if release_model is not None:
+        model = torch_side = None
+        release_model()
     graphs = RecordedSide(RuntimeSide(manifest), manifest, shapes, [seed])  # sessions released after this line
     noise = measure(fp64, fp32, manifest, shapes, seed)
     against_fp64 = measure(fp64, graphs, manifest, shapes, seed)

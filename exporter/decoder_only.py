@@ -221,6 +221,8 @@ def export_decoder_only(model, family: Family, folder: Path, manifest: dict, for
     ``exporter/progress.py`` stage each); ``capture``: ``exporter/capture``'s (stitched from a template)."""
     if form not in PROMPT_CACHE_FORMS:
         raise ElxError(f"unknown prompt cache form {form!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
+    if capture is not None:  # the step graph's template traced by a second process while the prefill is exported
+        capture.prefetch(lambda m: _step_spec(m, family, form)[0], folder / "decoder.onnx")
     with progress.stage("prefill.onnx", WEIGHTS["prefill"]):
         manifest["graphs"]["prefill"] = export_prefill(model, family, folder / "prefill.onnx", capture)
     with progress.stage("decoder.onnx", WEIGHTS["decoder"]) as stage:

@@ -175,7 +175,7 @@ def export_cross_kv(model, family: Family, path: Path, capture=None) -> dict:
     }
 
 
-def _decoder_spec(model, family: Family) -> tuple[GraphSpec, dict, list]:
+def decoder_spec(model, family: Family) -> tuple[GraphSpec, dict, list]:
     """The step graph's spec, its inputs' manifest entries and its self-attention cache entries."""
     dims = family.dims(model.config)
     layers, heads, d_kv = dims["num_decoder_layers"], dims["num_heads"], dims["d_kv"]
@@ -216,8 +216,8 @@ def _decoder_spec(model, family: Family) -> tuple[GraphSpec, dict, list]:
 def export_decoder(model, family: Family, path: Path, capture=None) -> tuple[dict, list[dict]]:
     dims = family.dims(model.config)
     heads, d_kv = dims["num_heads"], dims["d_kv"]
-    _, inputs, cache = _decoder_spec(model, family)
-    extra = export_graph(lambda m: _decoder_spec(m, family)[0], model, path, capture)
+    _, inputs, cache = decoder_spec(model, family)
+    extra = export_graph(lambda m: decoder_spec(m, family)[0], model, path, capture)
     present_shape = ["rows", heads, "past_sequence + decoder_sequence", d_kv]
     graph = {
         "file": path.name, "external_data": extra, "inputs": inputs, "logits": "logits",

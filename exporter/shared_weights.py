@@ -158,6 +158,45 @@ def _inline(tensor: TensorProto, data: bytes) -> None:
     tensor.data_location = TensorProto.DEFAULT
 
 
+def _stored_once(folder: Path, manifest: Manifest) -> dict | None:
+    """The ``weights`` record when the folder is already as ``store_weights_once`` leaves it (the stitched export
+    writes ``weights.data`` so: ``exporter/capture``): every large initializer of every graph in ``weights.data``,
+    the file exactly the distinct ranges they read, in order, aligned, nothing in between but padding.  None
+    otherwise (a pass's new graph, a traced graph's own tensors, bytes no graph reads any more)."""
+    target = folder / WEIGHTS_FILE
+    if not target.is_file():
+        return None
+    ranges, references, external = set(), 0, {}
+    for file in graph_files(manifest):
+        model = onnx.load(str(folder / file), load_external_data=False)
+        if any(True for _ in subgraphs(model.graph)):
+            return None
+        stored = False
+        for tensor in model.graph.initializer:
+            if uses_external_data(tensor):
+                info = ExternalDataInfo(tensor)
+                if info.location != WEIGHTS_FILE or info.length is None:
+                    return None
+                ranges.add((info.offset or 0, info.length))
+                references += 1
+                stored = True
+            elif tensor.data_type != TensorProto.STRING and len(tensor.raw_data) >= MIN_BYTES:
+                return None
+        external[file] = stored
+    end = 0
+    for offset, length in sorted(ranges):
+        if offset < end or offset - end >= _alignment(length) or length < MIN_BYTES:
+            return None
+        end = offset + length
+    if end != target.stat().st_size:
+        return None
+    for spec in manifest.graphs.values():
+        files = [spec[key] for key in ("file", "tensorrt_file") if spec.get(key)]
+        spec["external_data"] = [WEIGHTS_FILE] if any(external[f] for f in files) else []
+    return {"file": WEIGHTS_FILE if end else None, "bytes": end, "distinct_tensors": len(ranges),
+            "tensors": references, "min_bytes": MIN_BYTES}
+
+
 def store_weights_once(folder, manifest: Manifest) -> dict:
     """Rewrite the graphs ``manifest`` lists in ``folder`` so that every weight is stored once, in
     ``weights.data``; each graph's ``external_data`` names it (or is empty when the graph has no large
@@ -166,8 +205,12 @@ def store_weights_once(folder, manifest: Manifest) -> dict:
 
     Streamed: one tensor's bytes at a time are in memory (read from the graph or its data file, placed in the
     new file), the graphs being rewritten hold none; the old ``weights.data`` is read while the new one is
-    written beside it, and replaced when every graph is done."""
+    written beside it, and replaced when every graph is done.  A folder already so (``_stored_once``) is left as
+    it is."""
     folder = Path(folder)
+    already = _stored_once(folder, manifest)
+    if already is not None:
+        return already
     target, partial = folder / WEIGHTS_FILE, folder / f".{WEIGHTS_FILE}.{os.getpid()}.partial"
     rewritten, read_from = {}, set()
     reader = _Reader(folder)

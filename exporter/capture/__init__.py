@@ -67,6 +67,7 @@ class Capture:
         self.records = {}
         self._template, self._refusal, self._weights = None, None, None
         self._tensors = None
+        self._children = {}  # graph file -> TemplateProcess tracing its template
 
     # -- the template, built once per export --------------------------------------------------------------
     def _get_template(self):
@@ -101,9 +102,29 @@ class Capture:
         return self._tensors
 
     def close(self) -> None:
+        for child in self._children.values():
+            child.stop()
+        self._children = {}
         if self._weights is not None:
             self._weights.close()
         self._template = self._tensors = self.model = None  # the export frees HF's model later
+
+    # -- a template traced by a second process ------------------------------------------------------------
+    def prefetch(self, make_spec, path: Path) -> None:
+        """Start tracing the template of the graph ``export(make_spec, path)`` will write, in a forked process,
+        while this one goes on with the graphs before it (``exporter/capture/parallel.py``).  Nothing happens
+        where it does not apply (whole-model tracing, no ``fork``, ``ELX_CAPTURE_PARALLEL=0``)."""
+        from elx.exporter.capture.parallel import TemplateProcess, parallel_allowed
+
+        path = Path(path)
+        if not parallel_allowed() or path.name in self._children:
+            return
+        template = self._get_template()
+        if template is None:
+            return
+        self._children[path.name] = TemplateProcess.start(lambda: trace(make_spec(template.model)),
+                                                          self.folder / f".template.{path.name}")
+        self.report(f"{path.name}: tracing its {TEMPLATE_LAYERS}-layer template in a second process")
 
     # -- one graph --------------------------------------------------------------------------------------------
     def export(self, make_spec, path: Path) -> list[str]:
@@ -131,8 +152,17 @@ class Capture:
         self.records[path.name] = {"method": "traced", "why": why, "seconds": round(time.perf_counter() - started, 1)}
         return written
 
-    def _stitch(self, make_spec, real, template, name: str) -> onnx.ModelProto:
-        spec = make_spec(template.model)
+    def _traced_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, bool]:
+        """The template's graph: from the second process started by ``prefetch`` when it succeeded, else traced
+        here; its tracing time, and whether it was traced in parallel."""
+        child = self._children.pop(name, None)
+        if child is not None:
+            model, why = child.result()
+            if model is not None:
+                self.report(f"{name}: traced a {TEMPLATE_LAYERS}-layer template in {child.seconds:.1f} s "
+                            "(in a second process)")
+                return model, child.seconds, True
+            self.report(f"{name}: the second process gave no template ({why}); tracing it here")
         started = time.perf_counter()
         try:
             model = trace(spec)
@@ -140,6 +170,11 @@ class Capture:
             raise NotStitchable(f"its template does not trace ({type(err).__name__}: {str(err)[:200]})") from None
         traced = time.perf_counter() - started
         self.report(f"{name}: traced a {TEMPLATE_LAYERS}-layer template in {traced:.1f} s")
+        return model, traced, False
+
+    def _stitch(self, make_spec, real, template, name: str) -> onnx.ModelProto:
+        spec = make_spec(template.model)
+        model, traced, parallel = self._traced_template(spec, name)
         sources = {**{n: p.detach().numpy() for n, p in template.model.named_parameters(remove_duplicate=False)},
                    **{n: b.detach().numpy() for n, b in template.model.named_buffers(remove_duplicate=False)}}
         bindings = bind(model.graph.initializer, sources)
@@ -148,7 +183,7 @@ class Capture:
         tensors, weights = self.tensors(), self._weights_file()
         _refuse_unbound_layer_constants(model, scopes, bindings)
         io_names = {}
-        total = sum(max(0, real_layers - count) for count, real_layers in template.stacks.values())
+        total = sum(max(0, template.stacks[s][1] - template.stacks[s][0]) for s in scopes)
         done, began = [0], time.perf_counter()
         every = max(1, total // 6)
 
@@ -159,27 +194,47 @@ class Capture:
                 eta = elapsed / done[0] * (total - done[0])
                 self.report(f"{name}: stitched layer {c} ({done[0]}/{total} copies, {elapsed:.1f} s, ETA {eta:.0f} s)")
 
-        for stack_path, (count, real_layers) in template.stacks.items():
-            stack = Stack(scopes[stack_path], stack_path, count, real_layers)
+        for stack_path, scope in scopes.items():
+            count, real_layers = template.stacks[stack_path]
+            stack = Stack(scope, stack_path, count, real_layers)
             for key, copies in stitch_stack(model, stack, bindings, weights, tensors, on_layer).items():
                 io_names.setdefault(key, []).extend(copies)
         order_io(model, io_names, real.input_names, real.output_names)
+        _check_every_layer_read(model, bindings, template)
         bind_weights(model, bindings, weights, tensors)
         self.records[name] = {"method": "stitched", "template_layers": TEMPLATE_LAYERS,
-                              "template_trace_seconds": round(traced, 1)}
+                              "template_trace_seconds": round(traced, 1), "template_traced_in_parallel": parallel}
         return model
 
 
 def _stack_scopes(module, template) -> dict:
-    """{stack path in the HF model: the wrapper module's path of it} (what the graph's name scopes say)."""
+    """{stack path in the HF model: the wrapper module's path of it} (what the graph's name scopes say), for the
+    stacks the wrapper holds (an encoder graph holds no decoder layer); a wrapper that runs a stack's layers through
+    modules of its own names them in ``layer_stacks`` (``exporter/wrappers.py``'s cross K/V graph)."""
+    own = getattr(module, "layer_stacks", {})
     paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     scopes = {}
     for stack in template.stacks:
+        if stack in own:
+            scopes[stack] = own[stack]
+            continue
         found = paths.get(id(template.model.get_submodule(f"{stack}.0")))
-        if found is None or not found.endswith(".0"):
-            raise NotStitchable(f"the graph's wrapper does not hold {stack}")
-        scopes[stack] = found[: -len(".0")]
+        if found is not None and found.endswith(".0"):
+            scopes[stack] = found[: -len(".0")]
     return scopes
+
+
+def _check_every_layer_read(model: onnx.ModelProto, bindings: dict, template) -> None:
+    """A graph that reads a weight of some layer of a stack reads weights of every layer of it (a stack the
+    stitcher did not see would otherwise stay at the template's layers)."""
+    used = {t.name for t in model.graph.initializer}
+    for stack, (_, layers) in template.stacks.items():
+        prefix = f"{stack}."
+        read = {int(b.source[len(prefix):].split(".", 1)[0]) for name, b in bindings.items()
+                if name in used and b.source.startswith(prefix)}
+        if read and read != set(range(layers)):
+            missing = sorted(set(range(layers)) - read)
+            raise NotStitchable(f"the stitched graph reads {stack} but not its layers {missing[:5]}")
 
 
 def _refuse_unbound_layer_constants(model: onnx.ModelProto, scopes: dict, bindings: dict) -> None:

@@ -73,6 +73,13 @@ def relayer(name: str, old: int, new: int) -> str | None:
     return re.sub(pattern, str(new), name)
 
 
+def restack(name: str, stack: str, old: int, new: int) -> str | None:
+    """A weight's name in layer ``new`` of ``stack`` for its name in layer ``old`` (``decoder.block.2.layer.2.x`` →
+    ``decoder.block.7.layer.2.x``: only the stack's index changes); None when ``name`` is not in that layer."""
+    prefix = f"{stack}.{old}."
+    return f"{stack}.{new}.{name[len(prefix):]}" if name.startswith(prefix) else None
+
+
 def _scopes(node: onnx.NodeProto) -> list:
     for prop in node.metadata_props:
         if prop.key == SCOPES:
@@ -119,6 +126,26 @@ class _Graph:
         self.initializers = {t.name: t for t in graph.initializer}
         self.value_info = {vi.name: vi for vi in graph.value_info}
         self.names = set(self.producer) | set(self.inputs) | set(self.initializers) | {n.name for n in self.nodes}
+        self._absorb_unscoped()
+
+    def _absorb_unscoped(self) -> None:
+        """A node the optimizer made without a name scope (onnxscript's rewrites: GPT-2's Split of the fused q/k/v)
+        belongs to layer ``k`` when it reads a tensor of layer ``k`` (and of no other layer) and layer ``k`` (and no
+        other layer) reads it; a chain of such nodes joins node by node.  A node so placed wrongly fails the checks
+        of ``stitch_stack`` (layers that differ, a value read across layers): the graph is then traced whole."""
+        changed = True
+        while changed:
+            changed = False
+            for i, node in enumerate(self.nodes):
+                if self.layer[i] is not None:
+                    continue
+                sources = {self.layer[self.producer[x][0]] for x in node.input if x in self.producer}
+                readers = {self.layer[c] for out in node.output for c in self.consumers.get(out, ())}
+                sources.discard(None)
+                readers.discard(None)  # another unscoped node of the same chain, absorbed in a later round
+                if len(sources) == 1 and readers == sources:
+                    self.layer[i] = next(iter(sources))
+                    changed = True
 
     def members(self, scope: str, k: int) -> list[int]:
         return [i for i, hit in enumerate(self.layer) if hit == (scope, k)]
@@ -161,8 +188,9 @@ def _plan_inputs(g: _Graph, stack: Stack, l1: list, l2: list, bindings: dict) ->
             elif x2 in g.initializers:
                 found2, found1 = bindings.get(x2), bindings.get(x1)
                 if found2 is not None and found2.source.startswith(layer_prefix):
-                    expected = relayer(found2.source, b, a)
-                    if found1 is None or found1.source != expected or found1.transform != found2.transform:
+                    expected = restack(found2.source, stack.source, b, a)
+                    if found1 is None or found1.source != expected or (found1.transform, found1.shift) != (
+                            found2.transform, found2.shift):
                         raise NotStitchable(f"{where} reads {found2.source} ({found2.transform}); layer {a} reads "
                                             f"{found1.source + ' (' + found1.transform + ')' if found1 else x1}")
                     roles.append(("weight", x2, found2))
@@ -182,15 +210,19 @@ def _plan_inputs(g: _Graph, stack: Stack, l1: list, l2: list, bindings: dict) ->
 
 
 def _plan_outputs(g: _Graph, stack: Stack, l1: list, l2: list) -> tuple[dict, dict]:
-    """``L2``'s outputs that are per-layer graph outputs ({(k, o): name}) and those read after the layers
-    ({(k, o): name}); ``L1``'s outputs must be read by the layers alone (or be its per-layer graph outputs)."""
+    """``L2``'s outputs that are per-layer graph outputs ({(k, o): name}) and those read after the layers or that are
+    the graph's own output ({(k, o): name}); ``L1``'s outputs must be read by the layers alone (or be its per-layer
+    graph outputs)."""
     a, b = stack.template - 2, stack.template - 1
     members = set(l1) | set(l2)
     per_layer, downstream = {}, {}
     for k, (i1, i2) in enumerate(zip(l1, l2)):
         for o, (y1, y2) in enumerate(zip(g.nodes[i1].output, g.nodes[i2].output)):
+            if y2 in g.outputs and y1 not in g.outputs:  # the stack's output is the graph's (BART's encoder)
+                downstream[(k, o)] = y2
+                continue
             if y2 in g.outputs:
-                if y1 not in g.outputs or relayer(y1, a, b) != y2:
+                if relayer(y1, a, b) != y2:
                     raise NotStitchable(f"graph output {y2} of layer {b} has no per-layer name")
                 per_layer[(k, o)] = y2
             elif y1 in g.outputs:
@@ -231,6 +263,8 @@ def stitch_stack(model: onnx.ModelProto, stack: Stack, bindings: dict, weights: 
     g = _Graph(model.graph, index)
     a, b = stack.template - 2, stack.template - 1
     l1, l2 = g.members(stack.scope, a), g.members(stack.scope, b)
+    if not any(hit is not None and hit[0] == stack.scope for hit in g.layer):
+        return {}  # the wrapper holds the stack but the graph runs none of it (T5's step graph: the encoder)
     if not l2 or len(l1) != len(l2):
         raise NotStitchable(f"layers {a} and {b} of {stack.scope} have {len(l1)} and {len(l2)} nodes")
     for i1, i2 in zip(l1, l2):
@@ -241,6 +275,10 @@ def stitch_stack(model: onnx.ModelProto, stack: Stack, bindings: dict, weights: 
     per_layer_outputs, downstream = _plan_outputs(g, stack, l1, l2)
 
     taken = set(g.names)
+    final = {key: name for key, name in downstream.items() if name in g.outputs}
+    for key, name in final.items():  # layer 2 is no longer the last: its tensor gets a name, the last copy's the output's
+        _rename_tensor(g, name, _unique(f"{name}__layer{b}", taken))
+        downstream[key] = g.nodes[l2[key[0]]].output[key[1]]
     previous = {(k, o): out for k, i in enumerate(l2) for o, out in enumerate(g.nodes[i].output)}
     copies, new_inits, new_value_info, io_names = [], [], [], {}
     for c in range(stack.template, stack.layers):
@@ -249,6 +287,8 @@ def stitch_stack(model: onnx.ModelProto, stack: Stack, bindings: dict, weights: 
             for o, out in enumerate(g.nodes[i].output):
                 if not out:
                     outputs[(k, o)] = ""
+                elif (k, o) in final and c == stack.layers - 1:
+                    outputs[(k, o)] = final[(k, o)]
                 elif (k, o) in per_layer_outputs:
                     outputs[(k, o)] = relayer(out, b, c)
                     io_names.setdefault(out, []).append(outputs[(k, o)])
@@ -276,7 +316,7 @@ def stitch_stack(model: onnx.ModelProto, stack: Stack, bindings: dict, weights: 
                         io_names.setdefault(role[1], []).append(node.input[p])
                 elif kind == "weight":
                     template, binding = g.initializers[role[1]], role[2]
-                    source = relayer(binding.source, b, c)
+                    source = restack(binding.source, stack.source, b, c)
                     if source not in tensors:
                         raise NotStitchable(f"the model has no {source} (layer {c}'s copy of {binding.source})")
                     tensor = onnx.TensorProto()
@@ -310,6 +350,22 @@ def stitch_stack(model: onnx.ModelProto, stack: Stack, bindings: dict, weights: 
     model.graph.initializer.extend(new_inits)
     model.graph.value_info.extend(new_value_info)
     return io_names
+
+
+def _rename_tensor(g: _Graph, old: str, new: str) -> None:
+    """Rename a tensor the nodes of ``g`` produce and read (and its value info); not a graph input or output."""
+    i, o = g.producer.pop(old)
+    g.nodes[i].output[o] = new
+    g.producer[new] = (i, o)
+    for c in g.consumers.pop(old, ()):
+        node = g.nodes[c]
+        for p, name in enumerate(node.input):
+            if name == old:
+                node.input[p] = new
+        g.consumers.setdefault(new, []).append(c)
+    if old in g.value_info:
+        g.value_info[old].name = new
+        g.value_info[new] = g.value_info.pop(old)
 
 
 def _toposorted(nodes: list, graph: onnx.GraphProto) -> list:

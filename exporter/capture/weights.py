@@ -3,9 +3,9 @@ from the model's own tensors, one tensor at a time.
 
 **Binding.**  The template's layers carry synthetic weights, every value drawn at random
 (``exporter/capture/template.py``), so each initializer the exporter derived from a layer weight is that
-weight's bytes as they are, or transposed (the dynamo exporter and onnxscript's optimizer fold
-``Transpose(W)`` of a ``Linear`` into a new constant): ``bind`` finds it by its first values and confirms it
-element for element.  An initializer no weight explains is a constant of the graph (shapes, scalars, RoPE
+weight's bytes as they are, transposed (the dynamo exporter and onnxscript's optimizer fold ``Transpose(W)`` of a
+``Linear`` into a new constant), or plus a constant (Gemma's ``1 + w``): ``bind`` finds it by its first values and
+confirms it element for element.  An initializer no weight explains is a constant of the graph (shapes, scalars, RoPE
 frequencies) or a folded expression of a weight the binding does not know; the stitcher refuses to copy a
 layer that reads one of the latter (``exporter/capture/stitch.py``).
 
@@ -27,19 +27,28 @@ from onnx import TensorProto, numpy_helper
 from elx.exporter.shared_weights import MIN_BYTES, WEIGHTS_FILE, ByteStore, point_external
 
 FINGERPRINT = 8  # values compared first; a match is then confirmed on every element
-IDENTITY, TRANSPOSE = "identity", "transpose"
+IDENTITY, TRANSPOSE, SHIFT = "identity", "transpose", "shift"
 
 
 @dataclass(frozen=True)
 class Binding:
     """An initializer holds ``transform(tensor named source)`` (``source``: the parameter's or buffer's name in the HF
-    model), with the initializer's own dims."""
+    model), with the initializer's own dims: the tensor as it is, transposed, or plus the constant ``shift`` (Gemma's
+    RMSNorm scales by ``1 + w``, which the optimizer folds)."""
 
     source: str
     transform: str
+    shift: float = 0.0
 
     def renamed(self, source: str) -> "Binding":
-        return Binding(source, self.transform)
+        return Binding(source, self.transform, self.shift)
+
+    def apply(self, array: np.ndarray) -> np.ndarray:
+        if self.transform == TRANSPOSE:
+            return np.ascontiguousarray(array.T)
+        if self.transform == SHIFT:
+            return array + array.dtype.type(self.shift)
+        return array
 
 
 def as_array(tensor) -> np.ndarray:
@@ -77,6 +86,10 @@ def bind(initializers, sources: dict) -> dict:
         index.setdefault((array.dtype.str, array.size, _head(array)), []).append((name, IDENTITY))
         if array.ndim == 2 and min(array.shape) > 1:
             index.setdefault((array.dtype.str, array.size, _transposed_head(array)), []).append((name, TRANSPOSE))
+    by_size = {}
+    for name, array in sources.items():
+        if array.dtype.kind == "f" and array.size >= 2:
+            by_size.setdefault((array.dtype.str, array.size), []).append(name)
     found = {}
     for tensor in initializers:
         if tensor.data_type not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
@@ -88,7 +101,28 @@ def bind(initializers, sources: dict) -> dict:
             if _equal(values, sources[name], transform):
                 found[tensor.name] = Binding(name, transform)
                 break
+        else:
+            shifted = _shifted(values, sources, by_size.get((values.dtype.str, values.size), ()))
+            if shifted is not None:
+                found[tensor.name] = shifted
     return found
+
+
+def _shifted(values: np.ndarray, sources: dict, candidates) -> Binding | None:
+    """A source that ``values`` is plus one constant, exactly as float arithmetic gives it (the constant is found
+    from the first differences, rounded to the fewest decimals that reproduce every element)."""
+    flat = values.reshape(-1)
+    for name in candidates:
+        source = sources[name].reshape(-1)
+        differences = flat[:FINGERPRINT].astype(np.float64) - source[:FINGERPRINT].astype(np.float64)
+        middle = float(np.median(differences))
+        if middle == 0 or np.max(np.abs(differences - middle)) > 1e-5 * max(1.0, abs(middle)):
+            continue
+        for shift in dict.fromkeys([round(middle, digits) for digits in range(8)] + [middle]):
+            binding = Binding(name, SHIFT, shift)
+            if shift != 0 and np.array_equal(binding.apply(source), flat):
+                return binding
+    return None
 
 
 class WeightsFile:
@@ -106,15 +140,23 @@ class WeightsFile:
 
     def bound(self, tensor: TensorProto, binding: Binding, source) -> None:
         """Point ``tensor`` at ``binding``'s transform of ``source`` (a PyTorch tensor), written once per folder."""
-        key = (binding.source, binding.transform)
+        key = (binding.source, binding.transform, binding.shift)
+        expected = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize * int(np.prod(tensor.dims))
+        if expected < MIN_BYTES:  # small tensors stay in the graph, as store_weights_once leaves them
+            data = np.ascontiguousarray(binding.apply(as_array(source))).tobytes()
+            if len(data) != expected:
+                raise ValueError(f"{tensor.name}: {binding.source} has {len(data)} bytes, the initializer {expected}")
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                tensor.ClearField(field)
+            del tensor.external_data[:]
+            tensor.data_location = TensorProto.DEFAULT
+            tensor.raw_data = data
+            return
         if key not in self.placed:
-            array = as_array(source)
-            if binding.transform == TRANSPOSE:
-                array = np.ascontiguousarray(array.T)
-            data = memoryview(array.reshape(-1)).cast("B")
+            array = binding.apply(as_array(source))
+            data = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
             self.placed[key] = (self.store.place(data), data.nbytes)
             del data, array
-        expected = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize * int(np.prod(tensor.dims))
         offset, length = self.placed[key]
         if length != expected:
             raise ValueError(f"{tensor.name}: {binding.source} has {length} bytes, the initializer {expected}")

@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicCache
 from elx.runners.errors import ElxError
 
 from elx.exporter.families import Family
-from elx.exporter.onnx_export import _export
+from elx.exporter.onnx_export import GraphSpec, export_graph
 from elx.exporter.progress import WEIGHTS
 from elx.exporter.shared_prompt import PROMPT_KWARG, SharedPrompt
 from elx.exporter.wrappers import _Graph
@@ -122,14 +122,20 @@ def _prompt_example(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor,
     return ids, mask, positions
 
 
-def export_prefill(model, family: Family, path: Path) -> dict:
+def _prefill_spec(model, family: Family) -> GraphSpec:
     dims = family.dims(model.config)
     batch, width = Dim("batch"), Dim("prompt_sequence")
     args = _prompt_example(EXAMPLE["batch"], EXAMPLE["prompt"])
     presents = kv_names("present", dims["num_decoder_layers"])
     names = ["input_ids", "attention_mask", "position_ids"]
     axes = {0: batch, 1: width}
-    extra = _export(PrefillGraph(model, family), args, {n: axes for n in names}, names, ["logits", *presents], path)
+    return GraphSpec(PrefillGraph(model, family), list(args), {n: axes for n in names}, names, ["logits", *presents])
+
+
+def export_prefill(model, family: Family, path: Path, capture=None) -> dict:
+    dims = family.dims(model.config)
+    presents = kv_names("present", dims["num_decoder_layers"])
+    extra = export_graph(lambda m: _prefill_spec(m, family), model, path, capture)
     prompt_shape = ["batch", "prompt_sequence"]
     kv_shape = ["batch", kv_heads(dims), "prompt_sequence", dims["d_kv"]]
     return {
@@ -142,7 +148,8 @@ def export_prefill(model, family: Family, path: Path) -> dict:
     }
 
 
-def export_step(model, family: Family, path: Path, form: str) -> tuple[dict, list[dict]]:
+def _step_spec(model, family: Family, form: str) -> tuple[GraphSpec, dict, list]:
+    """The step graph's spec, its inputs' manifest entries and its cache entries."""
     dims = family.dims(model.config)
     layers, heads, d_kv = dims["num_decoder_layers"], kv_heads(dims), dims["d_kv"]
     b, beams, width, past = (EXAMPLE[k] for k in ("batch", "beams", "prompt", "past"))
@@ -190,7 +197,15 @@ def export_step(model, family: Family, path: Path, form: str) -> tuple[dict, lis
         if form == "per-beam":
             entry["init"] = f"prefill:{present}"  # the prompt's keys/values, one copy per beam
         cache.append(entry)
-    extra = _export(module, args, dynamic, names, ["logits", *present_names], path)
+    return GraphSpec(module, args, dynamic, names, ["logits", *present_names]), inputs, cache
+
+
+def export_step(model, family: Family, path: Path, form: str, capture=None) -> tuple[dict, list[dict]]:
+    dims = family.dims(model.config)
+    layers, heads, d_kv = dims["num_decoder_layers"], kv_heads(dims), dims["d_kv"]
+    _, inputs, cache = _step_spec(model, family, form)
+    extra = export_graph(lambda m: _step_spec(m, family, form)[0], model, path, capture)
+    present_names = kv_names("present", layers)
     graph = {
         "file": path.name, "external_data": extra, "inputs": inputs, "logits": "logits",
         "outputs": {"logits": {"dtype": "float32", "shape": ["rows", dims["vocab_size"]]},
@@ -200,16 +215,19 @@ def export_step(model, family: Family, path: Path, form: str) -> tuple[dict, lis
     return graph, cache
 
 
-def export_decoder_only(model, family: Family, folder: Path, manifest: dict, form: str, progress) -> None:
+def export_decoder_only(model, family: Family, folder: Path, manifest: dict, form: str, progress,
+                        capture=None) -> None:
     """Write prefill.onnx and decoder.onnx into ``folder`` and describe them in ``manifest`` (one
-    ``exporter/progress.py`` stage each)."""
+    ``exporter/progress.py`` stage each); ``capture``: ``exporter/capture``'s (stitched from a template)."""
     if form not in PROMPT_CACHE_FORMS:
         raise ElxError(f"unknown prompt cache form {form!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
+    if capture is not None:  # the step graph's template traced by a second process while the prefill is exported
+        capture.prefetch(lambda m: _step_spec(m, family, form)[0], folder / "decoder.onnx")
     with progress.stage("prefill.onnx", WEIGHTS["prefill"]):
-        manifest["graphs"]["prefill"] = export_prefill(model, family, folder / "prefill.onnx")
+        manifest["graphs"]["prefill"] = export_prefill(model, family, folder / "prefill.onnx", capture)
     with progress.stage("decoder.onnx", WEIGHTS["decoder"]) as stage:
         manifest["graphs"]["decoder"], manifest["cache"]["self"] = export_step(model, family, folder / "decoder.onnx",
-                                                                               form)
+                                                                               form, capture)
         stage.detail = f"prompt cache {form}"
     manifest.update(stages=["prefill"], step="decoder", first_step_scores="prefill:logits", padding_side="left")
     manifest["cache"]["prompt"] = ({"kind": "beam-shared", "batch": "batch"} if form == "shared"

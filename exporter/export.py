@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from elx.runners import options
@@ -15,17 +16,19 @@ from elx.runners.manifest import FORMAT, VERSION, Manifest
 
 from elx._version import __version__
 from elx.exporter.atomic import check_output, output_path, staged_folder
+from elx.exporter.capture import Capture
 from elx.exporter.chat_template import save_chat_template
 from elx.runners.errors import ElxError
 from elx.exporter.decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
-from elx.exporter.onnx_export import export_cross_kv, export_decoder, export_encoder
+from elx.exporter.onnx_export import decoder_spec, export_cross_kv, export_decoder, export_encoder
 from elx.exporter.passes import check_model_kind, check_not_applied, parse_passes
 from elx.exporter.precision_export import check_precision, fp16_checks, refuse_fp16
 from elx.exporter.progress import WEIGHTS, Progress
-from elx.exporter.memory import release_memory
+from elx.exporter.memory import check_export_memory, free_weights, own_copies, release_memory
+from elx.exporter.model_source import locate_model
 from elx.exporter.shared_weights import folder_bytes, store_weights_once
 from elx.exporter.sources import resolve_model
-from elx.exporter.verify import require_within_tolerance, tolerance_record, verify_export
+from elx.exporter.verify import default_shapes, require_within_tolerance, tolerance_record, verify_export
 
 
 def _as_list(value):
@@ -105,12 +108,14 @@ def base_manifest(model, family, source: dict) -> dict:
     }
 
 
-def export_graphs(model, family, folder: Path, manifest: dict, progress: Progress) -> None:
-    """Trace and save the encoder-decoder graphs, one progress stage each."""
+def export_graphs(model, family, folder: Path, manifest: dict, progress: Progress, capture=None) -> None:
+    """Trace (or stitch: ``exporter/capture``) and save the encoder-decoder graphs, one progress stage each."""
     def traced(name: str, export):
         with progress.stage(f"{name}.onnx", WEIGHTS[name]):
-            return export(model, family, folder / f"{name}.onnx")
+            return export(model, family, folder / f"{name}.onnx", *([capture] if capture is not None else []))
 
+    if capture is not None:  # the decoder's template traced by a second process meanwhile
+        capture.prefetch(lambda m: decoder_spec(m, family)[0], folder / "decoder.onnx")
     manifest["graphs"]["encoder"] = traced("encoder", export_encoder)
     manifest["graphs"]["cross_kv"] = traced("cross_kv", export_cross_kv)
     manifest["graphs"]["decoder"], manifest["cache"]["self"] = traced("decoder", export_decoder)
@@ -190,6 +195,37 @@ def apply_passes(source, target, passes: str, quiet: bool = True, progress=None)
     return output_path(target)
 
 
+def _case_reporter(progress: Progress, stage):
+    """The verification's progress: the bar moves per case (its ETA), a line per side once its cases are done
+    (its time from the previous side's end: the graphs' includes loading their sessions)."""
+    since = [time.perf_counter()]
+
+    def report(side: str, done: int, total: int) -> None:
+        stage.step(f"{side} case {done + 1} of {total}" if done < total else None)
+        if done == total:
+            progress.say(f"{progress.title}: verify: {side}, {total} cases in {time.perf_counter() - since[0]:.1f} s")
+            since[0] = time.perf_counter()
+    return report
+
+
+@contextmanager
+def reference_threads(threads: int = 1):
+    """PyTorch's reference forward of the verification on ``threads`` threads (restored after).
+
+    The verification's inputs are a few tokens: each forward is hundreds of small products, where a second
+    thread gains little and, on a loaded machine, costs a lot (OpenMP's barriers wait for a descheduled
+    thread).  Measured on the real SmolLM2-135M, one forward [2, 11] on this 2-core machine at load 7:
+    fp32 0.32 s on one thread, 1.36-1.65 s on two; fp64 0.49 s and 2.2-4.6 s."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _check_decoder_only_options(family, prompt_cache) -> str | None:
     """The prompt cache form of a decoder-only export (None for encoder-decoder models, which refuse the option)."""
     if family.is_encoder_decoder:
@@ -225,6 +261,7 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
     with Progress("elx export", _total_weight(requests, precision), "none" if quiet else progress) as report:
         with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
             with report.stage(f"load {model}", WEIGHTS["load"]) as stage:
+                check_export_memory(locate_model(model, random_init), precision)  # before any weight is read
                 loaded = resolve_model(model, random_init=random_init, seed=seed)
                 check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder,
                                  loaded.family.dims(loaded.model.config))
@@ -232,13 +269,26 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 note = ", seeded random weights (--random-init)" if loaded.source["random_init"] else ""
                 stage.detail = f"{type(loaded.model).__name__}, family {loaded.family.name}{note}"
             data = base_manifest(loaded.model, loaded.family, loaded.source)
-            if form is None:
-                export_graphs(loaded.model, loaded.family, folder, data, report)
-            else:
-                export_decoder_only(loaded.model, loaded.family, folder, data, form, report)
+            capture = Capture(loaded.model, loaded.family, folder, report=lambda line: report.say(f"{report.title}: {line}"))
+            try:
+                if form is None:
+                    export_graphs(loaded.model, loaded.family, folder, data, report, capture)
+                else:
+                    export_decoder_only(loaded.model, loaded.family, folder, data, form, report, capture)
+            finally:
+                capture.close()
+            for spec in data["graphs"].values():
+                if spec["file"] in capture.records:
+                    spec["capture"] = capture.records[spec["file"]]
             manifest = Manifest(data, folder)
-            with report.stage("verify vs PyTorch", WEIGHTS["verify"]) as stage:
-                verification = verify_export(loaded.model, manifest)
+            own_copies(loaded.model)  # the weights file's mapping released (it would stay through the fp64 reference)
+            release_memory()  # the traces' garbage, before the verification's sessions load
+            # fp32: HF's model is not needed after its reference logits; freed before the graphs' sessions load
+            release = (lambda: free_weights(loaded.model)) if precision == "fp32" else None
+            cases = len(default_shapes(manifest))
+            with report.stage("verify vs PyTorch", WEIGHTS["verify"], steps=3 * cases) as stage, reference_threads():
+                verification = verify_export(loaded.model, manifest, release_model=release,
+                                             report=_case_reporter(report, stage))
                 require_within_tolerance(verification, "exported graphs vs PyTorch")
                 data["verification"]["export"] = verification
                 data["verification"]["tolerance"] = tolerance_record(verification["logits_magnitude"], verification)

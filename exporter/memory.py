@@ -15,3 +15,90 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def free_weights(model) -> None:
+    """Release every parameter and buffer of a PyTorch module (moved to the meta device: the module stays, its
+    tensors hold no memory), then give the memory back (``release_memory``).  Whoever still holds the module
+    can no longer run it."""
+    model.to("meta")
+    release_memory()
+
+
+def own_copies(model) -> None:
+    """Give every parameter and buffer of ``model`` its own memory, one tensor at a time, instead of views of the
+    weights file ``from_pretrained`` mapped (safetensors): the file's mapping is released with the last view.
+
+    A mapped model converted in place to float64 (the verification's ``in_float64``) holds the whole mapping
+    until every tensor is converted: float32 mapped + float64 at once, 3× the weights (measured on the real
+    SmolLM2-135M: peak 2096 MiB during the conversion).  With its own copies each float32 tensor is freed as
+    its float64 one is made: 2× the weights."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for key, tensor in table.items():
+                    if tensor is not None and not tensor.is_meta:
+                        tensor.data = tensor.data.clone()
+    release_memory()
+
+
+# -- the export's memory, estimated before any weight is read ---------------------------------------------------
+# Measured on the real SmolLM2-135M (538 MB of float32 weights; elx export, 2026-11-28): peak 1761 MiB, during the
+# verification (HF's model in float64 for the reference: 2 copies; then one ONNX Runtime session per graph, each
+# with its own prepacked copy: 2 copies) on top of the process itself (Python, PyTorch, transformers, onnx, ONNX
+# Runtime and the traces' working memory: 600-700 MiB).
+PROCESS_BYTES = 800 * 2**20
+FP32_COPIES = 2  # float32 weight copies alive at the export's peak (fp32 exports)
+KEPT_COPIES = 3  # fp16/int8 exports keep HF's model beside the sessions of the passes and the conversion
+
+
+def _size(count: int) -> str:
+    value, unit = (count / 1e9, "GB") if count >= 1e9 else (count / 1e6, "MB")
+    return f"{value:.3g} {unit}"
+
+
+def float32_weight_bytes(location) -> int | None:
+    """The float32 bytes of the model ``location`` (``exporter/model_source.py``) names, from its config alone: its
+    parameters counted on PyTorch's meta device (nothing allocated), each tensor once (a tied head counts once);
+    a GGUF file's from its tensor table.  None when the config cannot say."""
+    if location.gguf is not None:
+        return int(location.gguf.float32_bytes)
+    try:
+        import torch
+        import transformers
+
+        model_cls = getattr(transformers, location.architecture())
+        if location.folder is not None:
+            config = model_cls.config_class.from_pretrained(location.folder, local_files_only=True)
+        else:
+            config = model_cls.config_class(**location.config())
+        with torch.device("meta"):
+            model = model_cls(config)
+        return 4 * sum(p.numel() for p in model.parameters())
+    except Exception:  # noqa: BLE001 - a config transformers refuses: the load says why, with its own message
+        return None
+
+
+def check_export_memory(location, precision: str = "fp32", available: int | None = None) -> dict | None:
+    """Refuse, before the weights are read, an export whose estimated peak exceeds the memory available: one line
+    with the estimate, how it is made, and the memory available.  Returns the estimate (None when unknown)."""
+    weights = float32_weight_bytes(location)
+    if weights is None:
+        return None
+    copies = FP32_COPIES if precision == "fp32" else KEPT_COPIES
+    needed = copies * weights + PROCESS_BYTES
+    if available is None:
+        from elx.runners.inputs.validation import available_memory
+
+        available = available_memory()
+    estimate = {"float32_weight_bytes": weights, "copies": copies, "process_bytes": PROCESS_BYTES,
+                "needed_bytes": needed, "available_bytes": available}
+    if available is not None and needed > available:
+        from elx.runners.errors import ElxError
+
+        raise ElxError(f"exporting {location.spec} needs about {_size(needed)} of memory ({copies} copies of its "
+                       f"{_size(weights)} of float32 weights at the verification, plus {_size(PROCESS_BYTES)} for elx "
+                       f"itself) and {_size(available)} is available: free memory or export on a machine with more")
+    return estimate

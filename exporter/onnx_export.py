@@ -13,6 +13,7 @@ import contextlib
 import io
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -44,16 +45,72 @@ def save_model(model: onnx.ModelProto, path: Path) -> list[str]:
     return [data]
 
 
-def _export(module, args, dynamic_shapes, input_names, output_names, path: Path) -> list[str]:
+@dataclass
+class GraphSpec:
+    """What one graph is traced from: the wrapper module, example inputs, their dynamic axes and the names.
+
+    An export function builds it for any model of the family (``make_spec(model)``): for the user's model
+    (the names and the record of the graph) and for the few-layer template ``exporter/capture`` traces."""
+
+    module: object
+    args: list
+    dynamic_shapes: object
+    input_names: list
+    output_names: list
+
+
+def trace(spec: GraphSpec) -> onnx.ModelProto:
+    """Trace ``spec`` with the dynamo exporter, optimize it (onnxscript) and pick the last position before the
+    LM head: the graph as every export writes it, its weights inside."""
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    module = spec.module
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), elx_attention(module.hf_model, module.family):
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, tuple(args), dynamo=True, opset_version=OPSET, input_names=input_names,
-                                    output_names=output_names, dynamic_shapes=dynamic_shapes, verbose=False)
+        program = torch.onnx.export(module, tuple(spec.args), dynamo=True, opset_version=OPSET,
+                                    input_names=spec.input_names, output_names=spec.output_names,
+                                    dynamic_shapes=spec.dynamic_shapes, verbose=False)
     program.optimize()
     model = program.model_proto
+    del program
+    forget_rewriter_state()
     select_before_head(model)  # exporter/last_position.py: the last position is picked before the LM head
-    return save_model(model, path)
+    return model
+
+
+def forget_rewriter_state() -> None:
+    """Drop the graph onnxscript's rewrite rules keep after optimizing one.
+
+    Its rules are module-level objects whose pattern matcher keeps the last graph it matched (``_graph``,
+    ``_match``), and through it the traced program's initializers: the PyTorch model's own tensors.  An export
+    kept them alive after the model was released (measured: the real SmolLM2's 513 MiB weights file stayed
+    mapped through the verification)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("onnxscript.rewriter") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            rules = getattr(value, "rules", None)
+            for rule in (rules if isinstance(rules, (list, tuple)) else [value]):
+                matcher = getattr(rule, "_matcher", None)
+                for attribute in ("_graph", "_tracer", "_current_node", "_match"):
+                    if matcher is not None and hasattr(matcher, attribute):
+                        setattr(matcher, attribute, None)
+
+
+def export_graph(make_spec, model, path: Path, capture=None) -> list[str]:
+    """Write the graph ``make_spec(model)`` describes to ``path``; returns the data files it reads.
+
+    ``capture`` (``exporter/capture``'s ``Capture``) traces a few-layer template and stitches the model's
+    layers from it; without one (or where it does not apply) the whole model is traced."""
+    if capture is not None:
+        return capture.export(make_spec, path)
+    return save_model(trace(make_spec(model)), path)
+
+
+def _export(module, args, dynamic_shapes, input_names, output_names, path: Path) -> list[str]:
+    """Trace ``module`` whole and save it (``export_graph`` without a capture)."""
+    return save_model(trace(GraphSpec(module, list(args), dynamic_shapes, input_names, output_names)), path)
 
 
 def _example_encoder_inputs(model, family: Family, batch: int, source: int) -> list[torch.Tensor]:
@@ -70,14 +127,20 @@ def _example_encoder_inputs(model, family: Family, batch: int, source: int) -> l
     return out
 
 
-def export_encoder(model, family: Family, path: Path) -> dict:
+def _encoder_spec(model, family: Family) -> GraphSpec:
     specs = family.encoder_inputs(model.config)
     batch, source = Dim("batch"), Dim("encoder_sequence")
     dyn = []
     for spec in specs:
         dyn.append({i: (batch if d == "batch" else source) for i, d in enumerate(spec.shape) if isinstance(d, str)})
     args = _example_encoder_inputs(model, family, EXAMPLE["batch"], EXAMPLE["source"])
-    extra = _export(EncoderGraph(model, family), args, {"inputs": tuple(dyn)}, [s.name for s in specs], ["last_hidden_state"], path)
+    return GraphSpec(EncoderGraph(model, family), args, {"inputs": tuple(dyn)}, [s.name for s in specs],
+                     ["last_hidden_state"])
+
+
+def export_encoder(model, family: Family, path: Path, capture=None) -> dict:
+    specs = family.encoder_inputs(model.config)
+    extra = export_graph(lambda m: _encoder_spec(m, family), model, path, capture)
     d_model = family.dims(model.config)["d_model"]
     source_axis = "encoder_sequence" if family.uses_encoder_mask else "encoder_frames"
     return {
@@ -91,12 +154,18 @@ def cross_names(layers: int) -> list[str]:
     return [f"present.{i}.encoder.{kind}" for i in range(layers) for kind in ("key", "value")]
 
 
-def export_cross_kv(model, family: Family, path: Path) -> dict:
+def _cross_kv_spec(model, family: Family) -> GraphSpec:
     dims = family.dims(model.config)
     hidden = torch.randn(EXAMPLE["batch"], EXAMPLE["source"], dims["d_model"])
     dyn = {"encoder_hidden_states": {0: Dim("batch"), 1: Dim("encoder_sequence")}}
+    return GraphSpec(CrossKVGraph(model, family), [hidden], dyn, ["encoder_hidden_states"],
+                     cross_names(dims["num_decoder_layers"]))
+
+
+def export_cross_kv(model, family: Family, path: Path, capture=None) -> dict:
+    dims = family.dims(model.config)
     names = cross_names(dims["num_decoder_layers"])
-    extra = _export(CrossKVGraph(model, family), [hidden], dyn, ["encoder_hidden_states"], names, path)
+    extra = export_graph(lambda m: _cross_kv_spec(m, family), model, path, capture)
     shape = ["batch", dims["num_heads"], "encoder_sequence", dims["d_kv"]]
     return {
         "file": path.name, "external_data": extra,
@@ -106,7 +175,8 @@ def export_cross_kv(model, family: Family, path: Path) -> dict:
     }
 
 
-def export_decoder(model, family: Family, path: Path) -> tuple[dict, list[dict]]:
+def decoder_spec(model, family: Family) -> tuple[GraphSpec, dict, list]:
+    """The step graph's spec, its inputs' manifest entries and its self-attention cache entries."""
     dims = family.dims(model.config)
     layers, heads, d_kv = dims["num_decoder_layers"], dims["num_heads"], dims["d_kv"]
     b, beams, n, p, t = (EXAMPLE[k] for k in ("batch", "beams", "source", "past", "step"))
@@ -138,8 +208,16 @@ def export_decoder(model, family: Family, path: Path) -> tuple[dict, list[dict]]
             names.append(name); args.append(torch.randn(b, heads, n, d_kv)); dyn.append({0: batch, 2: source})
             inputs[name] = {"dtype": "float32", "shape": cross_shape, "from": f"cross_kv:present.{i}.encoder.{kind}"}
     outputs = ["logits"] + [e["output"] for e in cache]
-    extra = _export(DecoderGraph(model, family), args, {"input_ids": dyn[0], "rest": tuple(dyn[1:])}, names,
-                    outputs, path)
+    spec = GraphSpec(DecoderGraph(model, family), args, {"input_ids": dyn[0], "rest": tuple(dyn[1:])}, names,
+                     outputs)
+    return spec, inputs, cache
+
+
+def export_decoder(model, family: Family, path: Path, capture=None) -> tuple[dict, list[dict]]:
+    dims = family.dims(model.config)
+    heads, d_kv = dims["num_heads"], dims["d_kv"]
+    _, inputs, cache = decoder_spec(model, family)
+    extra = export_graph(lambda m: decoder_spec(m, family)[0], model, path, capture)
     present_shape = ["rows", heads, "past_sequence + decoder_sequence", d_kv]
     graph = {
         "file": path.name, "external_data": extra, "inputs": inputs, "logits": "logits",

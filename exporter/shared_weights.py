@@ -48,7 +48,7 @@ from pathlib import Path
 
 import onnx
 from onnx import TensorProto
-from onnx.external_data_helper import load_external_data_for_model, set_external_data, uses_external_data
+from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, uses_external_data
 
 from elx.runners.manifest import Manifest
 
@@ -72,7 +72,7 @@ def _alignment(length: int) -> int:
 
 
 @dataclass
-class _Store:
+class ByteStore:
     """``weights.data`` being written: distinct byte strings, each at one offset."""
 
     handle: object
@@ -80,7 +80,9 @@ class _Store:
     references: int = 0
     distinct: int = 0
 
-    def place(self, data: bytes) -> int:
+    def place(self, data) -> int:
+        """The offset of ``data`` (bytes or a byte buffer) in the file: where equal bytes already are, or appended."""
+        data = memoryview(data).cast("B")
         key = (hashlib.blake2b(data, digest_size=32).digest(), len(data))
         self.references += 1
         offset = self.offsets.get(key)
@@ -116,42 +118,136 @@ def subgraphs(graph: onnx.GraphProto):
                 yield from subgraphs(sub)
 
 
-def _load(path: Path) -> tuple[onnx.ModelProto, set[str]]:
-    """The graph at ``path`` with its external data read in, and the data files it read it from."""
-    model = onnx.load(str(path), load_external_data=False)
-    locations = set(external_files(model))
-    load_external_data_for_model(model, str(path.parent))
-    return model, locations
+class _Reader:
+    """Reads external tensors of the graphs being rewritten, one tensor at a time (files opened once)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.handles = folder, {}
+
+    def read(self, tensor: TensorProto) -> bytes:
+        info = ExternalDataInfo(tensor)
+        if info.location not in self.handles:
+            self.handles[info.location] = open(self.folder / info.location, "rb")
+        handle = self.handles[info.location]
+        offset = info.offset or 0
+        length = info.length if info.length is not None else os.fstat(handle.fileno()).st_size - offset
+        data = os.pread(handle.fileno(), length, offset)
+        if len(data) != length:
+            raise ValueError(f"{info.location} ends before {tensor.name}'s {length} bytes at offset {offset}")
+        return data
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.close()
+
+
+def point_external(tensor: TensorProto, offset: int, length: int, location: str = WEIGHTS_FILE) -> None:
+    """Make ``tensor`` read ``length`` bytes at ``offset`` of ``location`` (its own values dropped)."""
+    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        tensor.ClearField(field)
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+
+
+def _inline(tensor: TensorProto, data: bytes) -> None:
+    tensor.raw_data = data
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.DEFAULT
+
+
+def _stored_once(folder: Path, manifest: Manifest) -> dict | None:
+    """The ``weights`` record when the folder is already as ``store_weights_once`` leaves it (the stitched export
+    writes ``weights.data`` so: ``exporter/capture``): every large initializer of every graph in ``weights.data``,
+    the file exactly the distinct ranges they read, in order, aligned, nothing in between but padding.  None
+    otherwise (a pass's new graph, a traced graph's own tensors, bytes no graph reads any more)."""
+    target = folder / WEIGHTS_FILE
+    if not target.is_file():
+        return None
+    ranges, references, external = set(), 0, {}
+    for file in graph_files(manifest):
+        model = onnx.load(str(folder / file), load_external_data=False)
+        if any(True for _ in subgraphs(model.graph)):
+            return None
+        stored = False
+        for tensor in model.graph.initializer:
+            if uses_external_data(tensor):
+                info = ExternalDataInfo(tensor)
+                if info.location != WEIGHTS_FILE or info.length is None:
+                    return None
+                ranges.add((info.offset or 0, info.length))
+                references += 1
+                stored = True
+            elif tensor.data_type != TensorProto.STRING and len(tensor.raw_data) >= MIN_BYTES:
+                return None
+        external[file] = stored
+    end = 0
+    for offset, length in sorted(ranges):
+        if offset < end or offset - end >= _alignment(length) or length < MIN_BYTES:
+            return None
+        end = offset + length
+    if end != target.stat().st_size:
+        return None
+    for spec in manifest.graphs.values():
+        files = [spec[key] for key in ("file", "tensorrt_file") if spec.get(key)]
+        spec["external_data"] = [WEIGHTS_FILE] if any(external[f] for f in files) else []
+    return {"file": WEIGHTS_FILE if end else None, "bytes": end, "distinct_tensors": len(ranges),
+            "tensors": references, "min_bytes": MIN_BYTES}
 
 
 def store_weights_once(folder, manifest: Manifest) -> dict:
     """Rewrite the graphs ``manifest`` lists in ``folder`` so that every weight is stored once, in
     ``weights.data``; each graph's ``external_data`` names it (or is empty when the graph has no large
     tensor).  Data files only the old graphs read are removed.  Returns the manifest's ``weights`` record:
-    the file, its size, the distinct byte strings stored and the tensors that point at them."""
+    the file, its size, the distinct byte strings stored and the tensors that point at them.
+
+    Streamed: one tensor's bytes at a time are in memory (read from the graph or its data file, placed in the
+    new file), the graphs being rewritten hold none; the old ``weights.data`` is read while the new one is
+    written beside it, and replaced when every graph is done.  A folder already so (``_stored_once``) is left as
+    it is."""
     folder = Path(folder)
+    already = _stored_once(folder, manifest)
+    if already is not None:
+        return already
     target, partial = folder / WEIGHTS_FILE, folder / f".{WEIGHTS_FILE}.{os.getpid()}.partial"
     rewritten, read_from = {}, set()
+    reader = _Reader(folder)
     try:
         with open(partial, "w+b") as handle:
-            store = _Store(handle)
+            store = ByteStore(handle)
             for file in graph_files(manifest):
-                model, locations = _load(folder / file)
-                read_from |= locations
+                model = onnx.load(str(folder / file), load_external_data=False)
+                read_from |= set(external_files(model))
                 stored = False
                 for tensor in model.graph.initializer:
-                    if tensor.data_type != TensorProto.STRING and len(tensor.raw_data) >= MIN_BYTES:
-                        set_external_data(tensor, WEIGHTS_FILE, store.place(tensor.raw_data), len(tensor.raw_data))
-                        tensor.ClearField("raw_data")
+                    external = uses_external_data(tensor)
+                    if tensor.data_type == TensorProto.STRING:
+                        if external:
+                            load_external_data_for_tensor(tensor, str(folder))
+                        continue
+                    data = reader.read(tensor) if external else tensor.raw_data
+                    if len(data) >= MIN_BYTES:
+                        point_external(tensor, store.place(data), len(data))
                         stored = True
+                    elif external:
+                        _inline(tensor, data)
+                    del data
+                for sub in subgraphs(model.graph):  # If/Loop bodies keep their tensors inside the graph
+                    for tensor in sub.initializer:
+                        if uses_external_data(tensor):
+                            _inline(tensor, reader.read(tensor))
                 rewritten[file] = (model, stored)
             size = handle.seek(0, os.SEEK_END)
+        reader.close()
         if size:
             os.replace(partial, target)
         else:
             partial.unlink()
             target.unlink(missing_ok=True)
     except BaseException:
+        reader.close()
         partial.unlink(missing_ok=True)
         raise
     for file, (model, _) in rewritten.items():

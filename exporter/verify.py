@@ -224,12 +224,15 @@ class RecordedSide:
     released before a candidate loads.  Holding both sides held four copies of a decoder-only model's weights
     (prefill and step, before and after): 27 GB at SmolLM2-1.7B, past this machine's 23 GB."""
 
-    def __init__(self, side, manifest: Manifest, shapes, seeds):
+    def __init__(self, side, manifest: Manifest, shapes, seeds, report=None):
         self._results = {}
+        total = len(seeds) * len(shapes)
         for seed in seeds:
             for shape in shapes:
                 case = make_case(manifest, shape, seed)
                 self._results[self._key(case, case.past)] = side.run(case, dict(case.past))
+                if report is not None:  # report(cases done, cases in all)
+                    report(len(self._results), total)
 
     @staticmethod
     def _key(case: Case, past: dict) -> tuple:
@@ -317,19 +320,27 @@ def closeness(report: dict) -> float:
     return float("inf") if any(np.isnan(r) for r in ratios) else max(ratios, default=0.0)
 
 
-def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0) -> dict:
+def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release_model=None, report=None) -> dict:
     """The exported graphs (through the runtime) against HF's PyTorch forward, each case held to the bar its own
     fp32 error sets (``exporter/fp32_noise.py``): PyTorch fp32 and fp64 run the same cases first (the model is
     converted to float64 in place and back), then the graphs.  The report adds ``fp32_noise``: per case, PyTorch
-    fp32 vs fp64 and the graphs vs fp64."""
+    fp32 vs fp64 and the graphs vs fp64.  ``release_model()``, if given, runs between the two (the export frees
+    HF's model there, so that it and the graphs' sessions are never in memory together); ``report(side, done,
+    total)``, if given, after each case a side runs (the export's progress)."""
     from elx.exporter.fp32_noise import NOISE_MULTIPLE, NOISE_RULE, Float64Side, case_bars, in_float64
 
     shapes = shapes or default_shapes(manifest)
     torch_side = (TorchSide if manifest.data.get("is_encoder_decoder", True) else DecoderOnlyTorchSide)(model, manifest)
-    fp32 = RecordedSide(torch_side, manifest, shapes, [seed])
+    def progress(side):
+        return None if report is None else (lambda done, total: report(side, done, total))
+
+    fp32 = RecordedSide(torch_side, manifest, shapes, [seed], progress("PyTorch fp32"))
     with in_float64(model):
-        fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed])
-    graphs = RecordedSide(RuntimeSide(manifest), manifest, shapes, [seed])  # sessions released after this line
+        fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], progress("PyTorch fp64"))
+    if release_model is not None:
+        model = torch_side = None
+        release_model()
+    graphs = RecordedSide(RuntimeSide(manifest), manifest, shapes, [seed], progress("graphs"))  # sessions released
     noise = measure(fp64, fp32, manifest, shapes, seed)
     against_fp64 = measure(fp64, graphs, manifest, shapes, seed)
     report = measure(fp32, graphs, manifest, shapes, seed, bars=case_bars(noise, noise["tolerance"]))

@@ -38,21 +38,37 @@ class EncoderGraph(_Graph):
         return self.encoder(**dict(zip(self.names, inputs))).last_hidden_state
 
 
+class _CrossKV(nn.Module):
+    """One decoder layer's cross-attention keys and values from the encoder output (a module per layer, so that
+    the exported nodes of layer ``i`` carry its name: ``exporter/capture`` copies a layer by it)."""
+
+    def __init__(self, k_proj, v_proj, heads: int, d_kv: int):
+        super().__init__()
+        self.k_proj, self.v_proj = k_proj, v_proj
+        self.heads, self.d_kv = heads, d_kv
+
+    def forward(self, encoder_hidden_states):
+        b, n, _ = encoder_hidden_states.shape
+        return tuple(proj(encoder_hidden_states).view(b, n, self.heads, self.d_kv).transpose(1, 2)
+                     for proj in (self.k_proj, self.v_proj))
+
+
 class CrossKVGraph(_Graph):
     def __init__(self, model, family: Family):
         super().__init__(model, family)
         dims = family.dims(model.config)
-        self.heads, self.d_kv = dims["num_heads"], dims["d_kv"]
-        pairs = [family.cross_projections(family.cross_attention(layer)) for layer in family.decoder_layers(model)]
-        self.keys = nn.ModuleList(k for k, _ in pairs)
-        self.values = nn.ModuleList(v for _, v in pairs)
+        layers = family.decoder_layers(model)
+        self.layers = nn.ModuleList(_CrossKV(*family.cross_projections(family.cross_attention(layer)),
+                                             dims["num_heads"], dims["d_kv"]) for layer in layers)
+        # the HF model's decoder layer stack ("model.decoder.layers") is this wrapper's "layers" (exporter/capture)
+        paths = {id(m): name for name, m in model.named_modules()}
+        first = paths.get(id(layers[0]), "") if layers else ""
+        self.layer_stacks = {first.rsplit(".", 1)[0]: "layers"} if first.endswith(".0") else {}
 
     def forward(self, encoder_hidden_states):
-        b, n, _ = encoder_hidden_states.shape
         out = []
-        for k_proj, v_proj in zip(self.keys, self.values):
-            for proj in (k_proj, v_proj):
-                out.append(proj(encoder_hidden_states).view(b, n, self.heads, self.d_kv).transpose(1, 2))
+        for layer in self.layers:
+            out.extend(layer(encoder_hidden_states))
         return tuple(out)
 
 

@@ -1,0 +1,170 @@
+"""Which model tensor each initializer of a traced template holds, and the folder's ``weights.data`` written
+from the model's own tensors, one tensor at a time.
+
+**Binding.**  The template's layers carry synthetic weights, every value drawn at random
+(``exporter/capture/template.py``), so each initializer the exporter derived from a layer weight is that
+weight's bytes as they are, transposed (the dynamo exporter and onnxscript's optimizer fold ``Transpose(W)`` of a
+``Linear`` into a new constant), or plus a constant (Gemma's ``1 + w``): ``bind`` finds it by its first values and
+confirms it element for element.  An initializer no weight explains is a constant of the graph (shapes, scalars, RoPE
+frequencies) or a folded expression of a weight the binding does not know; the stitcher refuses to copy a
+layer that reads one of the latter (``exporter/capture/stitch.py``).
+
+**Writing.**  ``WeightsFile`` appends each bound tensor to ``weights.data`` straight from the PyTorch
+parameter (a transposed one through one temporary copy of that tensor alone), and points the graph's
+initializer at it (ONNX external data): the graph proto never holds the weights, and a tensor the prefill and
+the step graph both read is written once.  The layout is ``exporter/shared_weights.py``'s (page-aligned
+tensors, equal bytes stored once).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from elx.exporter.shared_weights import MIN_BYTES, WEIGHTS_FILE, ByteStore, point_external
+
+FINGERPRINT = 8  # values compared first; a match is then confirmed on every element
+IDENTITY, TRANSPOSE, SHIFT = "identity", "transpose", "shift"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """An initializer holds ``transform(tensor named source)`` (``source``: the parameter's or buffer's name in the HF
+    model), with the initializer's own dims: the tensor as it is, transposed, or plus the constant ``shift`` (Gemma's
+    RMSNorm scales by ``1 + w``, which the optimizer folds)."""
+
+    source: str
+    transform: str
+    shift: float = 0.0
+
+    def renamed(self, source: str) -> "Binding":
+        return Binding(source, self.transform, self.shift)
+
+    def apply(self, array: np.ndarray) -> np.ndarray:
+        if self.transform == TRANSPOSE:
+            return np.ascontiguousarray(array.T)
+        if self.transform == SHIFT:
+            return array + array.dtype.type(self.shift)
+        return array
+
+
+def as_array(tensor) -> np.ndarray:
+    """A PyTorch tensor as a NumPy array, without a copy where it is contiguous."""
+    return tensor.detach().contiguous().numpy()
+
+
+def _head(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array.reshape(-1)[:FINGERPRINT]).tobytes()
+
+
+def _transposed_head(array: np.ndarray) -> bytes:
+    rows = array.shape[0]
+    columns = -(-FINGERPRINT // rows)
+    return np.ascontiguousarray(array[:, :columns].T).reshape(-1)[:FINGERPRINT].tobytes()
+
+
+def _equal(initializer: np.ndarray, source: np.ndarray, transform: str) -> bool:
+    if transform == IDENTITY:
+        return initializer.size == source.size and np.array_equal(initializer.reshape(-1), source.reshape(-1))
+    if initializer.ndim != 2 or initializer.shape != source.shape[::-1]:
+        return False
+    step = max(1, (1 << 22) // max(1, source.shape[0]))  # about 16 MB of the transpose at a time
+    return all(np.array_equal(initializer[j: j + step], source[:, j: j + step].T)
+               for j in range(0, source.shape[1], step))
+
+
+def bind(initializers, sources: dict) -> dict:
+    """``{initializer name: Binding}`` for the initializers whose values are a source tensor's, as they are or
+    transposed; ``sources``: {name: NumPy array} (the template's parameters and buffers)."""
+    index = {}
+    for name, array in sources.items():
+        if array.dtype.kind != "f" or array.size < 2:
+            continue
+        index.setdefault((array.dtype.str, array.size, _head(array)), []).append((name, IDENTITY))
+        if array.ndim == 2 and min(array.shape) > 1:
+            index.setdefault((array.dtype.str, array.size, _transposed_head(array)), []).append((name, TRANSPOSE))
+    by_size = {}
+    for name, array in sources.items():
+        if array.dtype.kind == "f" and array.size >= 2:
+            by_size.setdefault((array.dtype.str, array.size), []).append(name)
+    found = {}
+    for tensor in initializers:
+        if tensor.data_type not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            continue
+        values = numpy_helper.to_array(tensor)
+        if values.size < 2:
+            continue
+        for name, transform in index.get((values.dtype.str, values.size, _head(values)), ()):
+            if _equal(values, sources[name], transform):
+                found[tensor.name] = Binding(name, transform)
+                break
+        else:
+            shifted = _shifted(values, sources, by_size.get((values.dtype.str, values.size), ()))
+            if shifted is not None:
+                found[tensor.name] = shifted
+    return found
+
+
+def _shifted(values: np.ndarray, sources: dict, candidates) -> Binding | None:
+    """A source that ``values`` is plus one constant, exactly as float arithmetic gives it (the constant is found
+    from the first differences, rounded to the fewest decimals that reproduce every element)."""
+    flat = values.reshape(-1)
+    for name in candidates:
+        source = sources[name].reshape(-1)
+        differences = flat[:FINGERPRINT].astype(np.float64) - source[:FINGERPRINT].astype(np.float64)
+        middle = float(np.median(differences))
+        if middle == 0 or np.max(np.abs(differences - middle)) > 1e-5 * max(1.0, abs(middle)):
+            continue
+        for shift in dict.fromkeys([round(middle, digits) for digits in range(8)] + [middle]):
+            binding = Binding(name, SHIFT, shift)
+            if shift != 0 and np.array_equal(binding.apply(source), flat):
+                return binding
+    return None
+
+
+class WeightsFile:
+    """``weights.data`` in an export folder being written: tensors appended as graphs are stitched."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / WEIGHTS_FILE
+        self.handle = open(self.path, "w+b")
+        self.store = ByteStore(self.handle)
+        self.placed = {}  # (source, transform) -> (offset, length)
+
+    def close(self) -> None:
+        if not self.handle.closed:
+            self.handle.close()
+
+    def bound(self, tensor: TensorProto, binding: Binding, source) -> None:
+        """Point ``tensor`` at ``binding``'s transform of ``source`` (a PyTorch tensor), written once per folder."""
+        key = (binding.source, binding.transform, binding.shift)
+        expected = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize * int(np.prod(tensor.dims))
+        if expected < MIN_BYTES:  # small tensors stay in the graph, as store_weights_once leaves them
+            data = np.ascontiguousarray(binding.apply(as_array(source))).tobytes()
+            if len(data) != expected:
+                raise ValueError(f"{tensor.name}: {binding.source} has {len(data)} bytes, the initializer {expected}")
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                tensor.ClearField(field)
+            del tensor.external_data[:]
+            tensor.data_location = TensorProto.DEFAULT
+            tensor.raw_data = data
+            return
+        if key not in self.placed:
+            array = binding.apply(as_array(source))
+            data = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
+            self.placed[key] = (self.store.place(data), data.nbytes)
+            del data, array
+        offset, length = self.placed[key]
+        if length != expected:
+            raise ValueError(f"{tensor.name}: {binding.source} has {length} bytes, the initializer {expected}")
+        point_external(tensor, offset, length)
+
+    def own(self, tensor: TensorProto) -> None:
+        """Move a large initializer's own bytes to the file (small ones stay in the graph)."""
+        if tensor.data_type == TensorProto.STRING or not tensor.HasField("raw_data") or len(tensor.raw_data) < MIN_BYTES:
+            return
+        data = tensor.raw_data
+        point_external(tensor, self.store.place(data), len(data))

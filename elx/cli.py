@@ -622,7 +622,7 @@ def cmd_bench(args) -> int:
     if args.device == "cuda":
         _check_cuda_bench(args.backend)
     from elx.exporter.bench.bench import BenchSettings, ensure_engines, ensure_exports, export_precision, run_bench
-    from elx.exporter.bench.results import new_results_folder, save_bench
+    from elx.exporter.bench.results import new_results_folder, point_latest, save_bench
 
     work = Path(args.work) / Path(model).name
     settings = BenchSettings(batch_size=args.batch_size, input_length=args.input_length, num_beams=args.num_beams,
@@ -634,7 +634,7 @@ def cmd_bench(args) -> int:
                              quiet=args.quiet, progress=progress, precision=export_precision(settings))
     if settings.backend == "tensorrt":
         ensure_engines(folders, settings, quiet=args.quiet, progress=progress)
-    out = new_results_folder(work / "results")  # results/<local time>/ for this run; results/latest points at it
+    out = new_results_folder(work / "results", point=False)  # results/<local time>/ for this run
     if args.sweep in ("none", "all"):
         report = run_bench(folders, settings, peer_names=peers, work=work, progress=progress)
         print(save_bench(report, out))  # the conclusion and table; bench.json, bench.md (+ details), bench.png
@@ -644,6 +644,7 @@ def cmd_bench(args) -> int:
         print(f"wrote {sweep_beam(folders, settings, out, peers=peers, progress=progress)}")
     if args.sweep in ("budget", "all"):
         print(f"wrote {sweep_budget(folders, settings, out, args.budget_mb, progress=progress)}")
+    point_latest(work / "results", out)  # only a run whose results are all written becomes results/latest
     print(f"results in {out} ({work / 'results' / 'latest'} points at it)")
     return 0
 

@@ -554,6 +554,9 @@ def test_each_run_has_its_own_results_folder_and_latest_points_at_the_newest(tmp
     assert (root / "latest" / "bench.md").read_text().startswith("elx el: 4.00× HF")
     assert (first / "bench.md").read_text().startswith("elx el: 2.00× HF")  # the earlier run is kept as it was
     assert json.loads((first / "bench.json").read_text())["systems"][1]["median_s"] == 0.5
+    unfinished = new_results_folder(root, now=1_795_861_865.5, point=False)  # the CLI's: pointed once written
+    assert unfinished.is_dir() and latest_folder(root) == second
+    unfinished.rmdir()
     third = new_results_folder(root, now=1_795_861_866.0)
     assert third.name > second.name and latest_folder(root) == third
     # where links cannot be made, latest is a file holding the folder's name

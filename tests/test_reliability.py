@@ -323,7 +323,7 @@ def test_unloadable_model(tmp_path, capsys, model_folders, breakage, expected):
 def test_disk_full_simulated(tmp_path, capsys, model_folders, monkeypatch):
     import elx.exporter.export as export
 
-    def fill_disk(model, family, folder, data, quiet):
+    def fill_disk(model, family, folder, data, *rest):
         (folder / "encoder.onnx").write_bytes(b"\0" * 1000)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "decoder.onnx"))
 

@@ -187,9 +187,10 @@ def report_markdown(report: dict) -> str:
 LATEST = "latest"
 
 
-def new_results_folder(root: Path, now: float | None = None) -> Path:
+def new_results_folder(root: Path, now: float | None = None, point: bool = True) -> Path:
     """A new folder ``root/<local time>`` for one run (``-2``, ``-3``… after the name when it is taken), with
-    ``root/latest`` pointing at it; earlier runs' folders are left as they are."""
+    ``root/latest`` pointing at it (``point=False``: left where it was; the CLI points it once the run's results
+    are written, so that a failed run never becomes the latest); earlier runs' folders are left as they are."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H-%M-%S", time.localtime(now))
@@ -199,7 +200,8 @@ def new_results_folder(root: Path, now: float | None = None) -> Path:
             folder.mkdir()
         except FileExistsError:
             continue
-        point_latest(root, folder)
+        if point:
+            point_latest(root, folder)
         return folder
     raise FileExistsError(f"{root} holds 999 runs named {stamp}")
 

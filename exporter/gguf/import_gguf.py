@@ -21,6 +21,7 @@ from elx.exporter.atomic import check_output, staged_folder
 from elx.exporter.gguf.metadata import GgufInfo, read_gguf
 from elx.exporter.gguf.support import check_loadable
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 
 RECORD = "elx_import.json"
 RECORD_FORMAT = "elx-gguf-import"
@@ -40,12 +41,12 @@ def check_replaceable_import(output: Path) -> None:
     """``--force`` replaces an earlier import: a folder with an ``elx_import.json`` and only the files it lists."""
     files = _recorded_files(output)
     if files is None:
-        raise ElxError(f"output folder {output} was not written by 'elx import-gguf' (no {RECORD}); --force replaces "
-                       "only an earlier import: choose another --output")
+        raise ElxError(f"output folder {output} was not written by 'elx import-gguf' (no {RECORD}); "
+                       f"{arg('force', True)} replaces only an earlier import: choose another {arg('output')}")
     foreign = [entry.name for entry in sorted(output.iterdir()) if entry.name not in files or entry.is_dir()]
     if foreign:
-        raise ElxError(f"output folder {output} holds {foreign[0]!r}, which 'elx import-gguf' did not write; --force "
-                       "would delete it: move it out or choose another --output")
+        raise ElxError(f"output folder {output} holds {foreign[0]!r}, which 'elx import-gguf' did not write; "
+                       f"{arg('force', True)} would delete it: move it out or choose another {arg('output')}")
 
 
 def write_import(info: GgufInfo, model, tokenizer, folder: Path) -> None:

@@ -14,9 +14,9 @@ import difflib
 from dataclasses import dataclass, field
 
 from elx.runners.errors import ElxError
+from elx.runners.wording import arg
 
 LANGUAGE = "language"  # a template's place for the code's id (exporter/tokenizer_languages.py)
-NAMES = {"src_lang": "src_lang (--src-lang)", "tgt_lang": "tgt_lang (--tgt-lang)"}
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class LanguageChoice:
         return [f"{self.text_prefix} {t}" for t in texts] if self.text_prefix else list(texts)
 
     def refuse_without_text(self):
-        given = NAMES["src_lang"] if self.specials is not None else f"{NAMES['tgt_lang']} of this Marian model"
-        raise ElxError(f"{given} is written into the text's tokens: pass text (--text), or put the language's token "
+        given = arg("src_lang") if self.specials is not None else f"{arg('tgt_lang')} of this Marian model"
+        raise ElxError(f"{given} is written into the text's tokens: pass {arg('text')}, or put the language's token "
                        "in the input ids yourself")
 
 
@@ -45,9 +45,9 @@ def choose(manifest, src_lang: str | None = None, tgt_lang: str | None = None, o
     if src_lang is None and tgt_lang is None:
         return None
     table = manifest.data.get("languages")
-    given = NAMES["src_lang" if src_lang is not None else "tgt_lang"]
+    given = arg("src_lang" if src_lang is not None else "tgt_lang")
     if not table or not table.get("codes"):
-        hint = "; Whisper takes language= (--language)" if "input_features" in manifest.encoder_inputs() else ""
+        hint = f"; Whisper takes {arg('language')}" if "input_features" in manifest.encoder_inputs() else ""
         raise ElxError(f"{given} needs language codes, and this model's tokenizer has none ({manifest.family} export "
                        f"{manifest.folder}){hint}: drop it")
     codes = table["codes"]
@@ -56,10 +56,10 @@ def choose(manifest, src_lang: str | None = None, tgt_lang: str | None = None, o
     if src_lang is not None:
         source = table.get("source")
         if source is None:
-            why = ("its codes name the target language: use tgt_lang (--tgt-lang)"
+            why = (f"its codes name the target language: use {arg('tgt_lang')}"
                    if table.get("target") == "text_prefix" else
                    "the export has no tokenizer for run time to put it in the text")
-            raise ElxError(f"{NAMES['src_lang']} cannot be used with this model: {why}")
+            raise ElxError(f"{arg('src_lang')} cannot be used with this model: {why}")
         index = codes[resolve(codes, src_lang, "src_lang")]
         specials = tuple([index if t == LANGUAGE else int(t) for t in source[side]] for side in ("prefix", "suffix"))
     if tgt_lang is not None:
@@ -69,7 +69,7 @@ def choose(manifest, src_lang: str | None = None, tgt_lang: str | None = None, o
             text_prefix = code
         else:
             if (options or {}).get(target) is not None and options[target] != codes[code]:
-                raise ElxError(f"{NAMES['tgt_lang']} sets {target} (to {codes[code]} for {code!r}), which the call "
+                raise ElxError(f"{arg('tgt_lang')} sets {target} (to {codes[code]} for {code!r}), which the call "
                                f"also gives as {options[target]}: pass one of them")
             out[target] = codes[code]
     return LanguageChoice(specials, text_prefix, out)
@@ -87,4 +87,4 @@ def resolve(codes: dict, code: str, name: str) -> str:
         close = [folded[m] for m in difflib.get_close_matches(code.lower().strip("<>_"), list(folded), n=5,
                                                               cutoff=0.6)]
     known = f"close matches: {', '.join(close)}" if close else f"codes such as {', '.join(list(codes)[:6])}"
-    raise ElxError(f"unknown {NAMES[name]} {code!r} for this model ({len(codes)} codes; {known})")
+    raise ElxError(f"unknown {arg(name)} {code!r} for this model ({len(codes)} codes; {known})")

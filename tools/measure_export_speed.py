@@ -1,0 +1,142 @@
+"""Issue 41's "Measure": export wall time and peak RSS of elx beside the converters, one machine, one run.
+
+Each row is one command in a process of its own under ``/usr/bin/time -v`` (wall clock and maximum resident
+set size as the kernel reports them), run one after the other, so that no two share the CPUs::
+
+    python tools/measure_export_speed.py --work /tmp/export-speed \\
+        --model smollm2-real=/work/real/smollm2-hf --model t5-base --model tinyllama-1.1b \\
+        --systems elx,elx-trace,genai,ct2 --output docs/measurements/export_speed.md
+
+``--model NAME=FOLDER`` names a real HF folder; a bare preset name is built with random weights (``--random-init``
+for elx; for the converters, the same preset saved once as an HF folder with transformers' ``save_pretrained``,
+not timed, with the bench's placeholder tokenizer that the converters need).  Systems:
+
+* ``elx``: ``elx export --model M --output OUT --force`` (its verification included: logits against PyTorch fp32
+  and fp64 on the verification cases);
+* ``elx-trace``: the same with ``ELX_CAPTURE=trace``: every layer traced by ``torch.onnx.export(dynamo=True)``,
+  the mechanism before ``exporter/capture/`` (verification the same);
+* ``elx-int8`` / ``elx-slim``: ``--precision int8`` / ``--pass slim=skip-bad`` on top of the export;
+* ``genai``: ``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`` (decoder-only models);
+* ``ct2``: ``ct2-transformers-converter --model HF --output_dir OUT --force`` (fp32 weights).
+
+The table's last column is the issue's memory bound, 2 x the fp32 weight bytes + 1 GiB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DECODER_ONLY = ("llama", "smollm", "tinyllama", "gpt2", "opt", "qwen", "phi", "mistral", "gemma")
+
+
+def timed(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> dict:
+    """Run ``cmd`` under /usr/bin/time -v; wall seconds, peak RSS (MiB), exit status, the log's last line."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        done = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=out, stderr=subprocess.STDOUT,
+                              env={**os.environ, **(env or {})}, timeout=timeout)
+    text = log.read_text(errors="replace")
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text)
+    seconds = time.perf_counter() - start
+    if wall:
+        parts = [float(p) for p in wall.group(1).split(":")]
+        seconds = sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\t")]
+    return {"seconds": round(seconds, 1), "peak_mib": int(rss.group(1)) // 1024 if rss else None,
+            "status": done.returncode, "last": lines[-1][:200] if lines else ""}
+
+
+def hf_folder(name: str, source: str | None, work: Path) -> Path:
+    """The HF folder the converters read: the real one, or the preset saved once with random weights."""
+    if source:
+        return Path(source)
+    folder = work / "hf" / name
+    if not (folder / "config.json").exists():
+        code = ("import sys, torch, transformers\n"
+                "from elx.exporter.model_source import find_preset\n"
+                "p = find_preset(sys.argv[1]); torch.manual_seed(0)\n"
+                "cls = getattr(transformers, p['architecture'])\n"
+                "config = cls.config_class(**p['config'])\n"
+                "cls(config).save_pretrained(sys.argv[2])\n"
+                "from elx.exporter.bench.peers import _placeholder_tokenizer\n"
+                "from pathlib import Path\n"
+                "_placeholder_tokenizer(config.vocab_size, Path(sys.argv[2]))\n")
+        subprocess.run([sys.executable, "-c", code, name, str(folder)], check=True)
+    return folder
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in folder.glob("*.bin"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--model", action="append", required=True, help="preset, or NAME=HF_FOLDER")
+    parser.add_argument("--systems", default="elx,genai,ct2")
+    parser.add_argument("--output", type=Path, help="markdown table (default WORK/export_speed.md)")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--keep", action="store_true", help="keep the outputs (WORK/out/MODEL-SYSTEM)")
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    systems = [s for s in args.systems.split(",") if s]
+    rows = []
+    for spec in args.model:
+        name, _, source = spec.partition("=")
+        folder = hf_folder(name, source or None, args.work)
+        weights = weight_bytes(folder)
+        for system in systems:
+            decoder_only = any(k in name for k in DECODER_ONLY) or (
+                source and "CausalLM" in (folder / "config.json").read_text())
+            if system == "genai" and not decoder_only:
+                continue
+            out = args.work / "out" / f"{name}-{system}"
+            shutil.rmtree(out, ignore_errors=True)
+            model = str(folder) if source else name
+            init = [] if source else ["--random-init"]
+            env = {}
+            if system.startswith("elx"):
+                cmd = [sys.executable, "-m", "elx", "export", "--model", model, *init, "--output", str(out), "--force"]
+                cmd += {"elx-int8": ["--precision", "int8"], "elx-slim": ["--pass", "slim=skip-bad"]}.get(system, [])
+                if system == "elx-trace":
+                    env["ELX_CAPTURE"] = "trace"
+            elif system == "genai":
+                cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out),
+                       "-p", "fp32", "-e", "cpu", "-c", str(args.work / "genai-cache")]
+            elif system == "ct2":
+                cmd = [shutil.which("ct2-transformers-converter") or "ct2-transformers-converter", "--model",
+                       str(folder), "--output_dir", str(out), "--force"]
+            else:
+                raise SystemExit(f"unknown system {system}")
+            load = os.getloadavg()[0]
+            result = timed(cmd, args.work / f"{name}-{system}.log", env, args.timeout)
+            row = {"model": name, "system": system, "weights_mb": round(weights / 2**20), "load": round(load, 2),
+                   **result}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if not args.keep:
+                shutil.rmtree(out, ignore_errors=True)
+    lines = ["| model | system | wall s | peak RSS MiB | bound 2W+1G MiB | exit | load before |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        bound = 2 * r["weights_mb"] + 1024
+        lines.append(f"| {r['model']} | {r['system']} | {r['seconds']} | {r['peak_mib']} | {bound} | "
+                     f"{r['status']} | {r['load']} |")
+    text = "\n".join(lines) + "\n"
+    (args.output or args.work / "export_speed.md").write_text(text)
+    (args.work / "export_speed.json").write_text(json.dumps(rows, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,7 +37,7 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
            progress=None):
     """Export ``model`` (a local HF folder, a hub id in the local cache, or with ``random_init`` a preset) to
     ``output``: ONNX graphs + ``manifest.json``, passes applied and verified. Returns the folder's path.
-    ``precision="fp16"`` converts the verified fp32 graphs last and checks them (``exporter/precision.py``).
+    ``precision="fp16"`` converts the verified fp32 graphs last and checks them (``exporter/precision/fp16.py``).
     ``prompt_cache`` (decoder-only models): ``"shared"`` (default: the prompt's K/V once per input, read by
     all beams) or ``"per-beam"`` (HF's layout).  ``progress``: None (default) shows a bar on stderr when it
     is a terminal and nothing otherwise; True also prints one line per stage when it is not; False (or

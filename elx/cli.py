@@ -253,7 +253,7 @@ PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each v
 
 
 def _preset_names() -> str:
-    from elx.exporter.model_source import preset_names
+    from elx.exporter.source.locate import preset_names
 
     return ", ".join(preset_names())
 
@@ -273,8 +273,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty; see --force)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "int8"),
                    help="fp32 (default) or fp16: weight MatMuls, caches and per-input state in fp16, checked against "
-                        "fp32 (exporter/precision.py); int8: weight MatMuls on int8 weights, agreement with HF "
-                        "recorded (exporter/precision_int8.py)")
+                        "fp32 (exporter/precision/fp16.py); int8: weight MatMuls on int8 weights, agreement with HF "
+                        "recorded (exporter/precision/int8.py)")
     p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
     p.add_argument("--quiet", action="store_true",
                    help="print nothing (default: a progress bar on a terminal, one line per stage otherwise)")
@@ -490,10 +490,10 @@ def cmd_compare(args) -> int:
     manifest = check_generation(args.folder, options)  # before PyTorch and transformers are imported
     _languages(args, manifest, options, "elx compare draws random input ids")
     if args.model is not None:  # before PyTorch too
-        from elx.exporter.model_source import relocated_source
+        from elx.exporter.source.locate import relocated_source
 
         relocated_source(manifest.data["source"], args.model, manifest.family)
-    from elx.exporter.compare import compare, format_report
+    from elx.exporter.verification.compare import compare, format_report
     from elx.runners.manifest import Manifest
 
     report = compare(args.folder, batch_size=args.batch_size, input_length=args.input_length, seed=args.seed,

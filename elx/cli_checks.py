@@ -17,8 +17,8 @@ def check_export(model: str, random_init: bool, passes: str | None, output, forc
     """``elx export``: the passes (names, arguments, combinations), the model (a folder, a preset, a cached hub id;
     a supported architecture) and whether the passes and ``--prompt-cache`` apply to it, and the output folder."""
     from elx.exporter.atomic import check_output
-    from elx.exporter.families import family_for_architecture
-    from elx.exporter.model_source import locate_model
+    from elx.exporter.families.catalog import family_for_architecture
+    from elx.exporter.source.locate import locate_model
     from elx.exporter.passes import check_model_kind, parse_passes
 
     requests = parse_passes(passes)
@@ -61,8 +61,8 @@ def check_bench_model(model: str | None, random_init: bool, pass_sets: list[str]
     the head counts its config states: slim on a GQA Llama is refused here, not after the baseline's export),
     and the prompt cache forms fit it.  ``model`` None: the default preset (t5-small); ``text``: the
     ``--pass-sets`` value as given, for the messages."""
-    from elx.exporter.families import family_for_architecture
-    from elx.exporter.model_source import locate_model
+    from elx.exporter.families.catalog import family_for_architecture
+    from elx.exporter.source.locate import locate_model
     from elx.exporter.passes import check_model_kind, parse_passes
 
     shown = repr(text) if text is not None else "--pass-sets"
@@ -94,7 +94,7 @@ def _pass_set_key(pass_set: str) -> tuple:
     return ("" if passes in ("baseline", "base", "none") else passes), precision
 
 
-PROMPT_CACHE_FORMS = ("shared", "per-beam")  # elx.exporter.decoder_only.PROMPT_CACHE_FORMS, without its imports
+PROMPT_CACHE_FORMS = ("shared", "per-beam")  # elx.exporter.capture.decoder_only.PROMPT_CACHE_FORMS, without its imports
 
 
 def check_prompt_cache(forms: list[str], family) -> None:

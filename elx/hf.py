@@ -177,7 +177,7 @@ def _config_class(architecture: str):
 def _stated_config(manifest: Manifest) -> dict | None:
     """The source's config as written, found through the manifest's ``source`` record (a folder, a hub snapshot, a
     preset or a GGUF file), or None when it is gone."""
-    from elx.exporter.model_source import locate_model
+    from elx.exporter.source.locate import locate_model
 
     source = manifest.data.get("source") or {}
     spec = source.get("path") or source.get("model")
@@ -317,8 +317,8 @@ class ElxPreTrainedModel:
 
     @classmethod
     def _check_source_kind(cls, folder: Path) -> None:
-        from elx.exporter.families import family_for_architecture
-        from elx.exporter.model_source import architecture_of
+        from elx.exporter.families.catalog import family_for_architecture
+        from elx.exporter.source.locate import architecture_of
 
         architecture = architecture_of(folder)
         family = family_for_architecture(architecture)
@@ -471,7 +471,7 @@ def _local_folder(spec) -> Path:
                        "DIR, or convert it ('elx import-gguf') and pass the transformers folder")
     if folder.exists():
         raise ElxError(f"{folder} is a file; pass an elx export folder or a transformers model folder")
-    from elx.exporter.model_source import locate_model
+    from elx.exporter.source.locate import locate_model
 
     return locate_model(str(spec)).folder  # a hub id's snapshot, else one line saying it is neither
 

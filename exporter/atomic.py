@@ -81,7 +81,7 @@ TOKENIZER_FILES = frozenset({
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
     "source.spm", "target.spm", "target_vocab.json", "normalizer.json", "preprocessor_config.json",
-    "processor_config.json", *TEXT_RULE_FILES})  # and what exporter/tokenizer_export.py adds for the runtime
+    "processor_config.json", *TEXT_RULE_FILES})  # and what exporter/tokenizer/export.py adds for the runtime
 
 
 def _engine_files(section: dict) -> set[str]:

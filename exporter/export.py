@@ -16,19 +16,19 @@ from elx.runners.manifest import FORMAT, VERSION, Manifest
 
 from elx._version import __version__
 from elx.exporter.atomic import check_output, output_path, staged_folder
-from elx.exporter.capture import Capture
-from elx.exporter.chat_template import save_chat_template
+from elx.exporter.capture.stitched import Capture
+from elx.exporter.tokenizer.chat_template import save_chat_template
 from elx.runners.errors import ElxError
-from elx.exporter.decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
-from elx.exporter.onnx_export import decoder_spec, export_cross_kv, export_decoder, export_encoder
+from elx.exporter.capture.decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
+from elx.exporter.capture.onnx_export import decoder_spec, export_cross_kv, export_decoder, export_encoder
 from elx.exporter.passes import check_model_kind, check_not_applied, parse_passes
-from elx.exporter.precision_export import check_precision, fp16_checks, refuse_fp16
+from elx.exporter.precision.fp16_export import check_precision, fp16_checks, refuse_fp16
 from elx.exporter.progress import WEIGHTS, Progress
 from elx.exporter.memory import check_export_memory, free_weights, own_copies, release_memory
-from elx.exporter.model_source import locate_model
-from elx.exporter.shared_weights import folder_bytes, store_weights_once
-from elx.exporter.sources import resolve_model
-from elx.exporter.verify import default_shapes, require_within_tolerance, tolerance_record, verify_export
+from elx.exporter.source.locate import locate_model
+from elx.exporter.capture.shared_weights import folder_bytes, store_weights_once
+from elx.exporter.source.load import resolve_model
+from elx.exporter.verification.verify import default_shapes, require_within_tolerance, tolerance_record, verify_export
 
 
 def _as_list(value):
@@ -124,13 +124,13 @@ def export_graphs(model, family, folder: Path, manifest: dict, progress: Progres
 def copy_tokenizer(model_folder: str | None, folder: Path, data: dict | None = None,
                    report: Progress | None = None) -> bool:
     """Save the source's tokenizer/feature extractor next to the graphs, in the form the runtime reads, checked
-    against HF (``exporter/tokenizer_export.py``); record ``has_tokenizer``, ``tokenizer`` and ``languages`` in
+    against HF (``exporter/tokenizer/export.py``); record ``has_tokenizer``, ``tokenizer`` and ``languages`` in
     ``data`` (the manifest being written) and say each note in one line.
 
     A Whisper folder's processor (tokenizer + ``WhisperFeatureExtractor``) is saved whole: the
     runners read the feature extractor from ``tokenizer/`` for ``--audio``.
     """
-    from elx.exporter.tokenizer_export import export_tokenizer
+    from elx.exporter.tokenizer.export import export_tokenizer
 
     data = {} if data is None else data
     exported = export_tokenizer(model_folder, folder, data.get("dims", {}).get("vocab_size"))
@@ -160,7 +160,7 @@ def run_passes(folder: Path, manifest: Manifest, requests: list, progress: Progr
 
 
 def finish_folder(folder: Path, manifest: Manifest, progress: Progress) -> None:
-    """Store every weight once (``exporter/shared_weights.py``) and write the manifest."""
+    """Store every weight once (``exporter/capture/shared_weights.py``) and write the manifest."""
     with progress.stage("store weights once", WEIGHTS["store"]) as stage:
         weights = manifest.data["weights"] = store_weights_once(folder, manifest)
         shared = weights["tensors"] - weights["distinct_tensors"]
@@ -248,9 +248,9 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                  force: bool = False, quiet: bool = False, precision: str = "fp32",
                  prompt_cache: str | None = None, progress=None) -> Path:
     """Export, verify (fp32), apply passes; with ``precision="fp16"`` convert and check last
-    (``exporter/precision_export.py``); store each weight once (``exporter/shared_weights.py``).
+    (``exporter/precision/fp16_export.py``); store each weight once (``exporter/capture/shared_weights.py``).
     ``prompt_cache`` (decoder-only models: "shared", the default, or "per-beam") picks where the prompt's
-    keys/values live (``exporter/decoder_only.py``).  ``progress``: the stages as a bar, plain lines or
+    keys/values live (``exporter/capture/decoder_only.py``).  ``progress``: the stages as a bar, plain lines or
     nothing (``exporter/progress.py``; None: a bar when stderr is a terminal); ``quiet`` says nothing."""
     requests = parse_passes(passes)  # validate before any heavy work
     check_precision(precision)
@@ -305,8 +305,8 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 run_passes(folder, manifest, requests, report, fp16.check_pass if fp16 else None)
                 if fp16 is not None:
                     fp16.finish(folder, manifest)
-            if precision == "int8":  # exporter/precision_int8.py: converted last, measured and recorded
-                from elx.exporter.precision_int8_export import finish as finish_int8
+            if precision == "int8":  # exporter/precision/int8.py: converted last, measured and recorded
+                from elx.exporter.precision.int8_export import finish as finish_int8
 
                 finish_int8(loaded.model, folder, manifest, report)
             if loaded.save_tokenizer is None:

@@ -60,7 +60,7 @@ def _size(count: int) -> str:
 
 
 def float32_weight_bytes(location) -> int | None:
-    """The float32 bytes of the model ``location`` (``exporter/model_source.py``) names, from its config alone: its
+    """The float32 bytes of the model ``location`` (``exporter/source/locate.py``) names, from its config alone: its
     parameters counted on PyTorch's meta device (nothing allocated), each tensor once (a tied head counts once);
     a GGUF file's from its tensor table.  None when the config cannot say."""
     if location.gguf is not None:

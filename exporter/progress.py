@@ -21,6 +21,9 @@ The ETA weighs stages: each has a ``weight`` roughly proportional to the time it
 (tracing a graph weighs more than writing the manifest), and tqdm's ETA is the weight left divided by
 the weight done per second so far.  A stage of several steps (a bench round: one call per system)
 moves the bar step by step with ``Stage.step``.
+
+The modes and the tqdm bar are the runtime's (``runners/progress.py``: ``MODES``, ``resolve_mode``, ``tqdm_bar``),
+shared with the meter of ``elx generate --input-file``; this module adds the weighted stages.
 """
 from __future__ import annotations
 
@@ -30,8 +33,8 @@ import time
 from contextlib import contextmanager
 
 from elx.runners.errors import ElxError
+from elx.runners.progress import MODES, is_terminal, resolve_mode, tqdm_bar
 
-MODES = ("auto", "bar", "plain", "none")
 REFRESH_SECONDS = 1.0
 # ETA weights of the export stages: rough seconds per stage for t5-small on the project's 2-core VM (the
 # graphs measured at 50, 4 and 60-67 s, verification and a pass at 15-35 s; fp16 estimated); only the ETA reads them
@@ -39,22 +42,16 @@ WEIGHTS = {"load": 8, "encoder": 50, "cross_kv": 4, "decoder": 60, "prefill": 60
            "fp16": 30, "store": 3, "write": 1}
 
 
-def _is_terminal(stream) -> bool:
-    return bool(getattr(stream, "isatty", lambda: False)())
-
-
 def mode_of(progress=None, stream=None) -> str:
     """``bar``, ``plain`` or ``none`` for a user's choice: None (the Python API's default: a bar on a terminal,
     else nothing), True or ``auto`` (a bar on a terminal, else plain lines), False, or a mode's name."""
-    terminal = _is_terminal(stream if stream is not None else sys.stderr)
+    stream = stream if stream is not None else sys.stderr
     if progress is None:
-        return "bar" if terminal else "none"
-    if progress is True or progress == "auto":
-        return "bar" if terminal else "plain"
+        return "bar" if is_terminal(stream) else "none"
     if progress is False:
         return "none"
-    if progress in MODES:
-        return progress
+    if progress is True or progress in MODES:
+        return resolve_mode("auto" if progress is True else progress, stream)
     raise ElxError(f"progress must be True, False, None or one of {', '.join(MODES)}, not {progress!r}")
 
 
@@ -92,11 +89,8 @@ class Progress:
         self.total, self.done = float(total), 0.0
         self.bar, self._stop, self._thread = None, threading.Event(), None
         if self.mode == "bar":
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=max(self.total, 1e-9), desc=title, file=self.stream, dynamic_ncols=True,
-                            leave=False, smoothing=0, bar_format="{desc} {percentage:3.0f}%|{bar}| "
-                                                                 "{elapsed} elapsed, ETA {remaining}")
+            self.bar = tqdm_bar(self.stream, max(self.total, 1e-9), "{desc} {percentage:3.0f}%|{bar}| "
+                                "{elapsed} elapsed, ETA {remaining}", desc=title, leave=False, smoothing=0)
             self._thread = threading.Thread(target=self._refresh, daemon=True)
             self._thread.start()
 

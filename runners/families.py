@@ -4,7 +4,7 @@ HF ``generate`` treats families differently in a few places: Whisper builds its 
 prompt (start, language, task, no-timestamps), suppresses tokens, has its own length rule, runs
 ``num_return_sequences`` as repeated inputs, and returns the generated tokens without prompt or
 EOS.  Each family's ``Rules`` object answers these questions; ``elx.runners.search.settings``,
-``elx.runners.generate`` and ``elx.exporter.compare`` only ever call the rules of the manifest's family.
+``elx.runners.generate`` and ``elx.exporter.verification.compare`` only ever call the rules of the manifest's family.
 
 * ``EncoderDecoderRules`` (T5, BART, Marian, mBART, M2M100/NLLB, Pegasus, FSMT): HF's generic rules;
   the decoder prompt is the start token (the BOS where the config sets none, as in HF) and HF

@@ -109,7 +109,7 @@ _GENERATION = {  # generation_config values the runners read (runners/options.py
 }
 _SHARE = {"type": "number", "minimum": 0, "maximum": 1, "description": "a share (a number from 0 to 1)"}
 _DIFF = {"type": "number", "minimum": 0, "description": "a non-negative number"}
-_INT8_SEARCH = {  # exporter/precision_int8_check.py: one search's recorded agreement with HF fp32
+_INT8_SEARCH = {  # exporter/precision/int8_check.py: one search's recorded agreement with HF fp32
     "type": "object", "description": "a search's recorded agreement with HF fp32",
     "required": ["num_beams", "rows", "rows_identical", "identical_share", "top1_pairs", "top1_agree",
                  "top1_agreement", "max_abs_logits_diff"],
@@ -131,7 +131,7 @@ _INT8_VERIFICATION = {
         "searches": {"type": "object", "required": ["greedy", "beam4"], "description": "the greedy and beam4 records",
                      "additionalProperties": _INT8_SEARCH}}}
 _INT8 = {"type": "object", "required": ["graphs", "reduce_range", "lm_head"],
-         "description": "the int8 rule's record (exporter/precision_int8.py)",
+         "description": "the int8 rule's record (exporter/precision/int8.py)",
          "properties": {"graphs": {"type": "object", "description": "MatMul counts per decision, by graph"},
                         "reduce_range": {"type": "boolean", "description": "true or false"},
                         "lm_head": {"enum": ["int8", "fp32"], "description": "'int8' or 'fp32'"}}}
@@ -147,14 +147,14 @@ _GGUF = {  # exporter/gguf/metadata.py: the GGUF file an export was made from
 _TEMPLATE_IDS = {"type": "array", "description": "a list of token ids and 'language'",
                  "items": {"type": ["integer", "string"], "minimum": 0, "pattern": "^language$",
                            "description": "a token id or 'language'"}}
-_TOKENIZER = {  # exporter/tokenizer_export.py: how the runtime tokenizes, and its check against HF
+_TOKENIZER = {  # exporter/tokenizer/export.py: how the runtime tokenizes, and its check against HF
     "type": "object", "description": "the tokenizer's record ({class, runtime, check} or {class, note})",
     "properties": {"class": {"type": "string", "description": "a tokenizer class name"},
                    "runtime": {"enum": ["tokenizer.json", "pieces"], "description": "'tokenizer.json' or 'pieces'"},
                    "check": {"type": "object", "description": "an object of counts",
                              "additionalProperties": _int()},
                    "note": {"type": "string", "description": "a string"}}}
-_LANGUAGES = {  # exporter/tokenizer_languages.py: language code -> token id, and how HF uses it
+_LANGUAGES = {  # exporter/tokenizer/languages.py: language code -> token id, and how HF uses it
     "type": "object", "required": ["codes", "target"], "description": "the language table ({codes, target, ...})",
     "properties": {
         "tokenizer": {"type": "string", "description": "a tokenizer class name"},
@@ -212,7 +212,7 @@ SCHEMA = {
         "tokenizer": _TOKENIZER,
         "languages": _LANGUAGES,
         "padding_side": {"enum": ["left", "right"], "description": "'left' or 'right'"},
-        "chat_template": {  # exporter/chat_template.py; runners/inputs/chat.py renders it
+        "chat_template": {  # exporter/tokenizer/chat_template.py; runners/inputs/chat.py renders it
             "type": "object", "required": ["file", "special_tokens"],
             "description": "the chat template's record ({file, special_tokens, split_special_tokens})",
             "properties": {"file": _FILE, "split_special_tokens": {"type": "boolean", "description": "true or false"},

@@ -10,7 +10,9 @@ Modes: ``bar`` (tqdm on stderr; its own rate and ETA are not shown, the meter's 
 ``PLAIN_SECONDS``), ``none``; ``auto``: a bar on a terminal, plain lines otherwise.
 
 The export, engine-build and bench stages report through ``exporter/progress.py`` (weighted stages, no item
-counts); it is the other tqdm wrapper of the code base, kept apart because its owner edits it now.
+counts), which takes its modes (``MODES``, ``resolve_mode``, ``is_terminal``) and its tqdm bar (``tqdm_bar``) from
+here: one place decides what ``auto`` means and how a bar is drawn (the exporter imports the runtime, never the
+reverse).
 """
 from __future__ import annotations
 
@@ -24,13 +26,25 @@ BAR_SECONDS = 0.5
 MODES = ("auto", "bar", "plain", "none")
 
 
+def is_terminal(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 def resolve_mode(mode: str, stream) -> str:
     """``auto`` → ``bar`` on a terminal, ``plain`` otherwise; other modes as they are (one line if unknown)."""
     if mode == "auto":
-        return "bar" if getattr(stream, "isatty", lambda: False)() else "plain"
+        return "bar" if is_terminal(stream) else "plain"
     if mode not in MODES:
         raise ElxError(f"progress must be auto, bar, plain or none, not {mode!r}")
     return mode
+
+
+def tqdm_bar(stream, total: float, bar_format: str, **options):
+    """elx's tqdm bar: on ``stream``, as wide as the terminal, drawn by ``bar_format`` (tqdm is imported here, only
+    when a bar is shown)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, file=stream, dynamic_ncols=True, bar_format=bar_format, **options)
 
 
 class Meter:
@@ -43,11 +57,9 @@ class Meter:
         self.start = self.shown = self.last = time.monotonic()  # last: when the latest items were counted
         self.bar = None
         if self.mode == "bar":
-            from tqdm.auto import tqdm
-
             # the meter's line where tqdm would put its own rate: the {desc} field, after the bar
-            self.bar = tqdm(total=total, unit="item", file=self.stream, dynamic_ncols=True, desc=self.line(),
-                            bar_format=title.replace("{", "{{").replace("}", "}}") + ": {percentage:3.0f}%|{bar}| {desc}")
+            self.bar = tqdm_bar(self.stream, total, title.replace("{", "{{").replace("}", "}}")
+                                + ": {percentage:3.0f}%|{bar}| {desc}", unit="item", desc=self.line())
 
     def update(self, items: int, tokens: int) -> None:
         now = time.monotonic()

@@ -4,10 +4,10 @@ Two variants draw what no hand-picked list covers:
 
 * **export**: a pool of tiny model specs of every family (``SPECS``) × pass sets (baseline, el,
   slim=skip-bad, slim-cross=skip-bad, ngram=N and their compositions) × random generation
-  settings and padded batches.  Each example runs ``elx.exporter.compare.compare_loaded``: elx on
+  settings and padded batches.  Each example runs ``elx.exporter.verification.compare.compare_loaded``: elx on
   ONNX Runtime against HF ``generate`` (fp32, the model's default attention), teacher-forced
   logits and encoder diffs within 1e-4, and ``elx compare``'s stability rule
-  (``exporter/stability.py``): a row that differs is excused only where HF's own answer for it is
+  (``exporter/verification/stability.py``): a row that differs is excused only where HF's own answer for it is
   not stable (its eager fp32, sdpa fp32 and fp64 disagree, the input alone gets another answer, or
   its answer moves under logits perturbations as large as the export's measured error).
   Exports are the cost, so each (spec, pass set) is exported once per session (``ExportPool``):
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from elx.exporter.compare import HfVariants, _hf_generate, compare_loaded
-from elx.exporter.hf_reference import (DecoderOnlySearchBackend, SearchBackend, hf_reference_options,  # noqa: F401
+from elx.exporter.verification.compare import HfVariants, _hf_generate, compare_loaded
+from elx.exporter.verification.hf_reference import (DecoderOnlySearchBackend, SearchBackend, hf_reference_options,  # noqa: F401
                                  search_backend)
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
@@ -294,7 +294,7 @@ class ExportPool:
             folder = self.export(spec, passes)
             generator = Generator.from_folder(folder, threads=1)
             if spec.name not in self._models:
-                from elx.exporter.sources import reload_model
+                from elx.exporter.source.load import reload_model
 
                 model = reload_model(generator.manifest.data["source"])
                 self._models[spec.name] = (model, HfVariants(model))
@@ -535,7 +535,7 @@ def hf_search(model, inputs: dict, options: dict, vocab: int, device: str = "cpu
     """HF ``generate(use_cache=False)`` with ``options`` (specs built, seeded with ``torch.manual_seed``):
     (sequences, {scores, logits, beam_indices, sequences_scores} as numpy where HF returned them).  ``device``:
     where HF runs (model and inputs moved there for the call, the model moved back after)."""
-    from elx.exporter.hf_reference import torch_inputs as _torch_inputs
+    from elx.exporter.verification.hf_reference import torch_inputs as _torch_inputs
 
     batch = int(next(iter(inputs.values())).shape[0])
     kwargs = call_arguments(hf_reference_options(model, options), vocab, batch, torch_tensors=True)
@@ -704,7 +704,7 @@ class Stats:
     def summary(self) -> str:
         lines = [f"differential[{self.variant}]: {self.examples} examples, {self.rows} rows; "
                  f"{self.identical_rows} rows identical, {self.fragile_rows} fragile rows excused "
-                 f"(HF's own answer not stable: exporter/stability.py) in {self.excused_examples} examples; "
+                 f"(HF's own answer not stable: exporter/verification/stability.py) in {self.excused_examples} examples; "
                  f"HF refused {self.hf_refused}; {len(self.failures)} failures"]
         if self.variant == "search":
             lines.append(f"  fragile on the CPU kernels (HF's tokens differ between PyTorch's scalar / AVX2 / "
@@ -930,7 +930,7 @@ def decoder_only_lengths(options: dict, prompt_width: int) -> dict:
 def bare_manifest(model) -> Manifest:
     """A manifest without graphs (what ``elx export`` would record), for the generator's settings and inputs."""
     from elx.exporter.export import base_manifest
-    from elx.exporter.families import family_for_architecture
+    from elx.exporter.families.catalog import family_for_architecture
 
     family = family_for_architecture(type(model).__name__)
     data = base_manifest(model, family, {"kind": "in-memory"})

@@ -1,4 +1,4 @@
-"""HF references for the tests: elx's searches fed HF's own PyTorch logits (``exporter/hf_reference.py``, where the
+"""HF references for the tests: elx's searches fed HF's own PyTorch logits (``exporter/verification/hf_reference.py``, where the
 stability rule of ``elx compare`` uses them too), and transformers' Whisper features on its numpy path.
 
 ``hf_numpy_features`` runs transformers' ``WhisperFeatureExtractor`` on its numpy path, the
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from unittest import mock
 
-from elx.exporter.hf_reference import HfDecoderOnlyLogitsBackend, HfLogitsBackend  # noqa: F401 - the tests' names
+from elx.exporter.verification.hf_reference import HfDecoderOnlyLogitsBackend, HfLogitsBackend  # noqa: F401 - the tests' names
 
 
 def hf_numpy_features(extractor, audio: list, **kwargs):

@@ -138,7 +138,7 @@ def test_export_logs_each_graphs_own_time(monkeypatch, tmp_path):
 
 def test_compare_prints_no_one_run_speed_ratio(exported, monkeypatch):
     """A ratio of one warm run each swung 5.7x-16.9x between runs (issue 27): compare times on request, prints none."""
-    import elx.exporter.compare as compare
+    import elx.exporter.verification.compare as compare
 
     calls = []
     real = compare._hf_generate
@@ -368,7 +368,7 @@ def test_one_at_a_time_converts_the_peers_before_hf_and_loads_them_after_its_mod
     import weakref
 
     import elx.exporter.bench.peers as peers
-    import elx.exporter.sources as sources
+    import elx.exporter.source.load as sources
     from elx.exporter.bench.bench import BenchSettings, run_bench
     from elx.runners.generate import Generator
 

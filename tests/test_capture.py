@@ -130,9 +130,9 @@ def test_stitched_export_is_recorded_and_stores_each_weight_once(llama5):
 
 def test_stitched_graphs_are_the_traced_graphs_bit_for_bit(llama5, tmp_path):
     """Node for node the whole-model trace, and the same outputs bit for bit on ONNX Runtime."""
-    from elx.exporter.decoder_only import _prefill_spec, _step_spec
-    from elx.exporter.onnx_export import save_model, trace
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.capture.decoder_only import _prefill_spec, _step_spec
+    from elx.exporter.capture.onnx_export import save_model, trace
+    from elx.exporter.source.load import resolve_model
 
     loaded = resolve_model(str(llama5["model"]))
     for name, spec in (("prefill.onnx", _prefill_spec(loaded.model, loaded.family)),
@@ -264,7 +264,7 @@ def test_a_model_too_large_is_refused_before_its_weights_are_read(tmp_path, monk
     import elx.runners.inputs.validation as validation
     from elx.exporter.export import export_model
     from elx.exporter.memory import FP32_COPIES, PROCESS_BYTES, check_export_memory
-    from elx.exporter.model_source import locate_model
+    from elx.exporter.source.locate import locate_model
 
     estimate = check_export_memory(locate_model("smollm2-135m", random_init=True), available=10**12)
     assert estimate["float32_weight_bytes"] == 4 * 134_515_008  # SmolLM2-135M: tied head counted once

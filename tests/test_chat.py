@@ -135,7 +135,7 @@ def _exported_tokenizer(source: Path, export: Path):
     (HF's tokenizer loaded from the source, elx's Chat on the export)."""
     from transformers import AutoTokenizer
 
-    from elx.exporter.chat_template import save_chat_template
+    from elx.exporter.tokenizer.chat_template import save_chat_template
     from elx.exporter.export import copy_tokenizer
 
     assert copy_tokenizer(str(source), export)
@@ -245,7 +245,7 @@ def test_the_sandbox_and_the_namespace_refuse_what_transformers_refuses(template
 
 def test_export_stops_when_elx_would_render_otherwise(tmp_path, monkeypatch):
     """The export's end-to-end check can fail: ids other than transformers' stop it in one line."""
-    from elx.exporter.chat_template import save_chat_template
+    from elx.exporter.tokenizer.chat_template import save_chat_template
     from elx.exporter.export import copy_tokenizer
 
     _hf_tokenizer("chatml").save_pretrained(tmp_path / "source")
@@ -258,7 +258,7 @@ def test_export_stops_when_elx_would_render_otherwise(tmp_path, monkeypatch):
 def test_no_template_no_record(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from elx.exporter.chat_template import save_chat_template
+    from elx.exporter.tokenizer.chat_template import save_chat_template
     from elx.exporter.export import copy_tokenizer
 
     PreTrainedTokenizerFast(tokenizer_object=_tokenizer("byte", None), eos_token="</s>").save_pretrained(tmp_path / "s")

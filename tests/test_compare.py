@@ -1,7 +1,7 @@
 """``elx compare``'s verdict (issue 10 items 2 and 4): a bug is told from a fragile case, and numerics count.
 
 * A row where elx differs counts as a failure only when HF's own answer is stable
-  (``exporter/stability.py``: eager fp32 = sdpa fp32 = fp64 = the input alone, and it survives
+  (``exporter/verification/stability.py``: eager fp32 = sdpa fp32 = fp64 = the input alone, and it survives
   logits perturbations as large as the export's measured error); fragile rows are reported
   separately, with their margin, and do not fail the comparison.
 * A corrupted export fails even where its tokens equal HF's: the teacher-forced logits and the
@@ -18,7 +18,7 @@ import torch
 from onnx import numpy_helper
 
 from elx.cli import run as elx_run
-from elx.exporter.compare import (HF_VARIANTS, HfVariants, compare, compare_loaded, format_report, hf_variant, same_row)
+from elx.exporter.verification.compare import (HF_VARIANTS, HfVariants, compare, compare_loaded, format_report, hf_variant, same_row)
 from elx.runners.generate import Generator
 
 
@@ -240,7 +240,7 @@ def _rounded_like_the_export(generator: Generator, model, amplitude: float, seed
     """``generator`` whose tokens are elx's search on HF's float64 logits plus the stability rule's seeded noise of
     ``amplitude`` (``hf_reference.search_backend``): an export whose rounding decides near-ties one way.  Its
     graphs (and so compare's teacher-forced error) stay the real export's."""
-    from elx.exporter.hf_reference import search_backend
+    from elx.exporter.verification.hf_reference import search_backend
 
     def perturbed(*args, **kwargs):
         return Generator(search_backend(model, generator.manifest, (amplitude, seed))).generate(*args, **kwargs)
@@ -302,7 +302,7 @@ def test_a_corrupted_weight_still_fails(issue_23_export, tmp_path):
 
 def test_the_input_alone_must_agree(exported, model_folders, monkeypatch):
     """Where HF gives an input alone (unpadded) other tokens than in the padded batch, the row is fragile."""
-    import elx.exporter.stability as stability
+    import elx.exporter.verification.stability as stability
     from transformers import T5ForConditionalGeneration
 
     real = stability.hf_generate

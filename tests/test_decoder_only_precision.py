@@ -17,9 +17,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from elx.exporter.compare import compare, export_tolerance, format_report
-from elx.exporter.precision import gemms_to_matmuls
-from elx.exporter.precision_check import UNIT_ROUNDOFF, fp16_depth
+from elx.exporter.verification.compare import compare, export_tolerance, format_report
+from elx.exporter.precision.fp16 import gemms_to_matmuls
+from elx.exporter.precision.fp16_check import UNIT_ROUNDOFF, fp16_depth
 from elx.exporter.progress import Progress
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
@@ -37,7 +37,7 @@ def _weight_matmuls_per_layer(family: str) -> int:
 
 
 def _torch_model(model_folders, family):
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
 
     return resolve_model(str(model_folders[family])).model
 
@@ -46,8 +46,8 @@ def _torch_model(model_folders, family):
 def converted(exported, model_folders, tmp_path_factory):
     """``converted(family, precision)`` → the fp32 export converted as ``elx export --precision`` converts it."""
     from elx.exporter.export import finish_folder
-    from elx.exporter.precision_export import fp16_checks
-    from elx.exporter.precision_int8_export import finish
+    from elx.exporter.precision.fp16_export import fp16_checks
+    from elx.exporter.precision.int8_export import finish
 
     def get(family: str, precision: str):
         key = (family, precision)
@@ -121,8 +121,8 @@ def test_decoder_only_fp16_compare_uses_the_fp16_rule(converted, family):
 def test_prefix_torch_side_matches_the_fp32_export(exported, model_folders):
     """The fp16 checks' PyTorch side (prompt, prefix and token in one forward) against the fp32 export filling
     its own cache: the fp32 tolerance, so a wrong mask or position in the side would show."""
-    from elx.exporter.precision_decoder_only import DecoderOnlyPrefixTorchSide
-    from elx.exporter.verify import DECODER_ONLY_SHAPES, RuntimeSide, measure
+    from elx.exporter.precision.decoder_only import DecoderOnlyPrefixTorchSide
+    from elx.exporter.verification.verify import DECODER_ONLY_SHAPES, RuntimeSide, measure
 
     manifest = Manifest.load(exported("llama"))
     side = DecoderOnlyPrefixTorchSide(_torch_model(model_folders, "llama"), manifest)
@@ -133,8 +133,8 @@ def test_prefix_torch_side_matches_the_fp32_export(exported, model_folders):
 
 def test_decoder_only_fp16_refuses_a_broken_conversion(exported, model_folders, tmp_path, monkeypatch):
     """LM head weights off by 2% after conversion: refused by the D·u check, the folder left as it was."""
-    from elx.exporter import precision_export
-    from elx.exporter.precision_export import fp16_checks
+    from elx.exporter.precision import fp16_export as precision_export
+    from elx.exporter.precision.fp16_export import fp16_checks
 
     convert = precision_export.to_fp16
 
@@ -265,8 +265,8 @@ def test_decoder_only_int8_compare_fails_a_damaged_export(converted, tmp_path):
 def test_per_layer_rule_keeps_an_out_of_line_layer(exported, model_folders, monkeypatch):
     """A layer whose measured error is out of line (here: made so by scaling its measured error) stays fp32,
     and the record says so; the others are quantized."""
-    from elx.exporter import precision_int8_check
-    from elx.exporter.precision_int8_layers import measure_layers
+    from elx.exporter.precision import int8_check as precision_int8_check
+    from elx.exporter.precision.int8_layers import measure_layers
 
     measure = precision_int8_check.random_inputs_error
 
@@ -331,7 +331,7 @@ def test_int8_composes_with_slim_rope(qwen2_exports, model_folders, tmp_path):
     (the fp32 check's random past has V entries a K-only cache lacks: a KeyError before), the slim key
     projections and W_KV products stay fp32."""
     from elx.exporter.export import apply_passes, finish_folder
-    from elx.exporter.precision_int8_export import finish
+    from elx.exporter.precision.int8_export import finish
 
     folder = apply_passes(qwen2_exports["shared"], tmp_path / "slim", "slim")
     manifest = Manifest.load(folder)

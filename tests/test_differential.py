@@ -3,7 +3,7 @@
 ``test_differential_exports``: tiny models of every family (``tests/differential.py: SPECS``) ×
 pass sets × random generation settings and padded batches, elx on ONNX Runtime against HF
 ``generate``; a differing row is excused only where HF's own answer is not stable by ``elx compare``'s rule
-(``exporter/stability.py``: its configurations disagree, the input alone gets other tokens, or the answer
+(``exporter/verification/stability.py``: its configurations disagree, the input alone gets other tokens, or the answer
 moves under logits perturbations as large as the export's error), and excuses are counted, printed and bounded.
 ``test_differential_search``: random tiny configs, elx's search on HF's own float64 logits
 against HF ``generate(use_cache=False)`` on the same model.  elx's search computes the float32

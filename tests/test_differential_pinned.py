@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from elx.exporter.compare import _hf_generate, compare_loaded
+from elx.exporter.verification.compare import _hf_generate, compare_loaded
 from elx.runners.errors import ElxError
 from tests.differential import SPECS, Stats, build_fp64, run_search_example
 

@@ -10,7 +10,7 @@ import pytest
 
 from elx.runners.errors import ElxError
 from elx.exporter.export import export_model
-from elx.exporter.compare import compare
+from elx.exporter.verification.compare import compare
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs
 from elx.runners.manifest import Manifest

@@ -20,11 +20,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from elx.exporter.compare import compare
+from elx.exporter.verification.compare import compare
 from elx.exporter.export import apply_passes
 from elx.exporter.passes import el_self, parse_passes
 from elx.exporter.passes.rewrite import load_graph
-from elx.exporter.verify import TOLERANCE, Shape, verify_rewrite
+from elx.exporter.verification.verify import TOLERANCE, Shape, verify_rewrite
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs

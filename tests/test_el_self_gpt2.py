@@ -21,12 +21,12 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from elx.exporter.compare import compare
+from elx.exporter.verification.compare import compare
 from elx.exporter.export import apply_passes, export_model
 from elx.exporter.passes import el_self
 from elx.exporter.passes import el_self_decoder_only as decoder_only
 from elx.exporter.passes.rewrite import load_graph
-from elx.exporter.verify import TOLERANCE, Shape, verify_rewrite
+from elx.exporter.verification.verify import TOLERANCE, Shape, verify_rewrite
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs

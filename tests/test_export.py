@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from elx.exporter.verify import SHAPES, Shape, verify_export
+from elx.exporter.verification.verify import SHAPES, Shape, verify_export
 from elx.runners.manifest import Manifest
 
 
@@ -44,7 +44,7 @@ def test_manifest_contract(exported, family):
 @pytest.mark.parametrize("family", ["t5", "bart", "whisper"])
 def test_ort_matches_pytorch_at_new_shapes(exported, model_folders, family):
     """Shapes the export never saw: batch 1 and 5, beams 1..5, empty and long pasts, steps of 1..3 tokens."""
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
 
     folder = exported(family)
     model = resolve_model(str(model_folders[family])).model
@@ -73,7 +73,7 @@ def test_self_cache_grows_and_cross_state_is_per_input(exported):
 
 def test_random_init_preset_is_recorded(tmp_path):
     """A hub id with --random-init builds the preset architecture and says so in the manifest."""
-    from elx.exporter.sources import preset_names, resolve_model
+    from elx.exporter.source.load import preset_names, resolve_model
 
     assert {"t5-small", "t5-base", "t5-large", "flan-t5-base", "bart-base", "bart-large"} <= set(preset_names())
     loaded = resolve_model("google-t5/t5-small", random_init=True, seed=3)
@@ -86,13 +86,13 @@ def test_random_init_preset_is_recorded(tmp_path):
 
 def test_external_data_path(tmp_path, model_folders, monkeypatch):
     """Graphs above the size limit are saved with their own external data through export and passes alike, then
-    folded into the folder's one shared weights file (exporter/shared_weights.py), their own data files removed.
+    folded into the folder's one shared weights file (exporter/capture/shared_weights.py), their own data files removed.
 
     The limit (2 GB in real use) is lowered so that a tiny model takes the same code path."""
-    import elx.exporter.onnx_export as onnx_export
+    import elx.exporter.capture.onnx_export as onnx_export
     from elx.exporter.export import export_model
-    from elx.exporter.compare import compare
-    from elx.exporter.shared_weights import WEIGHTS_FILE
+    from elx.exporter.verification.compare import compare
+    from elx.exporter.capture.shared_weights import WEIGHTS_FILE
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 10_000)
     folder = export_model(str(model_folders["t5"]), tmp_path / "ext", passes="el", quiet=True)

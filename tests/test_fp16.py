@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from elx.exporter.precision_check import UNIT_ROUNDOFF, emulate, fp16_depth, judge
+from elx.exporter.precision.fp16_check import UNIT_ROUNDOFF, emulate, fp16_depth, judge
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs
@@ -69,7 +69,7 @@ def test_fp16_export_records_io_checks_and_halves_the_cache(exported, exported16
     folder16 = exported16(family, passes)
     manifest = Manifest.load(folder16)
     data = manifest.data
-    assert data["precision"] == "fp16" and data["fp16"]["rule"] == "exporter/precision.py"
+    assert data["precision"] == "fp16" and data["fp16"]["rule"] == "exporter/precision/fp16.py"
 
     # graph IO dtypes are what the manifest says; the logits are fp32, the cache and per-input state fp16
     for name in [*manifest.stages, manifest.step]:
@@ -149,7 +149,7 @@ def test_iobinding_backend_runs_fp16(exported16):
 
 def test_emulated_twin_rounds_what_the_cpu_ep_does_not(exported16):
     """The CPU EP runs fp16 MatMuls in fp32 (its casts folded away): the fp16-arithmetic twin differs from it."""
-    from elx.exporter.agreement import twin_folder
+    from elx.exporter.verification.agreement import twin_folder
 
     folder = exported16("bart")
     manifest = Manifest.load(folder)
@@ -165,7 +165,7 @@ def test_emulated_twin_rounds_what_the_cpu_ep_does_not(exported16):
 
 def test_token_agreement_is_measured_not_assumed(exported, exported16):
     """tools/measure_fp16.py's measurement: the fp32 export agrees with HF everywhere; fp16 is reported as is."""
-    from elx.exporter.agreement import token_agreement
+    from elx.exporter.verification.agreement import token_agreement
 
     options = dict(num_beams=4, max_new_tokens=8)
     control = token_agreement(exported("t5"), seeds=[0], batch_size=3, input_length=8, **options)
@@ -180,7 +180,7 @@ def test_token_agreement_is_measured_not_assumed(exported, exported16):
 
 def test_a_broken_conversion_is_refused_and_nothing_is_written(model_folders, tmp_path, monkeypatch):
     """A rewrite error beyond D·u (here: lm_head weights off by 2%) is refused before the folder appears."""
-    from elx.exporter import precision_export
+    from elx.exporter.precision import fp16_export as precision_export
     from elx.exporter.export import export_model
 
     convert = precision_export.to_fp16
@@ -263,7 +263,7 @@ def test_slim_cross_keeps_its_key_state_fp32(exported16):
 def test_compare_tolerance_follows_the_export_precision(exported16):
     """`elx compare` on an fp16 export failed at fp32's 1e-4 although the export passed its own fp16 checks and
     every sequence was identical (issue 27): its default tolerance is the manifest's fp16 rule."""
-    from elx.exporter.compare import compare, export_tolerance
+    from elx.exporter.verification.compare import compare, export_tolerance
 
     folder = exported16("t5")
     manifest = Manifest.load(folder)

@@ -1,4 +1,4 @@
-"""The fp32 tolerance from what fp32 itself does on the model (issue 39 item 0): ``exporter/fp32_noise.py``.
+"""The fp32 tolerance from what fp32 itself does on the model (issue 39 item 0): ``exporter/verification/fp32_noise.py``.
 
 Each verification case's bar is ``max(magnitude rule, 4 · e)``, e = PyTorch fp32 vs fp64 on that case.  The
 tests: an ill-conditioned model (large weights: fp32's own error several times the magnitude rule, as on the
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from elx.exporter.fp32_noise import NOISE_MULTIPLE
-from elx.exporter.verify import Shape, logits_tolerance, measure, require_within_tolerance, verify_export
+from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE
+from elx.exporter.verification.verify import Shape, logits_tolerance, measure, require_within_tolerance, verify_export
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 

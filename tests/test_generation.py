@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from elx.exporter.compare import compare
+from elx.exporter.verification.compare import compare
 
 SETTINGS = [
     dict(max_new_tokens=12),  # greedy (num_beams defaults to 1)

@@ -50,7 +50,7 @@ def test_every_set_field_is_recorded(t5_export):
 
 
 def test_compare_gives_identical_rows(t5_export):
-    from elx.exporter.compare import compare
+    from elx.exporter.verification.compare import compare
 
     report = compare(t5_export, batch_size=3, input_length=12, seed=1)
     assert report.passed and report.all_identical, [r.__dict__ for r in report.rows]
@@ -85,7 +85,7 @@ def test_opus_mt_like_marian_generates_from_the_cli(tmp_path, capsys):
     rows = [[int(t) for t in line.split(": ")[1].split()] for line in capsys.readouterr().out.splitlines()
             if line.startswith("input ")]
     assert len(rows) == 2 and all(row[0] == pad and pad not in row[1:] for row in rows)
-    from elx.exporter.compare import compare
+    from elx.exporter.verification.compare import compare
 
     assert compare(export, batch_size=2, input_length=8, max_new_tokens=8).all_identical
 

@@ -223,8 +223,8 @@ def test_export_records_the_gguf_and_generates_hf_tokens(files, exported, capsys
 
 
 def test_compare_reloads_the_gguf_and_refuses_a_changed_file(files, exported, tmp_path):
-    from elx.exporter.compare import compare
-    from elx.exporter.sources import reload_model
+    from elx.exporter.verification.compare import compare
+    from elx.exporter.source.load import reload_model
     from elx.runners.manifest import Manifest
 
     report = compare(exported, batch_size=2, input_length=6, max_new_tokens=4)

@@ -16,8 +16,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from elx.exporter.compare import compare
-from elx.exporter.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
+from elx.exporter.verification.compare import compare
+from elx.exporter.verification.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs
@@ -97,7 +97,7 @@ def test_manifest_contract(gpt2, form):
 @pytest.mark.parametrize("form", ["shared", "per-beam"])
 def test_verified_against_pytorch_at_new_shapes(gpt2, form):
     """Batch 1 and 5, beams 1..5, no generated past and a long one, prompts of 3..20 (left-padded)."""
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
 
     model = resolve_model(str(gpt2["folder"])).model
     shapes = (Shape(1, 5, 3, 0), Shape(5, 1, 13, 9), Shape(2, 2, 20, 1), Shape(3, 4, 6, 12))
@@ -108,7 +108,7 @@ def test_verified_against_pytorch_at_new_shapes(gpt2, form):
 def test_verification_sees_position_ids(gpt2, monkeypatch):
     """The check can fail: with positions counted from the padded start (not HF's cumsum of the mask)
     the same graphs disagree with PyTorch."""
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
     import elx.runners.model as model_module
 
     def from_padded_start(mask):
@@ -281,7 +281,7 @@ def test_prompt_and_length_errors(gpt2):
 def test_ragged_input_ids_are_left_padded_like_hf(gpt2):
     """``input_ids`` rows of different lengths: elx left-pads them with HF's pad (EOS for GPT-2) and
     returns what HF generate returns for that left-padded batch."""
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
 
     generator = Generator.from_folder(gpt2["shared"])
     rows = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
@@ -324,7 +324,7 @@ def test_export_refuses_prompt_cache_elsewhere(gpt2, tmp_path, model_folders):
 
 
 def test_presets():
-    from elx.exporter.sources import preset_names, _find_preset
+    from elx.exporter.source.load import preset_names, _find_preset
 
     assert {"gpt2", "gpt2-medium"} <= set(preset_names())
     for name, (layers, d, heads) in {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16)}.items():

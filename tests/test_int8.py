@@ -16,14 +16,14 @@ from onnx import numpy_helper
 
 from elx.exporter.bench.bench import rows_equal, split_precision
 from elx.exporter.bench.peers import parse_peers
-from elx.exporter.compare import CompareReport, RowReport, compare, format_report
-from elx.exporter.precision_int8_check import ALPHA, LOGITS_MARGIN, binomial_cdf, judge, logits_bound
+from elx.exporter.verification.compare import CompareReport, RowReport, compare, format_report
+from elx.exporter.precision.int8_check import ALPHA, LOGITS_MARGIN, binomial_cdf, judge, logits_bound
 from elx.exporter.progress import Progress
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
 from elx.runners.manifest import Manifest
 from elx.runners.manifest_schema import check
-from elx.exporter.shared_weights import graph_files
+from elx.exporter.capture.shared_weights import graph_files
 
 _INT8 = {}
 
@@ -34,7 +34,7 @@ def int8_export(exported, model_folders, tmp_path_factory):
     from transformers import AutoModelForSeq2SeqLM
 
     from elx.exporter.export import finish_folder
-    from elx.exporter.precision_int8_export import finish
+    from elx.exporter.precision.int8_export import finish
 
     def get(family: str, passes: str | None = None):
         key = (family, passes)
@@ -84,7 +84,7 @@ def test_int8_quantizes_every_weight_matmul_and_keeps_io(exported, int8_export, 
     int8_weights = [t for name in [*int8.stages, int8.step] for t in onnx.load(str(int8.graph_path(name))).graph.initializer
                     if t.data_type == onnx.TensorProto.INT8]
     assert int8_weights and all(np.abs(numpy_helper.to_array(t)).max() <= 64 for t in int8_weights)  # reduce_range: 7 bits
-    # one weights file for every graph, no fp32 graph file left behind (exporter/shared_weights.py)
+    # one weights file for every graph, no fp32 graph file left behind (exporter/capture/shared_weights.py)
     assert sorted(p.name for p in int8.folder.iterdir()) == sorted([*graph_files(int8), "weights.data", "manifest.json"])
     assert all(f.endswith(".int8.onnx") for f in graph_files(int8))
     out = Generator.from_folder(int8.folder).generate(input_ids=[[5, 6, 7, 8], [9, 10]], num_beams=2, max_new_tokens=4)
@@ -154,7 +154,7 @@ def test_int8_agreement_on_another_draw_is_a_binomial_test():
 
 
 def test_int8_refusals():
-    from elx.exporter.precision_export import check_precision
+    from elx.exporter.precision.fp16_export import check_precision
 
     with pytest.raises(ElxError, match="choose fp32, fp16 or int8"):
         check_precision("int4")

@@ -1,4 +1,4 @@
-"""The per-layer int8 rule's graphs (``exporter/precision_int8_layers.py``): each layer's graph cut from one
+"""The per-layer int8 rule's graphs (``exporter/precision/int8_layers.py``): each layer's graph cut from one
 conversion of every layer is the graph a conversion of that layer alone writes, so its error is the same bit for
 bit, on an encoder-decoder export (cross K/V: one quantized encoder output shared by every layer's projections)
 and a decoder-only one (prefill and step)."""
@@ -21,11 +21,11 @@ def _ops(model: onnx.ModelProto) -> Counter:
 @pytest.mark.parametrize("family", ["t5", "llama"])
 def test_a_layer_cut_from_the_full_conversion_is_that_layer_converted_alone(exported, model_folders, tmp_path,
                                                                            family):
-    from elx.exporter.precision_decoder_only import torch_side
-    from elx.exporter.precision_int8 import convert_folder
-    from elx.exporter.precision_int8_check import random_inputs_error
-    from elx.exporter.precision_int8_layers import GraphPair, measured_layers, pair_layers, variant_folder
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.precision.decoder_only import torch_side
+    from elx.exporter.precision.int8 import convert_folder
+    from elx.exporter.precision.int8_check import random_inputs_error
+    from elx.exporter.precision.int8_layers import GraphPair, measured_layers, pair_layers, variant_folder
+    from elx.exporter.source.load import resolve_model
 
     manifest = Manifest.load(exported(family))
     torch_model = resolve_model(str(model_folders[family])).model

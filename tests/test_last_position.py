@@ -1,4 +1,4 @@
-"""``exporter/last_position.py``: the last position is picked before the LM head; same logits, bit for bit."""
+"""``exporter/capture/last_position.py``: the last position is picked before the LM head; same logits, bit for bit."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from elx.exporter.last_position import select_before_head
+from elx.exporter.capture.last_position import select_before_head
 
 D, V = 8, 24
 

@@ -55,6 +55,32 @@ def test_every_package_folder_is_installed():
     assert folders == listed
 
 
+# ``exporter/``'s own top level: the orchestration of an export and what every axis shares; every other module
+# lives in its axis' folder (issue 41 item 4), so a new flat module fails here and must pick its folder
+EXPORTER_TOP = {"__init__", "__main__", "export", "atomic", "memory", "progress"}
+EXPORTER_AXES = {"bench", "capture", "ct2", "families", "gguf", "passes", "plugins", "precision", "presets",
+                 "source", "tensorrt", "tokenizer", "verification"}
+
+
+def test_exporter_is_a_folder_per_axis():
+    assert {p.stem for p in (ROOT / "exporter").glob("*.py")} == EXPORTER_TOP
+    assert {p.parent.name for p in (ROOT / "exporter").glob("*/__init__.py")} == EXPORTER_AXES
+    assert not [p for p in (ROOT / "exporter").iterdir() if p.is_dir() and p.name not in EXPORTER_AXES
+                and p.name != "__pycache__"]
+
+
+def test_axis_packages_import_nothing():
+    """An axis' ``__init__.py`` says what the axis is and imports none of its modules, so importing one module of
+    a folder loads no other (``families``, ``source/locate.py`` stay light for the command line) and no import
+    circle runs through a package; ``passes`` is the exception: its ``__init__`` is the light pass registry."""
+    heavy = []
+    for axis in sorted(EXPORTER_AXES - {"passes"}):
+        tree = ast.parse((ROOT / "exporter" / axis / "__init__.py").read_text())
+        heavy += [f"exporter/{axis}/__init__.py:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", None) != "__future__"]
+    assert not heavy, heavy
+
+
 def test_sources_import_elx_names_only():
     """No module, test or tool imports ``exporter``/``runners`` as top-level packages, or relatively."""
     wrong = []

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from elx.exporter.compare import compare
-from elx.exporter.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
+from elx.exporter.verification.compare import compare
+from elx.exporter.verification.verify import DECODER_ONLY_SHAPES, Shape, verify_export, verify_rewrite
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs
@@ -67,7 +67,7 @@ def test_manifest_gqa_cache(llama):
 
 
 def _verified(model, form: str, shapes: tuple, seed: int) -> float:
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
 
     torch_model = resolve_model(str(model["folder"])).model
     return verify_export(torch_model, Manifest.load(model[form]), shapes=shapes, seed=seed)["max_abs_logits_diff"]
@@ -232,7 +232,7 @@ def test_sliding_window_refused_where_it_would_act():
 
 def test_sliding_window_recorded(tmp_path):
     """Mistral records its window; Qwen2 only when use_sliding_window marks layers sliding."""
-    from elx.exporter.rope_families import rope_dims
+    from elx.exporter.families.rope import rope_dims
     from tests.conftest import BUILDERS
 
     assert rope_dims(BUILDERS["mistral"]().config)["sliding_window"] == 40
@@ -245,7 +245,7 @@ def test_bf16_checkpoint_loads_as_fp32(tmp_path):
     """A checkpoint saved in bfloat16 (as Llama weights ship) is exported from fp32 weights."""
     import torch
 
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
     from tests.conftest import BUILDERS
 
     torch.manual_seed(0)
@@ -271,8 +271,8 @@ PRESETS = {  # name: (architecture, layers, d_model, heads, key/value heads, hea
 def test_presets(name):
     """Each preset builds its architecture's config (not the weights: gigabytes), passes the family's checks and
     has the real model's dims; Llama 3.2's carries its llama3 rotary scaling and three EOS ids."""
-    from elx.exporter.families import family_for_architecture
-    from elx.exporter.sources import _config_class, _find_preset, preset_names
+    from elx.exporter.families.catalog import family_for_architecture
+    from elx.exporter.source.load import _config_class, _find_preset, preset_names
 
     assert name in preset_names()
     preset = _find_preset(name)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
     from tests.conftest import make_model_folder
 
     root = tmp_path_factory.mktemp("peers")
@@ -69,7 +69,7 @@ def test_ct2_llama_tokens_and_rope_scaling(tmp_path, scaled):
         pytest.skip("ctranslate2 is not installed (pip install 'elx[bench]')")
     if not scaled and os.environ.get("ELX_LONG_TESTS") != "1":
         pytest.skip("CI runs the scaled case (it compares with the unscaled HF model too); set ELX_LONG_TESTS=1")
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
     from tests.conftest import make_model_folder
 
     unscaled = make_model_folder(tmp_path / "unscaled", "llama", seed=3, hidden_size=64, initializer_range=0.2,

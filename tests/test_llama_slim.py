@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from elx.exporter.compare import compare
+from elx.exporter.verification.compare import compare
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
 from elx.runners.inputs.random_inputs import random_inputs

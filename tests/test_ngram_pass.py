@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from elx.runners.errors import ElxError
 from elx.exporter.plugins.ngram import ORT_DOMAIN, ort_node
 from elx.runners.search.ngram_reference import block_ngrams
-from elx.exporter.compare import compare
+from elx.exporter.verification.compare import compare
 from elx.runners.manifest import Manifest
 
 

@@ -385,10 +385,10 @@ def test_pass_conflicting_with_an_applied_one_is_refused(tmp_path, t5_copy):
 
 def test_failed_verification_writes_nothing(tmp_path, model_folders, monkeypatch):
     """If verification fails (here: a tolerance no float can meet), the output folder never appears."""
-    import elx.exporter.verify as verify
+    import elx.exporter.verification.verify as verify
     from elx.exporter.export import export_model
 
-    import elx.exporter.fp32_noise as fp32_noise
+    import elx.exporter.verification.fp32_noise as fp32_noise
 
     monkeypatch.setattr(verify, "TOLERANCE", -1.0)  # the magnitude rule's floor
     monkeypatch.setattr(fp32_noise, "NOISE_MULTIPLE", -1.0)  # and the bar fp32's own error sets

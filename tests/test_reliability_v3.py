@@ -2,7 +2,7 @@
 and nothing is lost.
 
 1. config values that crashed the export (tracebacks from PyTorch's tracer or the verification) are refused
-   before any weights load, naming the key (``exporter/config_checks.py``, ``exporter/rope_families.py``); a
+   before any weights load, naming the key (``exporter/families/config_checks.py``, ``exporter/families/rope.py``); a
    hypothesis test draws bad values of the Llama-family configs and holds each to a one-line refusal or a model
    transformers itself runs (``ELX_LONG_TESTS=1``: accepted draws are exported whole);
 3. paths that are not files (FIFOs, devices, folders) given to any option are refused at once, and what is read
@@ -74,7 +74,7 @@ def config_folder(root: Path, base: dict, **changes) -> Path:
 
 
 def load(folder: Path):
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
 
     return resolve_model(str(folder), random_init=True)
 
@@ -107,7 +107,7 @@ def test_bad_config_refused_by_elx_export_before_any_graph(tmp_path, capsys):
 
 def test_generation_config_tokens_outside_the_vocabulary(tmp_path, model_folders):
     """generation_config.json's special tokens are what the manifest records and generate uses."""
-    from elx.exporter.sources import resolve_model
+    from elx.exporter.source.load import resolve_model
 
     folder = tmp_path / "llama"
     shutil.copytree(model_folders["llama"], folder)
@@ -572,7 +572,7 @@ def test_gpt_neox_per_head_fused_projection():
 def test_slim_applies_to_gpt_neox(exported, tmp_path):
     """GPT-NeoX (MHA, per-head fused query_key_value, partial rotary) was refused with "unexpected head split []
     before the cache concat"; slim applies now, with HF's tokens."""
-    from elx.exporter.compare import compare
+    from elx.exporter.verification.compare import compare
     from elx.exporter.export import apply_passes
     from elx.runners.manifest import Manifest
 
@@ -617,9 +617,9 @@ def test_an_elx_error_on_a_left_padded_row_is_a_failure(exported, family):
     for the left-padded row is a FAILURE, its HF answer stable."""
     import numpy as np
 
-    from elx.exporter.compare import compare_loaded
-    from elx.exporter.sources import reload_model
-    from elx.exporter.stability import HfVariants, hf_variant
+    from elx.exporter.verification.compare import compare_loaded
+    from elx.exporter.source.load import reload_model
+    from elx.exporter.verification.stability import HfVariants, hf_variant
     from elx.runners.generate import Generator
 
     generator = Generator.from_folder(exported(family), threads=1)

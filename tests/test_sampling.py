@@ -112,8 +112,8 @@ def _running_rows_only(self, scores, active):
 def test_exports_sample_hf_tokens(exported, family, passes):
     """On ONNX Runtime too (fp32 graphs, logits within 1e-4 of PyTorch's): seeded greedy and beam sampling, a
     repeated input for num_return_sequences, the ngram pass's blocked log-probs under beam sampling."""
-    from elx.exporter.hf_reference import torch_inputs as _torch_inputs
-    from elx.exporter.sources import reload_model
+    from elx.exporter.verification.hf_reference import torch_inputs as _torch_inputs
+    from elx.exporter.source.load import reload_model
 
     generator = Generator.from_folder(exported(family, passes), threads=1)
     model = reload_model(generator.manifest.data["source"]).eval()

@@ -1,4 +1,4 @@
-"""Each weight is stored once per export folder (exporter/shared_weights.py, issue 27 item 6).
+"""Each weight is stored once per export folder (exporter/capture/shared_weights.py, issue 27 item 6).
 
 * every large initializer of every graph the manifest lists lives in ``weights.data``, and no two
   stored ranges hold the same bytes;
@@ -20,7 +20,7 @@ import pytest
 from onnx.external_data_helper import uses_external_data
 
 from elx.exporter.atomic import check_output
-from elx.exporter.shared_weights import LINE, MIN_BYTES, PAGE, WEIGHTS_FILE, graph_files
+from elx.exporter.capture.shared_weights import LINE, MIN_BYTES, PAGE, WEIGHTS_FILE, graph_files
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
@@ -134,7 +134,7 @@ def test_passes_leave_no_orphaned_or_duplicated_weights(exported, tmp_path):
 def test_graph_data_files_are_folded_in(exported, tmp_path):
     """A folder whose graphs carry their own ``X.onnx.data`` (graphs above 2 GB, or an older elx) is repacked:
     the per-graph files go, one shared file stays."""
-    from elx.exporter.shared_weights import store_weights_once
+    from elx.exporter.capture.shared_weights import store_weights_once
 
     folder = standalone_copy(exported("t5"), tmp_path / "own-data")
     manifest = Manifest.load(folder)

@@ -26,7 +26,7 @@ from elx.exporter.passes import slim
 from elx.exporter.passes import slim_cross
 from elx.exporter.passes import slim_math
 from elx.exporter.passes.rewrite import load_graph
-from elx.exporter.verify import TOLERANCE, Shape, verify_rewrite
+from elx.exporter.verification.verify import TOLERANCE, Shape, verify_rewrite
 from elx.runners.generate import Generator
 from elx.runners.manifest import Manifest
 from elx.runners.model import Model
@@ -396,7 +396,7 @@ def test_a_candidate_is_loaded_once_for_all_its_seeds(exported, tmp_path, monkey
     the previous candidate released before the next loads."""
     import weakref
 
-    import elx.exporter.verify as verify
+    import elx.exporter.verification.verify as verify
 
     made, (_, original) = [], exported("t5")
     real = verify.RuntimeSide

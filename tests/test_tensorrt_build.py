@@ -23,7 +23,7 @@ import pytest
 
 from elx.exporter.tensorrt import build as tensorrt_build
 from elx.exporter.tensorrt import ngram as tensorrt_ngram
-from elx.exporter.precision import to_fp16
+from elx.exporter.precision.fp16 import to_fp16
 from elx.exporter.tensorrt.profiles import Limits, axis_ranges, input_profiles
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest

@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from elx.exporter.tokenizer_check import check, id_rows, sample_texts
-from elx.exporter.tokenizer_export import export_tokenizer
+from elx.exporter.tokenizer.check import check, id_rows, sample_texts
+from elx.exporter.tokenizer.export import export_tokenizer
 from elx.runners.errors import ElxError
 from elx.runners.inputs.text import Text
 from elx.runners.manifest import Manifest

@@ -1,4 +1,4 @@
-"""The fp32 tolerance scales with the logits (issue 25 item 6): ``elx.exporter.verify.logits_tolerance``.
+"""The fp32 tolerance scales with the logits (issue 25 item 6): ``elx.exporter.verification.verify.logits_tolerance``.
 
 The bar is ``max(1e-4, 2^-18 · M)`` with M the largest reference logit: float32 rounding is relative, so
 the same export computed at a larger scale errs proportionally more, and an absolute bar refused
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from elx.exporter.verify import (LOGITS_SCALE, RELATIVE_TOLERANCE, TOLERANCE, logits_tolerance, require_within_tolerance,
+from elx.exporter.verification.verify import (LOGITS_SCALE, RELATIVE_TOLERANCE, TOLERANCE, logits_tolerance, require_within_tolerance,
                              tolerance_record, verify_rewrite)
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
@@ -115,7 +115,7 @@ def test_large_logits_bar_still_refuses_a_wrong_graph(large_logits, tmp_path):
 
 def test_new_presets_have_published_dims():
     """The translation presets build the published architectures (configs only: no weights, no tokenizer)."""
-    from elx.exporter.sources import _config_class, _find_preset
+    from elx.exporter.source.load import _config_class, _find_preset
 
     expected = {"mbart-large-50": ("MBartForConditionalGeneration", 250054, 1024, 12),
                 "nllb-200-distilled-600m": ("M2M100ForConditionalGeneration", 256206, 1024, 12),

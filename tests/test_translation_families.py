@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from elx.exporter.compare import compare, format_report
+from elx.exporter.verification.compare import compare, format_report
 from elx.exporter.export import apply_passes
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
@@ -51,7 +51,7 @@ def test_generation_is_hf_identical(exported, family):
     options = dict(num_beams=4, num_return_sequences=2, no_repeat_ngram_size=2, length_penalty=0.7,
                    early_stopping=True, max_new_tokens=9, min_new_tokens=3)
     _assert_hf_identical(compare(folder, inputs=inputs, threads=1, **options), folder)
-    from elx.exporter.sources import reload_model
+    from elx.exporter.source.load import reload_model
 
     generator = Generator.from_folder(folder, threads=1)
     out = generator.generate(inputs, **options)
@@ -117,7 +117,7 @@ def test_fsmt_attention_is_hf_attention(model_folders):
     from transformers import FSMTForConditionalGeneration
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-    from elx.exporter.fsmt_attention import batch_first_attention
+    from elx.exporter.capture.fsmt_attention import batch_first_attention
 
     model = FSMTForConditionalGeneration.from_pretrained(model_folders["fsmt"]).eval()
     torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_fsmt_attention_is_hf_attention(model_folders):
 
 # the differential test's first FSMT finding (CI slice, seed derandomized): tokens all HF's, teacher-forced
 # logits 0.463 apart, because one uncached forward over HF's padded rows is not what FSMT's cached generate
-# computes (its positions of pad tokens, no causal mask); compare now replays the steps (exporter/hf_decoding.py)
+# computes (its positions of pad tokens, no causal mask); compare now replays the steps (exporter/verification/hf_decoding.py)
 FSMT_PADDED = {
     "input_ids": np.array([[84, 27, 87, 6, 55, 95, 89, 80, 26, 39, 8, 48, 21, 1, 1, 1],
                            [23, 47, 25, 52, 60, 40, 90, 1, 1, 1, 1, 1, 1, 1, 1, 1],
@@ -165,7 +165,7 @@ def test_hf_decoder_logits_are_hf_generate_logits(family):
     """Along HF's own greedy rows (finished rows padded), the teacher-forced logits are bit for bit the raw
     logits HF generate computed; for FSMT one uncached forward is far off (it attends to later tokens), for
     M2M100 it shifts the positions after a pad token that is followed by others."""
-    from elx.exporter.hf_decoding import hf_decoder_logits
+    from elx.exporter.verification.hf_decoding import hf_decoder_logits
     from tests.conftest import BUILDERS
 
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ def test_fsmt_decoder_prefix_is_refused_as_hf_reads_it_without_a_causal_mask(exp
     """Found by the merged differential run (FSMT, seed 145, a 2-token decoder prefix): HF's generate reads a
     several-token decoder_input_ids prefix in one cached FSMT call, which takes no causal mask, so its first
     logits differ from the causal, step-by-step computation elx's graphs do; elx refuses such a prefix."""
-    from elx.exporter.hf_decoding import hf_decoder_logits
+    from elx.exporter.verification.hf_decoding import hf_decoder_logits
     from tests.conftest import BUILDERS
 
     torch.manual_seed(0)

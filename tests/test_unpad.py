@@ -43,7 +43,7 @@ def test_unpad_is_bit_identical_and_hf_identical(exported, family):
     """The pass rewrites the graphs fed the mask (T5/BART: encoder and cross K/V; Llama: the prefill) so that every
     constant-weight product there reads packed rows; its verification finds the logits and the encoder output at
     real positions unchanged to the bit, and generation on padded batches is HF's."""
-    from elx.exporter.compare import compare
+    from elx.exporter.verification.compare import compare
 
     folder = exported(family, "unpad")
     manifest = Manifest.load(folder)
@@ -167,7 +167,7 @@ UNPAD_FAMILIES = ["t5-wide", "bart-biased", "mbart", "m2m100", "pegasus", "fsmt"
 def test_unpad_on_every_padded_family(exported, family):
     """Every family with padded inputs: the pass applies, its products all read packed rows, the real rows stay
     bit-identical (0.0 recorded) and generation on padded batches is HF's."""
-    from elx.exporter.compare import compare
+    from elx.exporter.verification.compare import compare
 
     folder = exported(family, "unpad")
     record = next(p for p in Manifest.load(folder).data["passes"] if p["name"] == "unpad")

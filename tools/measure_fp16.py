@@ -9,7 +9,7 @@ runs greedy and beam search (``--beams``) with HF ``generate`` in PyTorch fp32 a
 * ``fp16 runtime``: the fp16 export as ONNX Runtime's CPU EP runs it (fp16 weights and stored state,
   fp32 activations: the CPU EP has no fp16 MatMul),
 * ``fp16 arithmetic``: the fp16 export's twin with every fp16 MatMul rounding inputs and result (what a
-  GPU computes; ``exporter/precision_check.py``),
+  GPU computes; ``exporter/precision/fp16_check.py``),
 
 and prints, per system: rows identical to HF / rows, first-divergence step statistics (generated step,
 0-based, over the differing rows), the largest teacher-forced logits difference, the verification
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from elx.exporter.agreement import token_agreement
+    from elx.exporter.verification.agreement import token_agreement
 
     workdir = Path(args.workdir)
     seeds = [int(s) for s in args.seeds.split(",")]

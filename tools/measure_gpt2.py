@@ -43,7 +43,7 @@ def main() -> None:
 
     from elx.exporter.bench.bench import BenchSettings, ensure_exports, run_bench
     from elx.exporter.bench.results import report_markdown as markdown_table
-    from elx.exporter.sources import reload_model
+    from elx.exporter.source.load import reload_model
     from elx.runners.inputs.random_inputs import random_inputs
     from elx.runners.manifest import Manifest
 

@@ -57,7 +57,7 @@ speech.synthesize('The quick brown fox jumps over the lazy dog.', '$OUT/fox.wav'
 import sys
 
 import elx
-from elx.exporter.compare import compare
+from elx.exporter.verification.compare import compare
 
 out = sys.argv[1]
 features = elx.Generator.from_folder(f"{out}/tiny-en-el").encoder_inputs(audio=[f"{out}/fox.wav"])

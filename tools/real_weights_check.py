@@ -16,7 +16,7 @@ Settings (each over every batch):
 * ``sample``: seeded sampling (temperature 0.7, top_k 50, top_p 0.9): HF seeded by ``torch.manual_seed``,
   elx by ``seed=`` (the same draws when PyTorch is installed).
 
-Greedy/beam settings go through ``elx.exporter.compare.compare_loaded``: tokens per row, HF's stability rule
+Greedy/beam settings go through ``elx.exporter.verification.compare.compare_loaded``: tokens per row, HF's stability rule
 for differing rows (fragile rows reported, not counted), the teacher-forced logits difference; beam settings
 also compare ``sequences_scores``.  An int8 or fp16 export is judged as ``elx compare`` judges it.  Prints one
 line per setting and a summary; exit 1 when a row differs where HF's answer is stable.
@@ -76,9 +76,9 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     import elx
-    from elx.exporter.compare import compare_loaded
-    from elx.exporter.sources import reload_model
-    from elx.exporter.stability import HfVariants
+    from elx.exporter.verification.compare import compare_loaded
+    from elx.exporter.source.load import reload_model
+    from elx.exporter.verification.stability import HfVariants
 
     generator = elx.Generator.from_folder(args.export, threads=args.threads)
     model = reload_model(generator.manifest.data["source"])

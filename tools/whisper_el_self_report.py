@@ -14,7 +14,7 @@ transcription of it (teacher-forced, the real decoder states):
   verification on random states, ``verify_rewrite`` with consistent pasts);
 * all layers: the ``el-self`` and ``el,el-self`` pass records (their verification error), the
   teacher-forced speech diff against the original export, and whether the transcriptions are
-  token-identical to HF ``generate`` (greedy and beam 4; ``elx.exporter.compare``).
+  token-identical to HF ``generate`` (greedy and beam 4; ``elx.exporter.verification.compare``).
 
 Usage: ``python tools/whisper_el_self_report.py [--models base tiny.en | HF_FOLDER ...] [--json OUT]``
 """
@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from elx.exporter.compare import compare  # noqa: E402
+from elx.exporter.verification.compare import compare  # noqa: E402
 from elx.exporter.export import apply_passes, export_model  # noqa: E402
 from elx.exporter.passes import el_self# noqa: E402
 from elx.exporter.passes.rewrite import load_graph  # noqa: E402
-from elx.exporter.verify import RuntimeSide, verify_rewrite  # noqa: E402
+from elx.exporter.verification.verify import RuntimeSide, verify_rewrite  # noqa: E402
 from elx.runners.manifest import Manifest  # noqa: E402
 from elx.runners.model import Model  # noqa: E402
 from elx.runners.backends.ort import OrtBackend  # noqa: E402

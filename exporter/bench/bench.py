@@ -400,7 +400,7 @@ def ensure_exports(model: str, random_init: bool, pass_sets: list[str], work: Pa
     ``quiet`` says nothing), and a line per reused export."""
     from elx.exporter.export import apply_passes, export_model
     from elx.exporter.memory import release_memory
-    from elx.exporter.precision_export import check_precision
+    from elx.exporter.precision.fp16_export import check_precision
 
     plans = {}
     for form in prompt_caches or [None]:
@@ -455,7 +455,7 @@ def _run_bench(folders, settings: BenchSettings, peer_names, work, log, peers, r
 
     from elx.exporter.bench.peers import PeerUnavailable, make_peer
     from elx.exporter.memory import release_memory
-    from elx.exporter.sources import reload_model
+    from elx.exporter.source.load import reload_model
 
     if settings.threads:
         torch.set_num_threads(settings.threads)

@@ -2,7 +2,7 @@
 missing layer and bound to that layer's weights.
 
 The template is the model itself with ``TEMPLATE_LAYERS`` layers per stack (``exporter/capture/template.py``),
-traced, optimized and rewritten exactly as a whole-model export is (``exporter/onnx_export.py``'s ``trace``).
+traced, optimized and rewritten exactly as a whole-model export is (``exporter/capture/onnx_export.py``'s ``trace``).
 Its nodes name the module they come from (the dynamo exporter's ``pkg.torch.onnx.name_scopes`` metadata), so
 each node is known to belong to layer ``k`` of a stack or to no layer (embeddings, masks, RoPE tables, the
 final norm and head).  Layer 0 of a stack may differ from the others (T5's relative position bias lives in its

@@ -12,7 +12,7 @@ layer that reads one of the latter (``exporter/capture/stitch.py``).
 **Writing.**  ``WeightsFile`` appends each bound tensor to ``weights.data`` straight from the PyTorch
 parameter (a transposed one through one temporary copy of that tensor alone), and points the graph's
 initializer at it (ONNX external data): the graph proto never holds the weights, and a tensor the prefill and
-the step graph both read is written once.  The layout is ``exporter/shared_weights.py``'s (page-aligned
+the step graph both read is written once.  The layout is ``exporter/capture/shared_weights.py``'s (page-aligned
 tensors, equal bytes stored once).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from elx.exporter.shared_weights import MIN_BYTES, WEIGHTS_FILE, ByteStore, point_external
+from elx.exporter.capture.shared_weights import MIN_BYTES, WEIGHTS_FILE, ByteStore, point_external
 
 FINGERPRINT = 8  # values compared first; a match is then confirmed on every element
 IDENTITY, TRANSPOSE, SHIFT = "identity", "transpose", "shift"

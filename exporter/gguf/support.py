@@ -15,7 +15,7 @@
   tensors, the model transformers builds from them, the plain model elx copies them into), against the
   memory this process can still take.
 * Export: ``ELX_ARCHITECTURES`` maps the GGUF architectures whose transformers class elx exports
-  (``exporter/families.py``) to that class; others can be imported (``elx import-gguf``) but not exported.
+  (``exporter/families/catalog.py``) to that class; others can be imported (``elx import-gguf``) but not exported.
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def _refuses_kind(reasons: dict):
 
 
 def _is_rotary(family: str) -> bool:
-    from elx.exporter.rope_families import is_rotary
+    from elx.exporter.families.rope import is_rotary
 
     return is_rotary(family)
 
@@ -112,7 +112,7 @@ def _el_self_refuses(family: str, kind: str, dims: dict | None) -> str | None:
 
 def _unpad_refuses(family: str, kind: str, dims: dict | None) -> str | None:
     """Families whose inputs are never a padded batch (Whisper's fixed-length features): nothing to remove."""
-    from elx.exporter.families import family_named
+    from elx.exporter.families.catalog import family_named
 
     rules = family_named(family)
     if rules is not None and not rules.padded_inputs:

@@ -9,7 +9,7 @@ until the rest verifies.  Candidates that are not kept are deleted; nothing else
 Acceptance is stricter than the tolerance: each candidate that may be kept is verified at ``VERIFY_SEEDS`` (the
 error varies with the inputs more than one sample shows; a single-layer probe, which only ranks, at the first
 seed) and must stay within ``verify_limit``,
-half the fp32 tolerance (``elx.exporter.verify.logits_tolerance``: 1e-4 for unit-scale logits).  The tolerance itself is never loosened; the headroom is for inputs the
+half the fp32 tolerance (``elx.exporter.verification.verify.logits_tolerance``: 1e-4 for unit-scale logits).  The tolerance itself is never loosened; the headroom is for inputs the
 verification does not sample (see ``verify_limit``).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
-from elx.exporter.verify import worst_report
+from elx.exporter.verification.verify import worst_report
 from elx.exporter.passes.catalog import SKIP_BAD
 
 # A rewrite is accepted only within half the tolerance.  Verification samples a few shapes; generation on

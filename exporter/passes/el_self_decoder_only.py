@@ -3,7 +3,7 @@ the generated tokens' X per beam (Yan et al., seed 000, §3.2 and App. B; ``el_s
 encoder-decoder form and the helpers both use).
 
 Math, in the paper's notation.  A decoder-only export keeps, per layer, the prompt's keys and
-values once per item (K_p, V_p ∈ R^{P×h·d_k}, batch B, ``exporter/shared_prompt.py``) and the
+values once per item (K_p, V_p ∈ R^{P×h·d_k}, batch B, ``exporter/capture/shared_prompt.py``) and the
 generated tokens' per beam (K_g, V_g ∈ R^{G×h·d_k}).  Both are projections of the layer's
 attention input X (the output of ``ln_1``, [t, D] per row): GPT-2's fused ``c_attn`` computes
 [Q | K | V] = X·W + b in one Conv1D, so W_K, b_K (W_V, b_V) are the second (third) column block
@@ -48,7 +48,7 @@ whose query axis holds the k·t queries of an item's beams):
 with X_g = Concat(past_hidden, x; axis 1) → present_hidden.  Masks, scale, Concat, Softmax, the
 Slices, the regrouping Reshape/Transposes and the head merge stay as exported.
 
-Verification: as for every pass (``exporter/verify.py``): the prefill and one step after a random
+Verification: as for every pass (``exporter/verification/verify.py``): the prefill and one step after a random
 generated past, at several (batch, beams, prompt width, past) shapes with left-padded prompts,
 through the runner; the generated past comes from random states X shaped by ``ln_1``'s γ, β
 (K = X·W_K + b_K and V = X·W_V + b_V for the original); ≤ 1e-4 or nothing is written.

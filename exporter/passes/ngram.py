@@ -34,7 +34,7 @@ from elx.runners.manifest import Manifest
 from elx.runners.search.ngram_reference import block_ngrams
 
 from elx.exporter.plugins.ngram import ort_node, tensorrt_node
-from elx.exporter.verify import RuntimeSide
+from elx.exporter.verification.verify import RuntimeSide
 from elx.exporter.passes import catalog
 from elx.exporter.passes.rewrite import Builder, commit, load_graph, pass_file, refuse_twice, save_graph
 

@@ -12,9 +12,9 @@ from onnx.external_data_helper import load_external_data_for_tensor, uses_extern
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
-from elx.exporter.onnx_export import save_model
-from elx.exporter.shared_weights import external_files, subgraphs
-from elx.exporter.verify import require_within_tolerance, verify_rewrite
+from elx.exporter.capture.onnx_export import save_model
+from elx.exporter.capture.shared_weights import external_files, subgraphs
+from elx.exporter.verification.verify import require_within_tolerance, verify_rewrite
 
 SHAPE_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
@@ -167,7 +167,7 @@ def adopt(folder: Path, manifest: Manifest, after: Manifest) -> None:
 
 
 def commit(folder: Path, before: Manifest, after: Manifest, what: str, **verify_options) -> dict:
-    """Verify ``after`` against ``before`` (``elx.exporter.verify.verify_rewrite``); on success drop files only
+    """Verify ``after`` against ``before`` (``elx.exporter.verification.verify.verify_rewrite``); on success drop files only
     ``before`` used.  Raises (nothing committed) beyond the tolerance."""
     report = verify_rewrite(before, after, **verify_options)
     require_within_tolerance(report, what)

@@ -39,7 +39,7 @@ import onnx_graphsurgeon as gs
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
-from elx.exporter.verify import CandidateSides, RuntimeSide, verify_rewrite
+from elx.exporter.verification.verify import CandidateSides, RuntimeSide, verify_rewrite
 from elx.exporter.passes import catalog
 from elx.exporter.passes.culprits import verified_rewrite
 from elx.exporter.passes.rewrite import Builder, adopt, load_graph, pass_file, refuse_twice, save_graph

@@ -22,7 +22,7 @@ Because the attention probabilities P of a query sum to 1,
     o_i = P_i·V_i = (P_i·K_raw)·W_KV,i + c_i,        c_i = b_V,i − b_K·W_KV,i
 
 computed in §2's cheaper order (P times the full-width K_raw, then the small W_KV,i; ``slim.values_from_keys``).
-The beam-shared prompt (``exporter/shared_prompt.py``) splits P into A_p (the prompt's keys, batch B)
+The beam-shared prompt (``exporter/capture/shared_prompt.py``) splits P into A_p (the prompt's keys, batch B)
 and A_g (the generated keys, per beam), complementary slices of one softmax (A_p·1 + A_g·1 = 1):
 
     o_i = (A_p·K_raw,p)·W_KV,i + (A_g·K_raw,g)·W_KV,i + c_i        (c_i added once, to the generated part)
@@ -63,7 +63,7 @@ import onnx_graphsurgeon as gs
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
-from elx.exporter.verify import CandidateSides, RecordedSide, RuntimeSide, default_shapes, measure
+from elx.exporter.verification.verify import CandidateSides, RecordedSide, RuntimeSide, default_shapes, measure
 from elx.exporter.passes import slim
 from elx.exporter.passes.catalog import GQA
 from elx.exporter.passes.culprits import VERIFY_SEEDS, verified_rewrite

@@ -46,7 +46,7 @@ Exactness: each output row of a matrix product is the same dot products of the s
 element-wise node computes a row from that row alone, by the same kernel once fused alike, so the real
 rows are what the unpadded graph computes (checked: the verification's logits difference, recorded);
 padded rows hold zeros instead of values that no consumer reads.  The verification compares the
-encoder output at real positions only (``exporter/verify.py``).  With ``--precision int8`` the
+encoder output at real positions only (``exporter/verification/verify.py``).  With ``--precision int8`` the
 activation's per-tensor quantization scale is then taken over the real rows only.
 """
 from __future__ import annotations

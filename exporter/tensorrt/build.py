@@ -12,7 +12,7 @@ Design:
 * **Profiles**: one optimization profile per engine covering the axes the runner feeds
   (``exporter/tensorrt/profiles.py``: batch, rows = batch·beams, source length, step length, past
   length from 0, history length).
-* **Precision**: strongly typed networks; fp16 is an ONNX rewrite (the rule of ``exporter/precision.py``)
+* **Precision**: strongly typed networks; fp16 is an ONNX rewrite (the rule of ``exporter/precision/fp16.py``)
   verified on ONNX Runtime before TensorRT sees it (``exporter/tensorrt/precision.py``); TF32 is off.
   Engines are built from fp32 exports (an ``--precision fp16`` export is refused).
 * **Where TensorRT runs**: each engine is built by ``python -m elx.exporter.tensorrt.worker`` in its own
@@ -48,7 +48,7 @@ from elx.runners.output_lock import output_lock, temp_sibling
 
 from elx.exporter.atomic import build_leftovers
 from elx.exporter.tensorrt import ngram as ngram_engines
-from elx.exporter.precision_export import refuse_fp16
+from elx.exporter.precision.fp16_export import refuse_fp16
 from elx.exporter.progress import Progress
 from elx.exporter.tensorrt.precision import convert as convert_fp16
 from elx.exporter.tensorrt.precision import verify as verify_fp16
@@ -335,7 +335,7 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
                     checked = _verify_fp16(build, step_host)
                     stage.detail = (f"relative max abs logits diff {checked['relative_diff']:.2e} (tolerance "
                                     f"{checked['relative_tolerance']:.2e})")
-                section["fp16"] = {"rule": "exporter/precision.py", "graphs": build.fp16_counts,
+                section["fp16"] = {"rule": "exporter/precision/fp16.py", "graphs": build.fp16_counts,
                                    "verification": checked}
             with report.stage("write engines and manifest"):
                 (build.staging / BUILD_FILE).write_text(json.dumps({"build_id": build_id, "runtime": info.name,

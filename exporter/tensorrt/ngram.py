@@ -29,9 +29,9 @@ from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 from elx.runners.backends.tensorrt_ngram import KERNEL_LIBRARY, OP_TYPE
 
-from elx.exporter.onnx_export import save_model
+from elx.exporter.capture.onnx_export import save_model
 from elx.exporter.tensorrt.verify import with_files
-from elx.exporter.verify import require_within_tolerance, verify_rewrite
+from elx.exporter.verification.verify import require_within_tolerance, verify_rewrite
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout's root (installed: elx/, which has no tools/)
 BUILD_SCRIPT = REPO / "tools" / "build_plugin.py"

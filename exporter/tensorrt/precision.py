@@ -1,6 +1,6 @@
 """fp16 engines: the export's fp32 graphs rewritten by the one fp16 rule, checked on ONNX Runtime first.
 
-The rule (what is fp16, what stays fp32, and why) is ``exporter/precision.py``, shared with
+The rule (what is fp16, what stays fp32, and why) is ``exporter/precision/fp16.py``, shared with
 ``elx export --precision fp16``.  TensorRT for RTX builds only strongly typed networks (every layer
 computes in the type of its tensors; there is no "allow fp16" builder flag), and elx builds NVIDIA
 TensorRT's networks the same way, so an fp16 engine is an fp32 graph with the rule's parts rewritten
@@ -9,7 +9,7 @@ the rule's weight MatMuls change, with slim's keys exact (``Boundary.exact_outpu
 
 Verification (``verify``): the converted graphs' fp16-arithmetic twins against the fp32 graphs on
 ONNX Runtime (CPU), max abs step output difference relative to the largest |output|; refused above
-D·u (``exporter/precision_check.py`` states and derives it) or on any inf/nan the fp32 graphs do not
+D·u (``exporter/precision/fp16_check.py`` states and derives it) or on any inf/nan the fp32 graphs do not
 have.  The per-reason counts and the measured error go into the manifest's ``engines.fp16``.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ import onnx
 
 from elx.runners.manifest import Manifest
 
-from elx.exporter.onnx_export import save_model
-from elx.exporter.precision import Boundary, boundaries, to_fp16
-from elx.exporter.precision_check import arithmetic_twin, fp16_depth, judge
+from elx.exporter.capture.onnx_export import save_model
+from elx.exporter.precision.fp16 import Boundary, boundaries, to_fp16
+from elx.exporter.precision.fp16_check import arithmetic_twin, fp16_depth, judge
 from elx.exporter.tensorrt.verify import with_files
-from elx.exporter.verify import verify_rewrite
+from elx.exporter.verification.verify import verify_rewrite
 
 
 def convert(manifest: Manifest, sources: dict[str, Path], folder: Path) -> tuple[dict[str, Path], dict]:

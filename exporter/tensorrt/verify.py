@@ -2,7 +2,7 @@
 
 The engine builder rewrites graphs before TensorRT sees them (fp16 weights, n-gram blocking moved
 to the host).  Each rewrite gets an ORT-runnable twin; ``with_files`` describes the export with the
-twins in place, and ``elx.exporter.verify.verify_rewrite`` (the one verification flow of export and
+twins in place, and ``elx.exporter.verification.verify.verify_rewrite`` (the one verification flow of export and
 passes) measures it against the export on the same seeded random cases.
 """
 from __future__ import annotations

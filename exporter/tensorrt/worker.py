@@ -14,7 +14,7 @@ name → list of [min, opt, max] shapes, one per optimization profile), ``comput
 (null, ``{"kind": "python"}`` for the Python NGramRepeatBlock, ``{"kind": "library", "path": ...}`` for a
 C++ plugin library).  The network is strongly typed (TensorRT for RTX supports nothing else): every
 layer runs in the type of its ONNX tensors, so precision is decided in the graph
-(the rule of ``exporter/precision.py``); TF32 is switched off so that fp32 means fp32.
+(the rule of ``exporter/precision/fp16.py``); TF32 is switched off so that fp32 means fp32.
 
 Result: ``ok``, ``seconds`` (parse + build), ``bytes``, ``inputs`` / ``outputs`` as the network
 reports them (dtype, shape with -1 for dynamic dims, and for inputs the profile shapes read back from

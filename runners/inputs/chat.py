@@ -10,7 +10,7 @@ time.  elx does the same without transformers:
 
 * ``elx export`` saves the template beside the tokenizer (``tokenizer/chat_template.jinja``) and records
   it in the manifest's ``chat_template`` section with the special tokens' strings as transformers
-  gives them to the template (``exporter/chat_template.py``);
+  gives them to the template (``exporter/tokenizer/chat_template.py``);
 * here the template is rendered in transformers' Jinja environment (``runners/inputs/chat_environment.py``)
   and the text tokenized by the export's ``tokenizer.json`` (``tokenizers``), special tokens not added.
 
@@ -39,7 +39,7 @@ from elx.runners.errors import ElxError
 from elx.runners.inputs.text import TOKENIZER_DIR
 from elx.runners.inputs.user_files import MAX_BYTES, read_user_file
 
-RECORD = "chat_template"  # the manifest's section (exporter/chat_template.py writes it)
+RECORD = "chat_template"  # the manifest's section (exporter/tokenizer/chat_template.py writes it)
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers' save_pretrained writes a tokenizer's template
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' names, the one templates read first
 _EXAMPLE = '[{"role": "user", "content": "Hello"}]'

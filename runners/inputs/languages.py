@@ -1,7 +1,7 @@
 """``src_lang`` / ``tgt_lang`` (``--src-lang`` / ``--tgt-lang``): a language code → what HF does with it.
 
 The export read each code's token id from HF's tokenizer and measured how HF uses it (the manifest's
-``languages`` section, ``exporter/tokenizer_languages.py``): on the source side the ids around the text
+``languages`` section, ``exporter/tokenizer/languages.py``): on the source side the ids around the text
 (``tokenizer.src_lang = code``: NLLB, mBART-50 and M2M100 put the code first, mBART-cc25 after ``</s>``), on the
 target side ``forced_bos_token_id`` (NLLB, mBART-50, M2M100), ``decoder_start_token_id`` (mBART-cc25) or the
 code starting the text (multi-target Marian: ``">>deu<< text"``).  Codes are HF's (``deu_Latn``, ``de_DE``,
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from elx.runners.errors import ElxError
 from elx.runners.wording import arg
 
-LANGUAGE = "language"  # a template's place for the code's id (exporter/tokenizer_languages.py)
+LANGUAGE = "language"  # a template's place for the code's id (exporter/tokenizer/languages.py)
 
 
 @dataclass(frozen=True)

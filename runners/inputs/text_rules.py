@@ -3,7 +3,7 @@
 
 ``tokenizer.json`` holds most of a tokenizer, but not all of what HF's ``tokenizer(text)`` and
 ``tokenizer.decode(ids, skip_special_tokens=True)`` do.  The export writes the rest here, and checks the whole
-against HF's own answers on a few hundred strings before it keeps it (``exporter/tokenizer_export.py``):
+against HF's own answers on a few hundred strings before it keeps it (``exporter/tokenizer/export.py``):
 
 * **Pieces and a vocabulary** (MarianMT, M2M100: HF's Python tokenizers, no fast class).  HF splits the text on
   its added tokens (``</s>``, ``<pad>``, ...), gives each piece between them to SentencePiece (Marian: the source

@@ -1,0 +1,259 @@
+"""Export a deep model in the time of a shallow one: trace a 3-layer template, stitch the other layers.
+
+**Why.**  ``torch.onnx.export(..., dynamo=True)`` (``exporter/capture/onnx_export.py``) costs time per traced layer and
+more than linearly in the layer count: torch.export's symbolic shapes, the decompositions and onnxscript's
+optimizer (its pattern matcher walks the whole graph per rule) all grow with the graph.  Measured on the
+project's 2-core machine (SmolLM2-135M dims, load 6-8, seconds for prefill.onnx + decoder.onnx): 2 layers
+15.7 + 20.7, 4 layers 13.3 + 25.1, 8 layers 40.2 + 86.0, and the real 30-layer SmolLM2 483 + 1037
+(issue 41).  Every layer of a stack is the same module code, so the exported nodes of layer 9 are those of
+layer 2 with other weights and other cache names.
+
+**How.**  ``exporter/capture/template.py`` builds the model with 3 layers per stack (same class and config,
+synthetic layer weights, the model's own embeddings, head and buffers); ``trace`` exports it exactly as a
+whole model is exported (the same wrapper, dynamo, onnxscript's optimizer, the last-position rewrite);
+``exporter/capture/weights.py`` finds which weight each initializer holds; ``exporter/capture/stitch.py``
+copies layer 2 once per missing layer, checked against layer 1, bound to the model's weights, which are
+written to ``weights.data`` one tensor at a time straight from the PyTorch parameters.  The stitched graph is
+node for node the graph a whole-model trace gives (``tests/test_capture.py`` compares the two, and their
+outputs bit for bit), so the passes find the same patterns, and it is verified against PyTorch like any
+export (``exporter/verification/verify.py``).
+
+**Not chosen.**  (b) the TorchScript exporter (``dynamo=False``): deprecated, and its graphs differ from the
+dynamo graphs every pass matches (other decompositions, other names); (c) building the graphs from the weights
+with onnx helpers as onnxruntime-genai's builder does: fastest, but a second implementation of each family's
+forward (norms, RoPE variants, GQA, biases, parallel residuals), which elx avoids by tracing HF's own modules.
+
+**When not.**  A model with 3 layers or fewer per stack is traced whole (nothing to save), and so is a model
+whose template does not fit the stitcher's description (layers of several types, a layer-dependent constant, a
+weight folded into a form the binding does not know): ``Capture`` says why and traces whole.  ``ELX_CAPTURE``
+``=trace`` forces whole-model tracing (for comparisons), ``=stitch`` makes a refusal an error (for tests).
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import onnx
+
+from elx.runners.errors import ElxError
+
+from elx.exporter.capture.stitch import NotStitchable, Stack, TooShallow, bind_weights, order_io, stitch_stack
+from elx.exporter.capture.template import TEMPLATE_LAYERS, make_template
+from elx.exporter.capture.weights import WeightsFile, bind
+from elx.exporter.capture.onnx_export import save_model, trace
+from elx.exporter.capture.shared_weights import WEIGHTS_FILE
+
+MODES = ("auto", "stitch", "trace")
+
+
+def capture_mode() -> str:
+    mode = os.environ.get("ELX_CAPTURE", "auto").strip() or "auto"
+    if mode not in MODES:
+        raise ElxError(f"ELX_CAPTURE is {mode!r}; use one of {', '.join(MODES)}")
+    return mode
+
+
+class Capture:
+    """How one export's graphs are captured: stitched from a template where it applies, else traced whole.
+
+    ``report(line)`` receives progress lines (a line per stitched layer group, say ``Progress``);
+    ``records`` holds per graph file how it was captured (the manifest's ``graphs.X.capture``)."""
+
+    def __init__(self, model, family, folder: Path, mode: str | None = None, report=None):
+        self.model, self.family, self.folder = model, family, Path(folder)
+        self.mode = mode or capture_mode()
+        self.report = report or (lambda line: None)
+        self.records = {}
+        self._template, self._refusal, self._weights = None, None, None
+        self._tensors = None
+        self._children = {}  # graph file -> TemplateProcess tracing its template
+
+    # -- the template, built once per export --------------------------------------------------------------
+    def _get_template(self):
+        if self.mode == "trace":
+            self._refusal = self._refusal or "ELX_CAPTURE=trace"
+            return None
+        if self._template is None and self._refusal is None:
+            try:
+                self._template = make_template(self.model, TEMPLATE_LAYERS)
+            except TooShallow as err:
+                self._refusal = f"traced whole: {err}"
+            except NotStitchable as err:
+                self._refused(f"traced whole: {err}")
+        return self._template
+
+    def _refused(self, why: str) -> None:
+        self._refusal = why
+        self._template = None
+        if self.mode == "stitch":
+            raise ElxError(f"ELX_CAPTURE=stitch: the model cannot be stitched ({why})")
+        self.report(why)
+
+    def _weights_file(self) -> WeightsFile:
+        if self._weights is None:
+            self._weights = WeightsFile(self.folder)
+        return self._weights
+
+    def tensors(self) -> dict:
+        if self._tensors is None:
+            self._tensors = {**dict(self.model.named_parameters(remove_duplicate=False)),
+                             **dict(self.model.named_buffers(remove_duplicate=False))}
+        return self._tensors
+
+    def close(self) -> None:
+        for child in self._children.values():
+            child.stop()
+        self._children = {}
+        if self._weights is not None:
+            self._weights.close()
+        self._template = self._tensors = self.model = None  # the export frees HF's model later
+
+    # -- a template traced by a second process ------------------------------------------------------------
+    def prefetch(self, make_spec, path: Path) -> None:
+        """Start tracing the template of the graph ``export(make_spec, path)`` will write, in a forked process,
+        while this one goes on with the graphs before it (``exporter/capture/parallel.py``).  Nothing happens
+        where it does not apply (whole-model tracing, no ``fork``, ``ELX_CAPTURE_PARALLEL=0``)."""
+        from elx.exporter.capture.parallel import TemplateProcess, parallel_allowed
+
+        path = Path(path)
+        if not parallel_allowed() or path.name in self._children:
+            return
+        template = self._get_template()
+        if template is None:
+            return
+        self._children[path.name] = TemplateProcess.start(lambda: trace(make_spec(template.model)),
+                                                          self.folder / f".template.{path.name}")
+        self.report(f"{path.name}: tracing its {TEMPLATE_LAYERS}-layer template in a second process")
+
+    # -- one graph --------------------------------------------------------------------------------------------
+    def export(self, make_spec, path: Path) -> list[str]:
+        """Write the graph ``make_spec(model)`` describes to ``path``; returns the data files it reads."""
+        path = Path(path)
+        real = make_spec(self.model)
+        template = self._get_template()
+        if template is not None:
+            started = time.perf_counter()
+            try:
+                model = self._stitch(make_spec, real, template, path.name)
+            except NotStitchable as err:  # this graph only: the template may still serve the others
+                why = f"traced whole: {err}"
+                if self.mode == "stitch":
+                    raise ElxError(f"ELX_CAPTURE=stitch: {path.name} cannot be stitched ({why})") from None
+                self.report(f"{path.name}: {why}")
+                self.records[path.name] = {"why": why}
+            else:
+                onnx.save_model(model, str(path))
+                self.records[path.name]["seconds"] = round(time.perf_counter() - started, 1)
+                return [WEIGHTS_FILE]
+        started = time.perf_counter()
+        written = save_model(trace(real), path)
+        why = self.records.get(path.name, {}).get("why", self._refusal)
+        self.records[path.name] = {"method": "traced", "why": why, "seconds": round(time.perf_counter() - started, 1)}
+        return written
+
+    def _traced_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, bool]:
+        """The template's graph: from the second process started by ``prefetch`` when it succeeded, else traced
+        here; its tracing time, and whether it was traced in parallel."""
+        child = self._children.pop(name, None)
+        if child is not None:
+            model, why = child.result()
+            if model is not None:
+                self.report(f"{name}: traced a {TEMPLATE_LAYERS}-layer template in {child.seconds:.1f} s "
+                            "(in a second process)")
+                return model, child.seconds, True
+            self.report(f"{name}: the second process gave no template ({why}); tracing it here")
+        started = time.perf_counter()
+        try:
+            model = trace(spec)
+        except Exception as err:  # noqa: BLE001 - a template the exporter cannot trace: trace the model itself
+            raise NotStitchable(f"its template does not trace ({type(err).__name__}: {str(err)[:200]})") from None
+        traced = time.perf_counter() - started
+        self.report(f"{name}: traced a {TEMPLATE_LAYERS}-layer template in {traced:.1f} s")
+        return model, traced, False
+
+    def _stitch(self, make_spec, real, template, name: str) -> onnx.ModelProto:
+        spec = make_spec(template.model)
+        model, traced, parallel = self._traced_template(spec, name)
+        sources = {**{n: p.detach().numpy() for n, p in template.model.named_parameters(remove_duplicate=False)},
+                   **{n: b.detach().numpy() for n, b in template.model.named_buffers(remove_duplicate=False)}}
+        bindings = bind(model.graph.initializer, sources)
+        del sources
+        scopes = _stack_scopes(spec.module, template)
+        tensors, weights = self.tensors(), self._weights_file()
+        _refuse_unbound_layer_constants(model, scopes, bindings)
+        io_names = {}
+        total = sum(max(0, template.stacks[s][1] - template.stacks[s][0]) for s in scopes)
+        done, began = [0], time.perf_counter()
+        every = max(1, total // 6)
+
+        def on_layer(c):
+            done[0] += 1
+            if done[0] % every == 0 or done[0] == total:
+                elapsed = time.perf_counter() - began
+                eta = elapsed / done[0] * (total - done[0])
+                self.report(f"{name}: stitched layer {c} ({done[0]}/{total} copies, {elapsed:.1f} s, ETA {eta:.0f} s)")
+
+        for stack_path, scope in scopes.items():
+            count, real_layers = template.stacks[stack_path]
+            stack = Stack(scope, stack_path, count, real_layers)
+            for key, copies in stitch_stack(model, stack, bindings, weights, tensors, on_layer).items():
+                io_names.setdefault(key, []).extend(copies)
+        order_io(model, io_names, real.input_names, real.output_names)
+        _check_every_layer_read(model, bindings, template)
+        bind_weights(model, bindings, weights, tensors)
+        self.records[name] = {"method": "stitched", "template_layers": TEMPLATE_LAYERS,
+                              "template_trace_seconds": round(traced, 1), "template_traced_in_parallel": parallel}
+        return model
+
+
+def _stack_scopes(module, template) -> dict:
+    """{stack path in the HF model: the wrapper module's path of it} (what the graph's name scopes say), for the
+    stacks the wrapper holds (an encoder graph holds no decoder layer); a wrapper that runs a stack's layers through
+    modules of its own names them in ``layer_stacks`` (``exporter/capture/wrappers.py``'s cross K/V graph)."""
+    own = getattr(module, "layer_stacks", {})
+    paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    scopes = {}
+    for stack in template.stacks:
+        if stack in own:
+            scopes[stack] = own[stack]
+            continue
+        found = paths.get(id(template.model.get_submodule(f"{stack}.0")))
+        if found is not None and found.endswith(".0"):
+            scopes[stack] = found[: -len(".0")]
+    return scopes
+
+
+def _check_every_layer_read(model: onnx.ModelProto, bindings: dict, template) -> None:
+    """A graph that reads a weight of some layer of a stack reads weights of every layer of it (a stack the
+    stitcher did not see would otherwise stay at the template's layers)."""
+    used = {t.name for t in model.graph.initializer}
+    for stack, (_, layers) in template.stacks.items():
+        prefix = f"{stack}."
+        read = {int(b.source[len(prefix):].split(".", 1)[0]) for name, b in bindings.items()
+                if name in used and b.source.startswith(prefix)}
+        if read and read != set(range(layers)):
+            missing = sorted(set(range(layers)) - read)
+            raise NotStitchable(f"the stitched graph reads {stack} but not its layers {missing[:5]}")
+
+
+def _refuse_unbound_layer_constants(model: onnx.ModelProto, scopes: dict, bindings: dict) -> None:
+    """A float initializer of several values that a layer node reads and that no weight explains may be a weight
+    folded into a form the binding does not know (Gemma's ``1 + w``): its values would be the template's."""
+    from elx.exporter.capture.stitch import layer_of
+
+    index = {f"{scope}.{k}": (scope, k) for scope in scopes.values() for k in range(TEMPLATE_LAYERS)}
+    floats = {t.name: t for t in model.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT,
+                                                                           onnx.TensorProto.DOUBLE)}
+    for node in model.graph.node:
+        if layer_of(node, index) is None:
+            continue
+        for name in node.input:
+            tensor = floats.get(name)
+            if tensor is not None and name not in bindings:
+                size = 1
+                for d in tensor.dims:
+                    size *= d
+                if size > 1:
+                    raise NotStitchable(f"layer node {node.name} reads constant {name} {list(tensor.dims)}, "
+                                        "which no weight explains")

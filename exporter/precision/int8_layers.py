@@ -1,0 +1,175 @@
+"""int8, per layer: which layers stay fp32, decided by measuring each one's teacher-forced error (issue 28).
+
+Before the folder is converted (``exporter/precision/int8.py``), each layer is quantized *alone*: the fp32
+export converted with only that layer's weight MatMuls on int8 weights (``convert_folder(only=layer)``),
+then measured against PyTorch fp32 on the seeded random cases the int8 record uses
+(``int8_check.random_inputs_error``: teacher-forced max abs logits difference, each side filling
+its own cache).  A layer is what ``int8.layer_of`` reads from the module path the ONNX exporter records on each
+node, or from the weight's name (``layers.3``, ``decoder.block.1``, GPT-2's ``h.0``), plus the LM head
+(``lm_head``); MatMuls that name no layer (nodes a pass wrote) follow the rule without a measurement.
+
+**Out of line**: a layer whose error alone exceeds ``OUT_OF_LINE`` times the median layer's.  Quantizing
+any layer changes the logits by roughly the same amount when its weights and activations are of the same
+kind; one that changes them several times more (an outlier channel the per-tensor activation scale cannot
+resolve, a saturating product) costs more agreement than the bytes it saves, and stays fp32.  The manifest
+records every layer's error, the median, the factor and the layers kept (``int8.layers``).
+
+**Cost.**  ONNX Runtime's quantizer runs once, on every layer (``convert_folder``); each layer's graph is then
+the fp32 graph with that layer's MatMuls replaced by the nodes the quantizer wrote for them (DynamicQuantizeLinear
+of the activation, MatMulInteger on the stored int8 weight, the scale products; found by walking back from each
+MatMul's output to tensors the fp32 graph has) and their initializers: the same weights, scales and nodes a
+conversion of that layer alone writes, so the same error bit for bit (``tests/test_int8_layers.py`` holds it to
+``convert_folder(only=layer)``).  Graphs without the layer are read from the fp32 folder as they are.  Per layer:
+one graph copy and save, one check.  t5-small dims (13 layers, one thread, a loaded machine, one run each):
+153.1 s with a conversion per layer, 62.9 s so (the full conversion included; the same errors).  The export
+keeps that full conversion when no layer is out of line (``measure_and_convert``).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from elx.runners.manifest import Manifest
+
+OUT_OF_LINE = 4.0
+RULE = (f"a layer stays fp32 when its teacher-forced max abs logits difference, quantized alone, exceeds "
+        f"{OUT_OF_LINE:g} x the median layer's")
+
+
+def measured_layers(manifest: Manifest) -> list[str]:
+    """The layers the rule would quantize in the fp32 export ``manifest`` describes, in graph order."""
+    from elx.exporter.precision.int8 import _scores_output, prepare
+
+    return _in_graph_order((prepare(onnx.load(str(manifest.graph_path(name)))), _scores_output(manifest, name))
+                           for name in [*manifest.stages, manifest.step])
+
+
+def pair_layers(pairs: dict) -> list[str]:
+    """``measured_layers`` of graphs already loaded (``GraphPair``s, in graph order)."""
+    return _in_graph_order((pair.fp32, pair.logits) for pair in pairs.values())
+
+
+def _in_graph_order(graphs) -> list[str]:
+    """The layers of each (prepared model, scores output), first graph first, each layer once."""
+    from elx.exporter.precision.int8 import layers_of
+
+    found = []
+    for model, logits in graphs:
+        found += [layer for layer in sorted(layers_of(model, logits)) if layer not in found]
+    return found
+
+
+class GraphPair:
+    """One graph of the export: fp32 (prepared as the conversion prepares it) and converted with every layer on
+    int8; ``variant(layer)`` is the fp32 graph with only ``layer``'s MatMuls on int8, or None without them."""
+
+    def __init__(self, manifest: Manifest, name: str, converted: Manifest):
+        from elx.exporter.precision.fp16 import boundaries
+        from elx.exporter.precision.int8 import _scores_output, prepare
+
+        self.fp32 = prepare(onnx.load(str(manifest.graph_path(name))))
+        self.int8 = onnx.load(str(converted.graph_path(name)))
+        self.logits = _scores_output(manifest, name)
+        self.exact = boundaries(manifest)[name].exact_outputs
+        graph = self.fp32.graph
+        self.known = ({o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+                      | {t.name for t in graph.initializer})
+        self.producers = {o: (i, n) for i, n in enumerate(self.int8.graph.node) for o in n.output}
+        self.int8_weights = {t.name: t for t in self.int8.graph.initializer}
+
+    def _written_for(self, output: str) -> list[tuple[int, onnx.NodeProto]]:
+        """The converted graph's nodes computing ``output`` from tensors the fp32 graph has (index, node)."""
+        found, stack = {}, [output]
+        while stack:
+            tensor = stack.pop()
+            if tensor not in self.producers or (tensor in self.known and tensor != output):
+                continue
+            index, node = self.producers[tensor]
+            if index not in found:
+                found[index] = node
+                stack.extend(node.input)
+        return sorted(found.items(), key=lambda item: item[0])
+
+    def variant(self, layer: str) -> onnx.ModelProto | None:
+        from elx.exporter.precision.int8 import choose
+
+        chosen, _ = choose(self.fp32, self.exact, self.logits, only=layer)
+        if not chosen:
+            return None
+        chosen = set(chosen)
+        model = onnx.ModelProto()
+        model.CopyFrom(self.fp32)
+        nodes, placed, weights = [], set(), set()
+        for node in self.fp32.graph.node:
+            if node.name not in chosen:
+                nodes.append(node)
+                continue
+            weights.add(node.input[1])
+            for index, written in self._written_for(node.output[0]):
+                if index not in placed:  # a quantized activation shared by several MatMuls: placed once
+                    placed.add(index)
+                    nodes.append(written)
+        graph = model.graph
+        del graph.node[:]
+        graph.node.extend(nodes)
+        used = {name for n in nodes for name in n.input}
+        kept = [t for t in graph.initializer if t.name not in weights or t.name in used]
+        added = [self.int8_weights[name] for name in sorted(used - self.known) if name in self.int8_weights]
+        del graph.initializer[:]
+        graph.initializer.extend(kept + added)
+        domains = {o.domain for o in model.opset_import}
+        model.opset_import.extend(o for o in self.int8.opset_import if o.domain not in domains)
+        return model
+
+
+def variant_folder(manifest: Manifest, pairs: dict, layer: str, target: Path) -> Manifest:
+    """A folder whose graphs run ``layer`` alone on int8 weights; graphs without it are the fp32 files."""
+    from elx.exporter.capture.onnx_export import save_model
+
+    target.mkdir(parents=True, exist_ok=True)
+    after = Manifest(manifest.copy().data, target)
+    for name, pair in pairs.items():
+        spec = after.graphs[name]
+        model = pair.variant(layer)
+        if model is None:
+            spec["file"] = str(manifest.graph_path(name).resolve())  # read where it is
+            continue
+        spec["file"] = f"{name}.layer.onnx"
+        spec["external_data"] = save_model(model, target / spec["file"])
+    return after
+
+
+def measure_layers(torch_model, manifest: Manifest, progress=None) -> dict:
+    """Every layer's error quantized alone, and the layers out of line (see the module doc)."""
+    with tempfile.TemporaryDirectory(prefix="elx-int8-every-layer-") as work:
+        return measure_and_convert(torch_model, manifest, Path(work), progress)[0]
+
+
+def measure_and_convert(torch_model, manifest: Manifest, target: Path, progress=None) -> tuple[dict, Manifest]:
+    """``measure_layers``, and the conversion of every layer it starts from, written to ``target`` (the int8
+    export itself when no layer turns out of line: ``precision_int8_export.finish``)."""
+    from elx.exporter.precision.decoder_only import torch_side
+    from elx.exporter.precision.int8 import convert_folder
+    from elx.exporter.precision.int8_check import random_inputs_error
+
+    reference = torch_side(torch_model, manifest)
+    errors = {}
+    converted = convert_folder(manifest, target)
+    pairs = {name: GraphPair(manifest, name, converted) for name in [*manifest.stages, manifest.step]}
+    with tempfile.TemporaryDirectory(prefix="elx-int8-layers-") as work:
+        for layer in pair_layers(pairs):
+            folder = Path(work) / re.sub(r"[^A-Za-z0-9_.-]", "_", layer)
+            errors[layer] = random_inputs_error(torch_model, variant_folder(manifest, pairs, layer, folder),
+                                                reference)["max_abs_logits_diff"]
+            shutil.rmtree(folder, ignore_errors=True)
+            if progress is not None:
+                progress(layer)
+    median = statistics.median(errors.values()) if errors else 0.0
+    kept = [layer for layer, error in errors.items() if not error <= OUT_OF_LINE * median]  # NaN: kept
+    return ({"rule": RULE, "factor": OUT_OF_LINE, "median_max_abs_logits_diff": median,
+             "max_abs_logits_diff": errors, "kept_fp32": kept}, converted)

@@ -1,0 +1,410 @@
+"""One verification flow: a reference and a candidate run the same random cases; the logits must agree.
+
+Export and every pass verify the same way: seeded random inputs at several (batch, beam, source
+length, past length, step length) shapes, with padded sources, non-empty random
+self-attention pasts and token histories with planted repeats; each side computes the step's
+last-position scores, and the max abs difference must stay within the fp32 tolerance
+(``logits_tolerance``: 1e-4, or 64 float32 ulps of the largest reference logit where that is more).
+
+* ``verify_export``: HF's own PyTorch forward (per-row caches, the semantics the export must
+  match) against the exported graphs run through the runtime (``elx.runners.model.Model``), so the
+  manifest contract is checked along with the graphs; also compares the encoder output.
+* Decoder-only exports (``DecoderOnlyTorchSide``): the case's inputs are a left-padded prompt;
+  both sides run it (the runtime through its prefill stage), then one more token per row over a
+  cache of [the prompt's keys/values ; a random generated past]; the scores compared are both
+  steps' (prompt and token).  ``verify_rewrite`` between the two prompt-cache forms (shared and
+  per-beam) runs the same way.
+* ``verify_rewrite``: the graphs before a pass against the graphs after it.  A pass that changes
+  the cache layout supplies ``past_from`` (the candidate's past for the reference's random past,
+  e.g. slim's K-only cache built from random hidden states); a pass that changes what the step
+  returns supplies ``expect`` (e.g. the ngram pass: log-softmax and blocking of the reference's
+  logits).  Equal −inf entries (blocked tokens) count as equal.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from elx.runners.backends.base import DecoderCache
+from elx.runners.errors import ElxError
+from elx.runners.inputs.random_inputs import random_inputs
+from elx.runners.manifest import Manifest
+from elx.runners.model import Model
+from elx.runners.backends.ort import OrtBackend
+from elx.exporter.verification.shapes import DECODER_ONLY_SHAPES, SHAPES, Shape  # noqa: F401 (re-exported)
+
+# -- the fp32 tolerance -----------------------------------------------------------------------------------
+# Two float32 evaluations of the same network (PyTorch's kernels, ONNX Runtime's; or the graphs before and
+# after a pass) differ by rounding, and rounding is relative: a logit z = Σ_{i≤D} h_i·w_i computed in two
+# orders differs by about 2·√D·u·Σ|h_i·w_i| (u = 2^-24, Higham & Mary's probabilistic bound), and the
+# errors carried in h scale with h the same way.  The logits' error grows with the magnitudes in the
+# computation, of which the largest logit M = max |z| is the observable measure.  An absolute bar cannot
+# mean the same for unit-scale logits and for T5's untied heads (flan-t5-base: M = 230, measured diff
+# 2.3e-4 = 16 ulps of M, refused by the absolute 1e-4).  The bar:
+#
+#     max |z_candidate − z_reference|  ≤  max(1e-4, 2^-18 · M)  =  1e-4 · max(1, M / 26.2)
+#
+# 2^-18 = 64 ulps of M = 2·√1024·u: the disagreement of two evaluations of a sum of D ≤ 1024 products
+# (d_model, the LM head's sum, is at most 1024 in every preset); measured whole-export errors are 3–17
+# ulps of M.  Logits up to M = 26.2 keep exactly the absolute 1e-4 of earlier versions (every tiny test
+# model and every preset but flan-t5-base).
+TOLERANCE = 1e-4  # the absolute floor: the whole bar for unit-scale logits (M <= LOGITS_SCALE)
+RELATIVE_TOLERANCE = 2.0 ** -18  # beyond: 64 float32 ulps of the largest reference logit
+LOGITS_SCALE = 1e-4 / RELATIVE_TOLERANCE  # 26.2144: where the two meet
+RULE = "max abs logits diff <= 1e-4 * max(1, M / 26.2144), M = max |reference logit| (2^-18 = 64 ulps of M)"
+
+
+def logits_tolerance(source) -> float:
+    """The fp32 bar for logits of magnitude ``source``: a number M (max |reference logit|), or a ``Manifest``
+    (the magnitude its export verification measured; manifests of earlier versions: 1e-4).  Every fp32
+    check uses it: export, passes, and (the default of) ``elx compare``, with M measured on its own
+    reference logits."""
+    recorded = 0.0
+    if isinstance(source, Manifest):
+        record = source.data.get("verification", {}).get("tolerance", {})
+        source, recorded = record.get("logits_magnitude"), float(record.get("atol") or 0.0) if "fp32_noise" in record else 0.0
+    magnitude = 0.0 if source is None or not np.isfinite(source) else float(source)
+    return max(TOLERANCE * max(1.0, magnitude / LOGITS_SCALE), recorded)
+
+
+def tolerance_record(magnitude: float, report: dict | None = None) -> dict:
+    """What the manifest records: the rule, its constants, the measured magnitude and the bar it gives; with an
+    export's ``report`` (``verify_export``), fp32's own error per case and each case's bar, and ``atol`` the
+    largest of them (the bar of passes and of ``elx compare``)."""
+    record = {"rule": RULE, "absolute": TOLERANCE, "relative": RELATIVE_TOLERANCE, "logits_magnitude": magnitude,
+              "atol": logits_tolerance(magnitude)}
+    if report is not None and "fp32_noise" in report:
+        cases = [{**{k: e[k] for k in ("batch", "beams", "source", "past", "step")}, "atol": e["tolerance"],
+                  "graphs_vs_fp32": e["max_abs_logits_diff"], "fp32_vs_fp64": e["torch_fp32_vs_fp64"],
+                  "graphs_vs_fp64": e["graphs_vs_fp64"]} for e in report["shapes"]]
+        record["fp32_noise"] = {**report["fp32_noise"], "cases": cases}
+        record["atol"] = max(record["atol"], report["tolerance"])
+    return record
+
+
+def default_shapes(manifest: Manifest) -> tuple:
+    return SHAPES if manifest.data.get("is_encoder_decoder", True) else DECODER_ONLY_SHAPES
+
+
+@dataclass
+class Case:
+    shape: Shape
+    inputs: dict  # encoder inputs by role, batch B
+    tokens: np.ndarray  # [rows, step]
+    past: dict  # self-cache input name → [rows, ...] host array (the reference's layout)
+    history: np.ndarray  # [rows, length] tokens with planted repeats (for in-graph n-gram blocking)
+    prefix: np.ndarray  # [rows, past] tokens a prefilled side runs first (its own cache instead of ``past``)
+
+    @property
+    def rows(self) -> int:
+        return self.shape.batch * self.shape.beams
+
+
+def make_case(manifest: Manifest, shape: Shape, seed: int) -> Case:
+    rng = np.random.default_rng(seed)
+    inputs = random_inputs(manifest, shape.batch, shape.source, rng)
+    rows = shape.batch * shape.beams
+    vocab = manifest.dims["vocab_size"]
+    tokens = rng.integers(3, vocab, size=(rows, shape.step), dtype=np.int64)
+    past = {}
+    for entry in manifest.cache_entries:
+        dims = [rows if d == "rows" else (shape.past if i == entry["seq_axis"] else d)
+                for i, d in enumerate(entry["shape"])]
+        past[entry["input"]] = rng.standard_normal(dims).astype(np.float32)
+    history = rng.integers(3, min(vocab, 6), size=(rows, shape.past + shape.step + 10), dtype=np.int64)
+    history[:, 0] = 0  # a three-token alphabet: repeated n-grams everywhere
+    prefix = np.random.default_rng([seed, 1]).integers(3, vocab, size=(rows, shape.past), dtype=np.int64)
+    return Case(shape, inputs, tokens, past, history, prefix)
+
+
+class RuntimeSide:
+    """An export folder's graphs through the runtime's own ``Model`` on ONNX Runtime (CPU)."""
+
+    def __init__(self, manifest: Manifest, no_repeat_ngram_size: int = 0, prefill: bool = False):
+        self.model = Model(manifest, OrtBackend(manifest)).for_run(no_repeat_ngram_size)
+        self.prefill = prefill
+
+    def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray | None]:
+        state = self.model.encode(case.inputs)
+        if self.model.plan.first_scores is not None:
+            return self._run_prompt_then_token(case, past, state), None
+        history = case.history if self.model.needs_history else None
+        cache = DecoderCache(past, case.rows)
+        if self.prefill:
+            cache = self.model.empty_cache(case.rows)
+            if case.prefix.shape[1]:
+                _, cache = self.model.step(case.prefix, state, cache, history)
+        scores, _ = self.model.step(case.tokens, state, cache, history)
+        return scores, state.kept.get("encoder:last_hidden_state")
+
+
+    def _run_prompt_then_token(self, case: Case, past: dict, state) -> np.ndarray:
+        """Decoder-only: the prompt's step (per row), then one token over [prompt ; ``past``]; both steps' scores.
+        With ``prefill`` the generated part is the case's prefix tokens, run one step each (the side fills its
+        own cache, whatever its layout), instead of ``past``."""
+        model, beams = self.model, case.shape.beams
+        prompt = np.repeat(case.inputs["input_ids"], beams, axis=0)
+        first, cache = model.step(prompt, state, model.empty_cache(case.rows))
+        if self.prefill:
+            for t in range(case.prefix.shape[1]):
+                _, cache = model.step(np.ascontiguousarray(case.prefix[:, t: t + 1]), state, cache)
+        else:
+            cache = model.append_to_cache(cache, past)
+        scores, _ = model.step(case.tokens, state, cache)
+        return np.concatenate([scores, first])
+
+
+class DecoderOnlyTorchSide:
+    """HF's own forward of a decoder-only model: the prompt, then one token per row over a per-row cache
+    [the prompt's keys/values repeated per beam ; ``past``], with HF's masks and position ids."""
+
+    def __init__(self, model, manifest: Manifest):
+        self.model, self.layers = model, manifest.dims["num_decoder_layers"]
+
+    def run(self, case: Case, past: dict) -> tuple[np.ndarray, None]:
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        from elx.runners.inputs.prompt import prompt_positions, sequence_positions
+
+        beams, generated = case.shape.beams, case.shape.past
+        ids, mask = case.inputs["input_ids"], case.inputs["attention_mask"]
+        width = ids.shape[1]
+        with torch.no_grad():
+            first = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                               position_ids=torch.from_numpy(prompt_positions(mask)), use_cache=True)
+            pairs = []
+            for i, layer in enumerate(first.past_key_values.layers):
+                pairs.append(tuple(torch.cat([t.repeat_interleave(beams, 0),
+                                              torch.from_numpy(past[f"past_key_values.{i}.{kind}"])], dim=2)
+                                   for t, kind in ((layer.keys, "key"), (layer.values, "value"))))
+            rows_mask = np.repeat(mask, beams, axis=0)
+            full_mask = np.concatenate([rows_mask, np.ones((case.rows, generated + 1), dtype=np.int64)], axis=1)
+            positions = sequence_positions(rows_mask, width + generated + 1)[:, -1:]
+            out = self.model(input_ids=torch.from_numpy(case.tokens), attention_mask=torch.from_numpy(full_mask),
+                             position_ids=torch.from_numpy(positions), past_key_values=DynamicCache(pairs),
+                             use_cache=True)
+        first_scores = first.logits[:, -1, :].repeat_interleave(beams, 0)
+        return np.concatenate([out.logits[:, -1, :].numpy(), first_scores.numpy()]), None
+
+
+class TorchSide:
+    """HF's own forward in PyTorch with per-row self-attention caches."""
+
+    def __init__(self, model, manifest: Manifest, prefill: bool = False):
+        self.model, self.layers, self.prefill = model, manifest.dims["num_decoder_layers"], prefill
+
+    def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        beams = case.shape.beams
+        rep = {role: torch.from_numpy(a).repeat_interleave(beams, 0) for role, a in case.inputs.items()}
+        with torch.no_grad():
+            encoder = self.model.get_encoder()(**rep).last_hidden_state
+            if self.prefill:
+                from elx.exporter.verification.hf_decoding import hf_decoder_logits
+
+                tokens = torch.from_numpy(np.concatenate([case.prefix, case.tokens], axis=1))
+                logits = hf_decoder_logits(self.model, encoder, rep.get("attention_mask"), tokens, use_cache=False)
+                return logits[:, -1, :].numpy(), encoder[::beams].numpy()
+            pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"]),
+                      torch.from_numpy(past[f"past_key_values.{i}.decoder.value"])) for i in range(self.layers)]
+            cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())
+            out = self.model(encoder_outputs=(encoder,), attention_mask=rep.get("attention_mask"),
+                             decoder_input_ids=torch.from_numpy(case.tokens), past_key_values=cache, use_cache=True)
+        return out.logits[:, -1, :].numpy(), encoder[::beams].numpy()
+
+
+class RecordedSide:
+    """A side's results on the cases ``measure`` draws for ``shapes`` × ``seeds`` (with each case's own random
+    past), computed at once, so that the side (its ONNX Runtime sessions: one copy of the weights per graph) is
+    released before a candidate loads.  Holding both sides held four copies of a decoder-only model's weights
+    (prefill and step, before and after): 27 GB at SmolLM2-1.7B, past this machine's 23 GB."""
+
+    def __init__(self, side, manifest: Manifest, shapes, seeds, report=None):
+        self._results = {}
+        total = len(seeds) * len(shapes)
+        for seed in seeds:
+            for shape in shapes:
+                case = make_case(manifest, shape, seed)
+                self._results[self._key(case, case.past)] = side.run(case, dict(case.past))
+                if report is not None:  # report(cases done, cases in all)
+                    report(len(self._results), total)
+
+    @staticmethod
+    def _key(case: Case, past: dict) -> tuple:
+        digest = hashlib.blake2b(digest_size=16)
+        for array in (case.tokens, case.prefix, *case.inputs.values(), *past.values()):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return tuple(case.shape.as_dict().items()), digest.hexdigest()
+
+    def run(self, case: Case, past: dict):
+        key = self._key(case, past)
+        if key not in self._results:
+            raise ElxError("internal error: a verification case the recorded reference did not run; report this")
+        return self._results[key]
+
+
+def _max_abs_finite(a: np.ndarray) -> float:
+    finite = a[np.isfinite(a)]
+    return float(np.abs(finite).max()) if finite.size else 0.0
+
+
+def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    both_blocked = np.isneginf(a) & np.isneginf(b)
+    if not np.array_equal(np.isneginf(a), np.isneginf(b)):
+        return float("inf")  # different tokens blocked
+    a, b = np.where(both_blocked, 0.0, a.astype(np.float64)), np.where(both_blocked, 0.0, b.astype(np.float64))
+    return float(np.abs(a - b).max())
+
+
+def _real_positions(encoder: np.ndarray, case: Case) -> np.ndarray:
+    """The encoder output with padded positions zeroed: no consumer reads them (attention masks them), and a
+    pass may leave them as it likes (``--pass unpad`` writes zeros there)."""
+    mask = case.inputs.get("attention_mask")
+    if mask is None or encoder.shape[:2] != mask.shape:
+        return encoder
+    return np.where(mask[:, :, None] != 0, encoder, 0)
+
+
+def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int = 0, past_from=None,
+            expect=None, bars=None, floor: float = 0.0) -> dict:
+    """Run both sides on the same cases; the report records the max abs logits (and encoder) difference.
+
+    ``past_from(past) -> past`` maps the reference's random past to the candidate's cache layout;
+    ``expect(scores, case) -> scores`` maps the reference's scores to what the candidate returns.
+    Each case's bar is the magnitude rule (``logits_tolerance`` of the largest reference logit), at least
+    ``floor``, and at least ``bars[i]`` for the i-th shape (the export's per-case bars from fp32's own error:
+    ``exporter/verification/fp32_noise.py``); ``within`` says whether every case is within its bar."""
+    worst, worst_encoder, per_shape, scale, magnitude = 0.0, None, [], 0.0, 0.0
+    for shape in shapes:
+        case = make_case(manifest, shape, seed)
+        past = dict(case.past)
+        candidate_past = past_from(past) if past_from else past  # may rewrite ``past`` consistently, in place
+        ref, ref_encoder = reference.run(case, past)
+        got, got_encoder = candidate.run(case, candidate_past)
+        entry = {**shape.as_dict()}
+        magnitude = max(magnitude, _max_abs_finite(ref))  # the reference's logits (before ``expect``)
+        if expect is not None:
+            ref = expect(ref, case)
+            entry["banned"] = int(np.isneginf(ref).sum())  # how much blocking the check really saw
+        diff = _max_abs_diff(got, ref)
+        entry["max_abs_logits_diff"] = diff
+        scale = max(scale, _max_abs_finite(ref))
+        if ref_encoder is not None and got_encoder is not None:
+            got_encoder, ref_encoder = _real_positions(got_encoder, case), _real_positions(ref_encoder, case)
+            entry["max_abs_encoder_diff"] = _max_abs_diff(got_encoder, ref_encoder)
+            worst_encoder = max(worst_encoder or 0.0, entry["max_abs_encoder_diff"])
+        worst = max(worst, diff) if not np.isnan(diff) else float("nan")
+        per_shape.append(entry)
+    rule = max(logits_tolerance(magnitude), floor)
+    for i, entry in enumerate(per_shape):
+        entry["tolerance"] = max(rule, bars[i]) if bars is not None else rule
+    within = all(e["max_abs_logits_diff"] <= e["tolerance"] for e in per_shape)  # NaN is never within
+    report = {"max_abs_logits_diff": worst, "max_abs_reference": scale, "logits_magnitude": magnitude,
+              "tolerance": max(e["tolerance"] for e in per_shape), "within": within, "shapes": per_shape}
+    if worst_encoder is not None:
+        report["max_abs_encoder_diff"] = worst_encoder
+    return report
+
+
+def closeness(report: dict) -> float:
+    """How near its bar a report's worst case is: max over cases of diff / bar (inf for NaN)."""
+    ratios = [e["max_abs_logits_diff"] / e["tolerance"] if "tolerance" in e else
+              e["max_abs_logits_diff"] / report["tolerance"] for e in report["shapes"]]
+    return float("inf") if any(np.isnan(r) for r in ratios) else max(ratios, default=0.0)
+
+
+def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release_model=None, report=None) -> dict:
+    """The exported graphs (through the runtime) against HF's PyTorch forward, each case held to the bar its own
+    fp32 error sets (``exporter/verification/fp32_noise.py``): PyTorch fp32 and fp64 run the same cases first (the model is
+    converted to float64 in place and back), then the graphs.  The report adds ``fp32_noise``: per case, PyTorch
+    fp32 vs fp64 and the graphs vs fp64.  ``release_model()``, if given, runs between the two (the export frees
+    HF's model there, so that it and the graphs' sessions are never in memory together); ``report(side, done,
+    total)``, if given, after each case a side runs (the export's progress)."""
+    from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE, NOISE_RULE, Float64Side, case_bars, in_float64
+
+    shapes = shapes or default_shapes(manifest)
+    torch_side = (TorchSide if manifest.data.get("is_encoder_decoder", True) else DecoderOnlyTorchSide)(model, manifest)
+    def progress(side):
+        return None if report is None else (lambda done, total: report(side, done, total))
+
+    fp32 = RecordedSide(torch_side, manifest, shapes, [seed], progress("PyTorch fp32"))
+    with in_float64(model):
+        fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], progress("PyTorch fp64"))
+    if release_model is not None:
+        model = torch_side = None
+        release_model()
+    graphs = RecordedSide(RuntimeSide(manifest), manifest, shapes, [seed], progress("graphs"))  # sessions released
+    noise = measure(fp64, fp32, manifest, shapes, seed)
+    against_fp64 = measure(fp64, graphs, manifest, shapes, seed)
+    report = measure(fp32, graphs, manifest, shapes, seed, bars=case_bars(noise, noise["tolerance"]))
+    for entry, e, g in zip(report["shapes"], noise["shapes"], against_fp64["shapes"]):
+        entry["torch_fp32_vs_fp64"], entry["graphs_vs_fp64"] = e["max_abs_logits_diff"], g["max_abs_logits_diff"]
+    report["fp32_noise"] = {"rule": NOISE_RULE, "multiple": NOISE_MULTIPLE,
+                            "max_torch_fp32_vs_fp64": noise["max_abs_logits_diff"],
+                            "max_graphs_vs_fp64": against_fp64["max_abs_logits_diff"]}
+    return report
+
+
+def verify_rewrite(before: Manifest, after: Manifest, shapes=None, seed: int = 0, past_from=None, expect=None,
+                   no_repeat_ngram_size: int = 0, reference: RuntimeSide | None = None, sides=None) -> dict:
+    """The graphs after a pass against the graphs before it (``reference`` reuses loaded sessions; ``sides``, a
+    ``CandidateSides``, loads ``after``'s once for all the seeds it is verified at).  The bar is at least the
+    export's own (``logits_tolerance(before)``: on a deep model, widened by fp32's measured error)."""
+    reference = reference or RuntimeSide(before)
+    side = sides(after) if sides is not None else RuntimeSide(after, no_repeat_ngram_size)
+    return measure(reference, side, before, shapes or default_shapes(before), seed, past_from, expect,
+                   floor=logits_tolerance(before))
+
+
+class CandidateSides:
+    """The runtime side of the candidate being verified, loaded once for every seed it is verified at (a side per
+    seed loaded a 1.7B candidate's two sessions three times: 5 minutes a layer probe); the previous candidate's
+    sessions are released before the next one loads, and all of them by ``release`` (or leaving a ``with``)."""
+
+    def __init__(self, **options):
+        self.options, self._manifest, self._side = options, None, None
+
+    def __call__(self, manifest: Manifest) -> RuntimeSide:
+        if self._manifest is not manifest:
+            self.release()
+            self._side, self._manifest = RuntimeSide(manifest, **self.options), manifest
+        return self._side
+
+    def release(self) -> None:
+        self._side = self._manifest = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def worst_report(reports: list) -> dict:
+    """One report from several runs (e.g. at several seeds): the numbers (and tolerance) of the one nearest its
+    tolerance, every shape listed.  NaN is worst."""
+    worst = max(reports, key=closeness)
+    return {**worst, "within": all(r.get("within", True) for r in reports),
+            "shapes": [s for r in reports for s in r["shapes"]]}
+
+
+def require_within_tolerance(report: dict, what: str) -> None:
+    """Every case of the report within its bar (``measure``); the message names the case nearest its bar."""
+    within = report.get("within", report["max_abs_logits_diff"] <= report["tolerance"])
+    if within and report["max_abs_logits_diff"] <= report["tolerance"]:  # the second test also catches NaN
+        return
+    shapes = [e for e in report["shapes"] if "tolerance" in e] or [dict(report)]
+    worst = max(shapes, key=lambda e: e["max_abs_logits_diff"] / e["tolerance"] if e["tolerance"] > 0 and
+                np.isfinite(e["max_abs_logits_diff"]) else np.inf)
+    noise = worst.get("torch_fp32_vs_fp64")
+    because = (f"; PyTorch's own fp32 error on that case is {noise:.3g}" if noise is not None else "")
+    raise ElxError(f"{what}: max abs logits diff {worst['max_abs_logits_diff']:.3g} exceeds {worst['tolerance']:.3g} "
+                   f"(the fp32 tolerance at max |logit| {report['logits_magnitude']:.3g}{because}); nothing was "
+                   "written (report this model and pass)")

@@ -61,7 +61,7 @@ def hf_folder(name: str, source: str | None, work: Path) -> Path:
     folder = work / "hf" / name
     if not (folder / "config.json").exists():
         code = ("import sys, torch, transformers\n"
-                "from elx.exporter.model_source import find_preset\n"
+                "from elx.exporter.source.locate import find_preset\n"
                 "p = find_preset(sys.argv[1]); torch.manual_seed(0)\n"
                 "cls = getattr(transformers, p['architecture'])\n"
                 "config = cls.config_class(**p['config'])\n"

@@ -50,6 +50,16 @@ LONG_ONLY = {
     "tests/test_compare.py::test_a_near_tie_within_the_export_error_is_fragile":
         "test_fragile_difference_is_reported_not_counted",
     "tests/test_cli.py::test_compare_fails_when_tokens_differ": "test_compare.py::test_cli_compare_exit_status_and_atol",
+    # CI time (stop 44: the suite ran 1968 s here, the budget is 35 min): exports only these tests make
+    "tests/test_bench.py::test_a_pass_set_is_made_from_the_baseline_without_loading_the_model_again":
+        "the apply_passes tests of test_el_self.py, test_fp16.py, test_int8.py (passes on a cached baseline)",
+    "tests/test_el_self.py::test_generation_with_ngram_pass[whisper-biased]": "[t5-wide]",
+    "tests/test_slim.py::test_slim_cross_matches_original[whisper]": "[t5] and [bart]",
+    "tests/test_slim.py::test_non_square_refused": "test_singular_layer_refused (slim refusing a layer)",
+    "tests/test_progress.py::test_export_quiet_prints_nothing":
+        "test_export_plain_lines_list_the_stages_in_order and test_callbacks_v3.py's --quiet test",
+    "tests/test_el.py::test_el_whisper_style_generation": "test_whisper.py::test_random_whisper_identical",
+    "tests/test_ngram_pass.py::test_graph_blocking_is_hf_identical[bart-ngram=2-2]": "[t5-el,ngram=3-3]",
     # bench: the full --quick run (HF, every peer, plots) is long; the bench's parts are tested one by one
     "tests/test_bench.py::test_bench_quick": "the other tests of test_bench.py",
     "tests/test_bench.py::test_compare_prints_no_one_run_speed_ratio": "test_compare.py's report tests",

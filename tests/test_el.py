@@ -85,7 +85,7 @@ def test_el_refuses_extra_argument(tmp_path, exported):
     from elx.exporter.passes import el
 
     folder = tmp_path / "arg"
-    shutil.copytree(exported("bart"), folder)
+    shutil.copytree(exported("t5"), folder)
     with pytest.raises(ElxError, match="takes no argument"):
         el.apply(folder, Manifest.load(folder), "fast")
 

@@ -20,7 +20,10 @@ def _ops(model: onnx.ModelProto) -> Counter:
 
 @pytest.mark.parametrize("family", ["t5", "llama"])
 def test_a_layer_cut_from_the_full_conversion_is_that_layer_converted_alone(exported, model_folders, tmp_path,
-                                                                           family):
+                                                                           family, monkeypatch):
+    """Each layer's variant (cut from one full conversion) is that layer converted alone, bit for bit: written
+    as a whole folder, and as the export writes it, a graph whose fp32 weights refer to the prepared weights
+    written once (external data forced here, as a real model's size would)."""
     from elx.exporter.precision.decoder_only import torch_side
     from elx.exporter.precision.int8 import convert_folder
     from elx.exporter.precision.int8_check import random_inputs_error
@@ -32,6 +35,13 @@ def test_a_layer_cut_from_the_full_conversion_is_that_layer_converted_alone(expo
     reference = torch_side(torch_model, manifest)
     converted = convert_folder(manifest, tmp_path / "every-layer")
     pairs = {name: GraphPair(manifest, name, converted) for name in [*manifest.stages, manifest.step]}
+    import elx.exporter.capture.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    (tmp_path / "shared").mkdir()
+    shared = {name: GraphPair(manifest, name, converted, tmp_path / "shared") for name in pairs}
+    weights = {name: (tmp_path / "shared" / f"{name}.fp32.onnx.data").stat().st_size for name in pairs}
+    assert all(size > 0 for size in weights.values())
     layers = pair_layers(pairs)
     assert layers == measured_layers(manifest) and "lm_head" in layers and len(layers) >= 3
     fp32_ops = {name: _ops(pair.fp32) for name, pair in pairs.items()}
@@ -44,5 +54,14 @@ def test_a_layer_cut_from_the_full_conversion_is_that_layer_converted_alone(expo
             assert _ops(got) == _ops(want), (layer, name)
             changed += _ops(got) != fp32_ops[name]
         assert changed >= 1, layer  # the layer's MatMuls are on int8 somewhere
-        errors = [random_inputs_error(torch_model, m, reference)["max_abs_logits_diff"] for m in (alone, cut)]
-        assert errors[0] == errors[1] and errors[0] > 0, (layer, errors)
+        referring = variant_folder(manifest, shared, layer, tmp_path / f"ref-{layer}")
+        for name in pairs:
+            path = referring.graph_path(name)
+            if path.parent == tmp_path / "shared":  # the variant: its fp32 weights refer to the shared file
+                graph = onnx.load(str(path), load_external_data=False).graph
+                inline = sum(t.ByteSize() for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL)
+                assert not list(path.parent.glob(f"{path.name}.data")) and inline < weights[name] / 2, (inline, name)
+                assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer)
+        errors = [random_inputs_error(torch_model, m, reference)["max_abs_logits_diff"]
+                  for m in (alone, cut, referring)]
+        assert errors[0] == errors[1] == errors[2] and errors[0] > 0, (layer, errors)

@@ -4,6 +4,7 @@ conversion (``int8.py``: the rule), and the agreement with HF fp32 measured and 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +24,8 @@ def finish(torch_model, folder: Path, manifest: Manifest, progress) -> dict:
     stay fp32), convert the verified fp32 export in ``folder`` to int8 in place (``manifest`` updated, fp32 graph
     files removed), then measure and record what int8 changes (``verification.int8``); one progress stage each."""
     with progress.stage("int8 per-layer error (which layers stay fp32)", WEIGHTS["fp16"]) as stage:
-        layers, after = measure_and_convert(torch_model, manifest, Path(folder))  # every layer on int8, in place
+        layers, after = measure_and_convert(torch_model, manifest, Path(folder),  # every layer on int8, in place
+                                            _every_few_layers(progress, stage))
         kept = layers["kept_fp32"]
         stage.detail = (f"{len(layers['max_abs_logits_diff'])} layers quantized one at a time, median max abs "
                         f"logits diff {layers['median_max_abs_logits_diff']:.3g}; kept fp32: {', '.join(kept) or 'none'}")
@@ -46,6 +48,17 @@ def finish(torch_model, folder: Path, manifest: Manifest, progress) -> dict:
                         f"{beam['identical_share']:.0%}; top-1 along HF's tokens {greedy['top1_agreement']:.1%}; "
                         f"max abs logits diff {found['random_inputs']['max_abs_logits_diff']:.3g} (random inputs)")
     return found
+
+
+def _every_few_layers(progress, stage):
+    """A line per ~10% of the layers measured, with the time so far and an ETA (a long model's int8 stage is
+    minutes: one graph copy and one check per layer)."""
+    def report(layer: str, done: int, total: int) -> None:
+        if done == total or done % max(1, total // 10) == 0:
+            spent = time.perf_counter() - stage.started
+            progress.say(f"{progress.title}: int8 per-layer error: {layer} ({done}/{total} layers, {spent:.1f} s, "
+                         f"ETA {spent / done * (total - done):.0f} s)")
+    return report
 
 
 def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:

@@ -68,11 +68,19 @@ class GraphPair:
     """One graph of the export: fp32 (prepared as the conversion prepares it) and converted with every layer on
     int8; ``variant(layer)`` is the fp32 graph with only ``layer``'s MatMuls on int8, or None without them."""
 
-    def __init__(self, manifest: Manifest, name: str, converted: Manifest):
+    def __init__(self, manifest: Manifest, name: str, converted: Manifest, work: Path | None = None):
         from elx.exporter.precision.fp16 import boundaries
         from elx.exporter.precision.int8 import _scores_output, prepare
 
         self.fp32 = prepare(onnx.load(str(manifest.graph_path(name))))
+        self.work = None
+        if work is not None:
+            from elx.exporter.capture.onnx_export import save_model
+  # the prepared weights written once; each variant refers to them (see the module doc)
+            self.work = Path(work)
+            path = self.work / f"{name}.fp32.onnx"
+            save_model(self.fp32, path)
+            self.fp32 = onnx.load(str(path), load_external_data=False)
         self.int8 = onnx.load(str(converted.graph_path(name)))
         self.logits = _scores_output(manifest, name)
         self.exact = boundaries(manifest)[name].exact_outputs
@@ -128,9 +136,9 @@ class GraphPair:
 
 
 def variant_folder(manifest: Manifest, pairs: dict, layer: str, target: Path) -> Manifest:
-    """A folder whose graphs run ``layer`` alone on int8 weights; graphs without it are the fp32 files."""
-    from elx.exporter.capture.onnx_export import save_model
-
+    """A folder whose graphs run ``layer`` alone on int8 weights; graphs without it are the fp32 files.  A pair
+    made with a ``work`` folder writes its variant there as a graph alone, its fp32 weights referring to the
+    prepared weights written once (``GraphPair``): a layer costs its own int8 weights, not a copy of the model."""
     target.mkdir(parents=True, exist_ok=True)
     after = Manifest(manifest.copy().data, target)
     for name, pair in pairs.items():
@@ -139,6 +147,13 @@ def variant_folder(manifest: Manifest, pairs: dict, layer: str, target: Path) ->
         if model is None:
             spec["file"] = str(manifest.graph_path(name).resolve())  # read where it is
             continue
+        if pair.work is not None:
+            path = pair.work / f"{name}.{target.name}.layer.onnx"  # beside the weights its references name
+            onnx.save_model(model, str(path))
+            spec["file"], spec["external_data"] = str(path), []
+            continue
+        from elx.exporter.capture.onnx_export import save_model
+
         spec["file"] = f"{name}.layer.onnx"
         spec["external_data"] = save_model(model, target / spec["file"])
     return after
@@ -152,7 +167,8 @@ def measure_layers(torch_model, manifest: Manifest, progress=None) -> dict:
 
 def measure_and_convert(torch_model, manifest: Manifest, target: Path, progress=None) -> tuple[dict, Manifest]:
     """``measure_layers``, and the conversion of every layer it starts from, written to ``target`` (the int8
-    export itself when no layer turns out of line: ``precision_int8_export.finish``)."""
+    export itself when no layer turns out of line: ``int8_export.finish``); ``progress(layer, done, total)``
+    after each layer's measurement."""
     from elx.exporter.precision.decoder_only import torch_side
     from elx.exporter.precision.int8 import convert_folder
     from elx.exporter.precision.int8_check import random_inputs_error
@@ -160,15 +176,20 @@ def measure_and_convert(torch_model, manifest: Manifest, target: Path, progress=
     reference = torch_side(torch_model, manifest)
     errors = {}
     converted = convert_folder(manifest, target)
-    pairs = {name: GraphPair(manifest, name, converted) for name in [*manifest.stages, manifest.step]}
     with tempfile.TemporaryDirectory(prefix="elx-int8-layers-") as work:
-        for layer in pair_layers(pairs):
+        shared = Path(work) / "weights"
+        shared.mkdir()
+        pairs = {name: GraphPair(manifest, name, converted, shared) for name in [*manifest.stages, manifest.step]}
+        layers = pair_layers(pairs)
+        for done, layer in enumerate(layers, 1):
             folder = Path(work) / re.sub(r"[^A-Za-z0-9_.-]", "_", layer)
             errors[layer] = random_inputs_error(torch_model, variant_folder(manifest, pairs, layer, folder),
                                                 reference)["max_abs_logits_diff"]
             shutil.rmtree(folder, ignore_errors=True)
+            for path in shared.glob(f"*.{folder.name}.layer.onnx"):
+                path.unlink()
             if progress is not None:
-                progress(layer)
+                progress(layer, done, len(layers))
     median = statistics.median(errors.values()) if errors else 0.0
     kept = [layer for layer, error in errors.items() if not error <= OUT_OF_LINE * median]  # NaN: kept
     return ({"rule": RULE, "factor": OUT_OF_LINE, "median_max_abs_logits_diff": median,

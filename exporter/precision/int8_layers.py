@@ -26,7 +26,8 @@ keeps that full conversion when no layer is out of line (``measure_and_convert``
 written once and each variant is a graph referring to them (it was a save of the whole model per layer: 31 x
 1.1 GB written for SmolLM2-135M); that saved little time there (quiet machine: 638 -> 602 s for the int8 export,
 ~16 s a layer, peak RSS 6.4 GB both ways): a layer's cost is ONNX Runtime building two sessions of the
-30-layer graphs and running the five cases, and the peak is the quantizer's full conversion.  The slowest step
+30-layer graphs and running the five cases; the peak did not move, so it is not the per-layer copies (where it
+is was not measured).  The slowest step
 of any export; a cheaper measurement (one session per graph, the layer's weights swapped) is not done yet.
 """
 from __future__ import annotations

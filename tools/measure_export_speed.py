@@ -33,9 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-DECODER_ONLY = ("llama", "smollm", "tinyllama", "gpt2", "opt", "qwen", "phi", "mistral", "gemma")
-
-
 def timed(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> dict:
     """Run ``cmd`` under /usr/bin/time -v; wall seconds, peak RSS (MiB), exit status, the log's last line."""
     start = time.perf_counter()
@@ -94,9 +91,9 @@ def main(argv=None) -> int:
         name, _, source = spec.partition("=")
         folder = hf_folder(name, source or None, args.work)
         weights = weight_bytes(folder)
+        architecture = (folder / "config.json").read_text()  # as save_pretrained wrote it
+        decoder_only = "CausalLM" in architecture or "LMHeadModel" in architecture
         for system in systems:
-            decoder_only = any(k in name for k in DECODER_ONLY) or (
-                source and "CausalLM" in (folder / "config.json").read_text())
             if system == "genai" and not decoder_only:
                 continue
             out = args.work / "out" / f"{name}-{system}"

@@ -49,7 +49,7 @@ def _session(nodes, inputs, outputs, initializers=(), opset: int = 18) -> ort.In
     model = helper.make_model(graph, opset_imports=imports, ir_version=10)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as elx's runner sets it
+
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

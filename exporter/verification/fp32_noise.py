@@ -36,16 +36,65 @@ NOISE_RULE = ("per verification case: max abs logits diff <= max(magnitude rule,
 
 @contextlib.contextmanager
 def in_float64(model):
-    """``model`` converted in place to float64 inside the block, and back to float32 after it (a round trip that
-    changes no weight: float32 → float64 → float32 is exact).  In place, not a copy: a second copy of a 1.7B
-    model in float64 is 13.6 GB."""
+    """``model`` in float64 inside the block, and back to float32 after it (a round trip that changes no weight:
+    float32 → float64 → float32 is exact).  In place, not a copy, and its layers one at a time: everything
+    outside the layer stacks (embeddings, head, norms, buffers) is converted for the block, each layer of a
+    stack (``exporter/capture/template.py``: ``stacks_of``) just before its forward and back after it, so the
+    float64 weights alive at once are the non-layer ones and one layer's, not the model's (a whole 1.1B model
+    in float64 is 8.8 GB beside the process; measured peaks in ``docs/measurements/``)."""
     import torch
 
+    layers = _layer_modules(model)
+    inside = {id(p) for layer in layers for p in layer.parameters()} | \
+             {id(b) for layer in layers for b in layer.buffers()}
+    hooks = []
     try:
-        model.to(torch.float64)
+        with torch.no_grad():
+            _convert_outside(model, inside, torch.float64)
+        for layer in layers:
+            hooks.append(layer.register_forward_pre_hook(_to_float64))
+            hooks.append(layer.register_forward_hook(_to_float32))
         yield model
     finally:
+        for hook in hooks:
+            hook.remove()
         model.to(torch.float32)
+
+
+def _to_float64(module, args) -> None:  # a pre-hook returning something would replace the layer's inputs
+    import torch
+
+    module.to(torch.float64)
+
+
+def _to_float32(module, args, output) -> None:
+    import torch
+
+    module.to(torch.float32)
+
+
+def _layer_modules(model) -> list:
+    """The layers of every stack ``stacks_of`` finds (a stack with no layer modules by those names: none)."""
+    from elx.exporter.capture.template import stacks_of
+
+    found = []
+    for stack in stacks_of(model):
+        try:
+            modules = model.get_submodule(stack)
+        except AttributeError:
+            continue
+        found.extend(modules.children())
+    return found
+
+
+def _convert_outside(model, inside: set, dtype) -> None:
+    """Every floating parameter and buffer of ``model`` not in ``inside`` (ids) converted to ``dtype`` in place."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None or id(tensor) in inside or not tensor.is_floating_point():
+                    continue
+                tensor.data = tensor.data.to(dtype)
 
 
 class Float64Side:

@@ -123,7 +123,9 @@ class RuntimeSide:
     """An export folder's graphs through the runtime's own ``Model`` on ONNX Runtime (CPU)."""
 
     def __init__(self, manifest: Manifest, no_repeat_ngram_size: int = 0, prefill: bool = False):
-        self.model = Model(manifest, OrtBackend(manifest)).for_run(no_repeat_ngram_size)
+        # unpacked weights: the graphs' sessions share the one mapped weights.data instead of a copy each
+        # (``runners/backends/ort.py``: ``session_options``); the verification's peak at 1B+ was two copies
+        self.model = Model(manifest, OrtBackend(manifest, prepack=False)).for_run(no_repeat_ngram_size)
         self.prefill = prefill
 
     def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray | None]:

@@ -8,12 +8,17 @@ from contextlib import contextmanager
 import numpy as np
 
 from elx.runners.backends.base import Backend
+from elx.runners.backends.ort_mapped import MappedWeights
 from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 from elx.runners.inputs.validation import check_threads
 
 
-def session_options(threads: int | None = None):
+def session_options(threads: int | None = None, prepack: bool = True):
+    """``prepack=False``: MatMul weights are not repacked into a per-session copy, so every session reads the
+    one memory-mapped ``weights.data`` (the export's verification: two graphs' sessions shared 1 copy of the
+    weights instead of holding 2; greedy decoding is 1.4x slower without the packing, measured on the real
+    SmolLM2-135M, so the runtime keeps it)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -29,6 +34,8 @@ def session_options(threads: int | None = None):
     # (``runners/search/topk.py``: two spinning pools on two cores slowed beam 4 by 9%).
     if os.environ.get("ELX_ORT_SPINNING", "1") == "0":
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     return options
 
 
@@ -46,8 +53,10 @@ def allocation_failures(graph: str):
                        "the lengths") from None
 
 
-def load_sessions(manifest: Manifest, providers: list, threads: int | None = None) -> dict:
-    """An InferenceSession per graph the manifest runs (stages and step); one-line error when unloadable."""
+def load_sessions(manifest: Manifest, providers: list, threads: int | None = None, mapped: MappedWeights | None = None) -> dict:
+    """An InferenceSession per graph the manifest runs (stages and step); one-line error when unloadable.
+    ``mapped`` (which the caller keeps alive as long as the sessions): prepacking off and the weights read
+    from its one mapping of each data file (``runners/backends/ort_mapped.py``)."""
     import onnxruntime as ort
 
     check_threads(threads)  # before ONNX Runtime starts any: it starts as many as asked, per session
@@ -55,7 +64,10 @@ def load_sessions(manifest: Manifest, providers: list, threads: int | None = Non
     for name in [*manifest.stages, manifest.step]:
         path = manifest.graph_path(name)
         try:
-            sessions[name] = ort.InferenceSession(str(path), session_options(threads), providers=providers)
+            options = session_options(threads, prepack=mapped is None)
+            if mapped is not None:
+                mapped.add_to(options, path)
+            sessions[name] = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as err:  # ORT raises several types for unreadable graphs
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
             raise ElxError(f"ONNX Runtime cannot load {path} ({first}); re-run 'elx export' for this folder")
@@ -67,8 +79,10 @@ def load_sessions(manifest: Manifest, providers: list, threads: int | None = Non
 class OrtBackend(Backend):
     name, device = "ort", "cpu"
 
-    def __init__(self, manifest: Manifest, threads: int | None = None):
-        self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads)
+    def __init__(self, manifest: Manifest, threads: int | None = None, prepack: bool = True):
+        """``prepack=False``: the sessions share one mapping of the weights (``runners/backends/ort_mapped.py``)."""
+        self.mapped = None if prepack else MappedWeights()  # outlives the sessions: they read its arrays
+        self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, self.mapped)
 
     def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
         with allocation_failures(graph):

@@ -36,41 +36,63 @@ NOISE_RULE = ("per verification case: max abs logits diff <= max(magnitude rule,
 
 @contextlib.contextmanager
 def in_float64(model):
-    """``model`` in float64 inside the block, and back to float32 after it (a round trip that changes no weight:
-    float32 → float64 → float32 is exact).  In place, not a copy, and its layers one at a time: everything
-    outside the layer stacks (embeddings, head, norms, buffers) is converted for the block, each layer of a
-    stack (``exporter/capture/template.py``: ``stacks_of``) just before its forward and back after it, so the
-    float64 weights alive at once are the non-layer ones and one layer's, not the model's (a whole 1.1B model
-    in float64 is 8.8 GB beside the process; measured peaks in ``docs/measurements/``)."""
+    """``model`` in float64 inside the block, and back to float32 after it (float32 → float64 → float32 is exact:
+    no weight changes).  In place, not a copy, and its layers one at a time: everything outside the layer stacks
+    (embeddings, head, norms, buffers) is converted for the block; each layer of a stack (``exporter/capture/
+    template.py``: ``stacks_of``) has its float32 tensors copied into float64 buffers just before its forward and
+    pointed back at them after it.  The buffers are shared by the layers (same names, same shapes: allocated
+    once), so the float64 weights alive at once are the non-layer ones and one layer's, not the model's (a whole
+    1.1B model in float64 is 8.8 GB), and nothing is allocated per layer and per forward (converting each layer
+    with ``Module.to`` there and back made TinyLlama-1.1B's fp64 reference 3.4x slower, most of it page faults)."""
     import torch
 
     layers = _layer_modules(model)
-    inside = {id(p) for layer in layers for p in layer.parameters()} | \
-             {id(b) for layer in layers for b in layer.buffers()}
+    inside = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    swap = _LayerSwap(torch.float64)
     hooks = []
     try:
         with torch.no_grad():
             _convert_outside(model, inside, torch.float64)
         for layer in layers:
-            hooks.append(layer.register_forward_pre_hook(_to_float64))
-            hooks.append(layer.register_forward_hook(_to_float32))
+            hooks.append(layer.register_forward_pre_hook(swap.enter))
+            hooks.append(layer.register_forward_hook(swap.leave))
         yield model
     finally:
         for hook in hooks:
             hook.remove()
+        swap.restore()
         model.to(torch.float32)
 
 
-def _to_float64(module, args) -> None:  # a pre-hook returning something would replace the layer's inputs
-    import torch
+class _LayerSwap:
+    """A layer's floating tensors pointed at shared buffers of ``dtype`` (filled from them) while it runs."""
 
-    module.to(torch.float64)
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.buffers = {}  # name in the layer → tensor of ``dtype``
+        self.saved = []  # (tensor, its own data) of the layer running now
 
+    def enter(self, module, args) -> None:  # a pre-hook returning something would replace the layer's inputs
+        import torch
 
-def _to_float32(module, args, output) -> None:
-    import torch
+        self.restore()
+        with torch.no_grad():
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                if not tensor.is_floating_point() or tensor.dtype == self.dtype:
+                    continue
+                buffer = self.buffers.get(name)
+                if buffer is None or buffer.shape != tensor.shape:
+                    buffer = self.buffers[name] = torch.empty(tensor.shape, dtype=self.dtype)
+                self.saved.append((tensor, tensor.data))
+                tensor.data = buffer.copy_(tensor.data)
 
-    module.to(torch.float32)
+    def leave(self, module, args, output) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        for tensor, data in self.saved:
+            tensor.data = data
+        self.saved = []
 
 
 def _layer_modules(model) -> list:

@@ -179,7 +179,10 @@ def measure_and_convert(torch_model, manifest: Manifest, target: Path, progress=
     from elx.exporter.precision.int8 import convert_folder
     from elx.exporter.precision.int8_check import random_inputs_error
 
-    reference = torch_side(torch_model, manifest)
+    from elx.exporter.verification.verify import RecordedSide, default_shapes
+
+    # PyTorch's side once for every layer: its results on the seeded cases, recorded (it was re-run per layer)
+    reference = RecordedSide(torch_side(torch_model, manifest), manifest, default_shapes(manifest), [0])
     errors = {}
     converted = convert_folder(manifest, target)
     with tempfile.TemporaryDirectory(prefix="elx-int8-layers-") as work:

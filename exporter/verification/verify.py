@@ -210,7 +210,11 @@ class TorchSide:
             # the encoder once per item, its output repeated per beam, as HF's generate does (the encoder runs
             # before the inputs are expanded for beams): Whisper's 30 s cases ran it on batch × beams rows,
             # 2.6x the work and the activations' memory of the four cases
-            encoder = self.model.get_encoder()(**inputs).last_hidden_state
+            # and one item at a time: a batch of 30 s log-mel cases in float64 held 3 items' attention
+            # matrices at once (the export's peak on Whisper)
+            batch = next(iter(inputs.values())).shape[0]
+            encoder = torch.cat([self.model.get_encoder()(**{role: a[i:i + 1] for role, a in inputs.items()})
+                                 .last_hidden_state for i in range(batch)])
             rows = encoder.repeat_interleave(beams, 0)
             if self.prefill:
                 from elx.exporter.verification.hf_decoding import hf_decoder_logits

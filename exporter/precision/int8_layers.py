@@ -23,12 +23,11 @@ conversion of that layer alone writes, so the same error bit for bit (``tests/te
 one graph copy and save, one check.  t5-small dims (13 layers, one thread, a loaded machine, one run each):
 153.1 s with a conversion per layer, 62.9 s so (the full conversion included; the same errors).  The export
 keeps that full conversion when no layer is out of line (``measure_and_convert``).  The prepared fp32 weights are
-written once and each variant is a graph referring to them (it was a save of the whole model per layer: 31 x
-1.1 GB written for SmolLM2-135M); that saved little time there (quiet machine: 638 -> 602 s for the int8 export,
-~16 s a layer, peak RSS 6.4 GB both ways): a layer's cost is ONNX Runtime building two sessions of the
-30-layer graphs and running the five cases; the peak did not move, so it is not the per-layer copies (where it
-is was not measured).  The slowest step
-of any export; a cheaper measurement (one session per graph, the layer's weights swapped) is not done yet.
+written once, always as external data, and each variant is a graph referring to them (a graph under 2 GB saved
+whole made every variant a 645 MB copy, serialized and written per layer: 13 of SmolLM2-135M's ~20 s a layer).
+PyTorch's side runs once (``RecordedSide``) for all layers.  A layer then costs two ONNX Runtime sessions (their
+weights mapped, not prepacked: ``runners/backends/ort_mapped.py``) and the graphs' five cases.  Still the slowest
+step of any export; a cheaper measurement (one session per graph, the layer's weights swapped) is not done.
 """
 from __future__ import annotations
 
@@ -80,12 +79,13 @@ class GraphPair:
 
         self.fp32 = prepare(onnx.load(str(manifest.graph_path(name))))
         self.work = None
-        if work is not None:
-            from elx.exporter.capture.onnx_export import save_model
-  # the prepared weights written once; each variant refers to them (see the module doc)
+        if work is not None:  # the prepared weights written once; each variant refers to them (see the module doc)
             self.work = Path(work)
             path = self.work / f"{name}.fp32.onnx"
-            save_model(self.fp32, path)
+            # always external (``save_model`` keeps a graph under 2 GB whole: each variant was then a copy of the
+            # weights, serialized and written per layer, 13 s a layer on SmolLM2-135M)
+            onnx.save_model(self.fp32, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=f"{name}.fp32.onnx.data", size_threshold=1024)
             self.fp32 = onnx.load(str(path), load_external_data=False)
         self.int8 = onnx.load(str(converted.graph_path(name)))
         self.logits = _scores_output(manifest, name)

@@ -31,7 +31,9 @@ MiB instead of 1461, because the graph protos no longer carry the weights; shari
 the two sessions with ``SessionOptions.add_initializer`` made it 1290 MiB, as each session still
 prepacks its own copy; ``session.disable_prepacking`` brought it to 315 MiB but doubled the decoder
 step's time).
-A prepacked-weights container shared by the sessions is ONNX Runtime C API only.
+A prepacked-weights container shared by the sessions is ONNX Runtime C API only.  The export's verification,
+which runs a few cases, takes the unpacked way (``runners/backends/ort_mapped.py``): its sessions read one
+mapping of this file; the runtime keeps prepacking (greedy decoding 1.4x slower without it).
 
 Layout: tensors start at a multiple of 64 bytes, those of a page (4096 bytes) or more at a page
 boundary, so that each can be mapped on its own; the gaps are zeros.  Equal digests (BLAKE2b) are

@@ -1,0 +1,87 @@
+"""The verification's memory savings change no number: the layer-by-layer float64 reference equals the whole
+model in float64 and leaves every weight as it was; sessions over one mapping of weights.data give the outputs
+of sessions that load the weights themselves, and read the file's bytes, not a copy."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import BUILDERS
+
+
+@pytest.mark.parametrize("family", ["llama", "t5", "whisper"])
+def test_float64_layer_by_layer_equals_the_whole_model_in_float64(family):
+    from elx.exporter.verification.fp32_noise import _layer_modules, in_float64
+
+    torch.manual_seed(3)
+    model = BUILDERS[family]().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    whole = copy.deepcopy(model).to(torch.float64)
+    assert len(_layer_modules(model)) >= 2  # the stacks are found: the layers really run one at a time
+    if family == "whisper":
+        features = torch.randn(2, model.config.num_mel_bins, 2 * model.config.max_source_positions)
+        inputs = dict(input_features=features, decoder_input_ids=torch.tensor([[1, 5, 7], [1, 9, 3]]))
+    else:
+        inputs = dict(input_ids=torch.tensor([[4, 9, 17, 3], [8, 21, 5, 6]]))
+        if family == "t5":
+            inputs["decoder_input_ids"] = torch.tensor([[0, 5, 7], [0, 9, 3]])
+    cast = {k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()}
+    with torch.no_grad():
+        expected = whole(**cast).logits
+        with in_float64(model):
+            got = model(**cast).logits
+            # inside the block, between forwards, every layer holds its own float32 tensors
+            assert all(p.dtype == torch.float32 for layer in _layer_modules(model) for p in layer.parameters())
+    assert got.dtype == torch.float64
+    assert torch.equal(got, expected)
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_float64_layer_by_layer_restores_the_model_after_an_error():
+    from elx.exporter.verification.fp32_noise import _layer_modules, in_float64
+
+    torch.manual_seed(4)
+    model = BUILDERS["llama"]().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    def fail(module, args):
+        assert next(module.parameters()).dtype == torch.float64  # the layer was swapped to float64 when it failed
+        raise RuntimeError("a layer failing mid-forward")
+
+    with pytest.raises(RuntimeError, match="mid-forward"):
+        with in_float64(model), torch.no_grad():
+            _layer_modules(model)[1].register_forward_pre_hook(fail)  # after in_float64's own hook
+            model(input_ids=torch.tensor([[4, 9, 17, 3]]))
+    after = model.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 1  # only the test's own hook is left
+
+
+def _side(manifest, backend):
+    from elx.exporter.verification.verify import RuntimeSide
+    from elx.runners.model import Model
+
+    side = RuntimeSide.__new__(RuntimeSide)
+    side.model, side.prefill = Model(manifest, backend).for_run(0), False
+    return side
+
+
+def test_mapped_sessions_give_the_loaded_sessions_outputs(exported):
+    from elx.exporter.verification.verify import default_shapes, make_case
+    from elx.runners.backends.ort import OrtBackend
+    from elx.runners.manifest import Manifest
+
+    manifest = Manifest.load(exported("llama"))
+    mapped = OrtBackend(manifest, prepack=False)
+    files = {str(p) for p in manifest.folder.glob("*.data")}
+    assert mapped.mapped._values and set(mapped.mapped._maps) <= {str(Path(f).resolve()) for f in files}
+    plain, shared = _side(manifest, OrtBackend(manifest)), _side(manifest, mapped)
+    for shape in default_shapes(manifest):
+        case = make_case(manifest, shape, seed=1)
+        a, _ = plain.run(case, dict(case.past))
+        b, _ = shared.run(case, dict(case.past))
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

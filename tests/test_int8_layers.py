@@ -35,9 +35,8 @@ def test_a_layer_cut_from_the_full_conversion_is_that_layer_converted_alone(expo
     reference = torch_side(torch_model, manifest)
     converted = convert_folder(manifest, tmp_path / "every-layer")
     pairs = {name: GraphPair(manifest, name, converted) for name in [*manifest.stages, manifest.step]}
-    import elx.exporter.capture.onnx_export as onnx_export
-
-    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    # no monkeypatching of the 2 GB rule: a graph under it is what every real export below 2 GB has (a patched
+    # threshold here once hid that the prepared weights were saved inside the graph, copied by every variant)
     (tmp_path / "shared").mkdir()
     shared = {name: GraphPair(manifest, name, converted, tmp_path / "shared") for name in pairs}
     weights = {name: (tmp_path / "shared" / f"{name}.fp32.onnx.data").stat().st_size for name in pairs}

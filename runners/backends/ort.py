@@ -30,7 +30,8 @@ def session_options(threads: int | None = None, prepack: bool = True):
     # ONNX Runtime's default: pool threads spin between a run's ops instead of sleeping and waking per op.
     # Measured on the real SmolLM2-135M (2 threads, median of 3): greedy batch 1, 128 tokens 4.98 s with
     # spinning off, 3.83 s on; beam 4 batch 4, 64 tokens 5.74 s off, 5.11 s on.  ELX_ORT_SPINNING=0 turns it
-    # off (a process that shares its cores with other work).  The top-k session keeps it off
+    # off: on a machine whose cores are taken by other work spinning cost 1.7x (``docs/measurements/
+    # cpu_profile.md``, load ~4 on 2 cores).  The top-k session keeps it off
     # (``runners/search/topk.py``: two spinning pools on two cores slowed beam 4 by 9%).
     if os.environ.get("ELX_ORT_SPINNING", "1") == "0":
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")

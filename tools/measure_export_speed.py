@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,9 +37,16 @@ from pathlib import Path
 def timed(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> dict:
     """Run ``cmd`` under /usr/bin/time -v; wall seconds, peak RSS (MiB), exit status, the log's last line."""
     start = time.perf_counter()
-    with open(log, "w") as out:
-        done = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=out, stderr=subprocess.STDOUT,
-                              env={**os.environ, **(env or {})}, timeout=timeout)
+    with open(log, "w") as out:  # its own process group: a timeout stops the export too, not only /usr/bin/time
+        child = subprocess.Popen(["/usr/bin/time", "-v", *cmd], stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})}, start_new_session=True)
+        try:
+            child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            out.write(f"\nmeasure_export_speed: timed out after {timeout:.0f} s\n")
+        done = child
     text = log.read_text(errors="replace")
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text)

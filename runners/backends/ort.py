@@ -82,8 +82,9 @@ class OrtBackend(Backend):
 
     def __init__(self, manifest: Manifest, threads: int | None = None, prepack: bool = True):
         """``prepack=False``: the sessions share one mapping of the weights (``runners/backends/ort_mapped.py``)."""
-        self.mapped = None if prepack else MappedWeights()  # outlives the sessions: they read its arrays
-        self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, self.mapped)
+        mapped = None if prepack else MappedWeights()
+        self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, mapped)
+        self.mapped = mapped  # set after the sessions, so dropped after them: they read its arrays
 
     def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
         with allocation_failures(graph):

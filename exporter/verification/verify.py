@@ -207,11 +207,10 @@ class TorchSide:
         mask = inputs.get("attention_mask")
         mask = None if mask is None else mask.repeat_interleave(beams, 0)
         with torch.no_grad():
-            # the encoder once per item, its output repeated per beam, as HF's generate does (the encoder runs
-            # before the inputs are expanded for beams): Whisper's 30 s cases ran it on batch × beams rows,
-            # 2.6x the work and the activations' memory of the four cases
-            # and one item at a time: a batch of 30 s log-mel cases in float64 held 3 items' attention
-            # matrices at once (the export's peak on Whisper)
+            # the encoder once per item, one item at a time, its output repeated per beam, as HF's generate
+            # does (the encoder runs before the inputs are expanded for beams).  Running it on batch × beams
+            # rows at once was 2.6x the work of Whisper's four 30 s cases, and their float64 attention
+            # matrices held together were the export's memory peak
             batch = next(iter(inputs.values())).shape[0]
             encoder = torch.cat([self.model.get_encoder()(**{role: a[i:i + 1] for role, a in inputs.items()})
                                  .last_hidden_state for i in range(batch)])

@@ -15,10 +15,9 @@ from elx.runners.inputs.validation import check_threads
 
 
 def session_options(threads: int | None = None, prepack: bool = True):
-    """``prepack=False``: MatMul weights are not repacked into a per-session copy, so every session reads the
-    one memory-mapped ``weights.data`` (the export's verification: two graphs' sessions shared 1 copy of the
-    weights instead of holding 2; greedy decoding is 1.4x slower without the packing, measured on the real
-    SmolLM2-135M, so the runtime keeps it)."""
+    """``prepack=False``: MatMul weights are not repacked into a per-session copy (what lets sessions share
+    ``runners/backends/ort_mapped.py``'s one mapping of the weights, as the export's verification does; greedy
+    decoding is 1.4x slower without the packing, measured on the real SmolLM2-135M, so the runtime keeps it)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()

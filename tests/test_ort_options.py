@@ -14,7 +14,7 @@ def _entry(options, key):
         return None
 
 
-@pytest.mark.parametrize("value, expected", [(None, None), ("1", None), ("0", "0")])
+@pytest.mark.parametrize("value, expected", [(None, None), ("1", None), ("0", "0"), ("off", "0"), (" False ", "0"), ("yes", None)])
 def test_spinning_follows_the_environment(monkeypatch, value, expected):
     from elx.runners.backends.ort import session_options
 

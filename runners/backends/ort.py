@@ -32,7 +32,7 @@ def session_options(threads: int | None = None, prepack: bool = True):
     # off: on a machine whose cores are taken by other work spinning cost 1.7x (``docs/measurements/
     # cpu_profile.md``, load ~4 on 2 cores).  The top-k session keeps it off
     # (``runners/search/topk.py``: two spinning pools on two cores slowed beam 4 by 9%).
-    if os.environ.get("ELX_ORT_SPINNING", "1") == "0":
+    if os.environ.get("ELX_ORT_SPINNING", "1").strip().lower() in ("0", "false", "no", "off"):
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")

@@ -202,6 +202,25 @@ def test_cuda_backend_needs_onnxruntime_gpu(exported):
         OrtIoBackend(Manifest.load(exported("t5")), device="cuda")
 
 
+def test_a_cuda_session_that_fell_back_to_the_cpu_is_one_line():
+    """ORT puts a graph on the CPU, with a log line only, when its CUDA provider cannot load its libraries:
+    a "cuda" bench would time the CPU.  The backend refuses such sessions by name."""
+    from elx.runners.errors import ElxError
+    from elx.runners.backends.ort_io import check_on_cuda
+
+    class Session:
+        def __init__(self, providers):
+            self.providers = providers
+
+        def get_providers(self):
+            return self.providers
+
+    check_on_cuda({"encoder": Session(["CUDAExecutionProvider", "CPUExecutionProvider"])})
+    with pytest.raises(ElxError, match="could not put the decoder graph on the GPU"):
+        check_on_cuda({"encoder": Session(["CUDAExecutionProvider", "CPUExecutionProvider"]),
+                       "decoder": Session(["CPUExecutionProvider"])})
+
+
 def test_titles_name_model_and_settings_and_smoke_runs():
     from dataclasses import asdict
 

@@ -115,6 +115,7 @@ def probe() -> dict:
         import onnxruntime
 
         ort_info["providers"] = list(onnxruntime.get_available_providers())
+        ort_info["version"] = onnxruntime.__version__  # the one imported: a --target install shadows the image's
     except Exception as err:
         ort_info["error"] = f"{type(err).__name__}: {err}"
     env["onnxruntime"] = ort_info

@@ -44,6 +44,17 @@ def _gather_model(onnx_type: str) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9).SerializeToString()
 
 
+def check_on_cuda(sessions: dict) -> None:
+    """ONNX Runtime falls back to the CPU, with a log line only, when its CUDA provider cannot load (a CUDA,
+    cuBLAS or cuDNN library of the wrong major, or none on the library path): a "cuda" run would then time the
+    CPU.  One line instead, naming what to install."""
+    for name, session in sessions.items():
+        if "CUDAExecutionProvider" not in session.get_providers():
+            raise ElxError(f"ONNX Runtime could not put the {name} graph on the GPU (its CUDA provider did not load: "
+                           "CUDA 13 runtime, cuBLAS and cuDNN 9 libraries are needed on the library path, e.g. "
+                           "'import torch' first with a cu130 PyTorch, or onnxruntime.preload_dlls())")
+
+
 class OrtIoBackend(Backend):
     name = "ort-io"
     device_tensors = True
@@ -59,6 +70,8 @@ class OrtIoBackend(Backend):
         self.providers = ([("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
                           if device == "cuda" else ["CPUExecutionProvider"])
         self.sessions = load_sessions(manifest, self.providers, threads)
+        if device == "cuda":
+            check_on_cuda(self.sessions)
         self.device, self.device_id, self.threads = device, device_id, threads
         self._ortvalue = ort.OrtValue
 

@@ -221,6 +221,13 @@ def test_a_cuda_session_that_fell_back_to_the_cpu_is_one_line():
                        "decoder": Session(["CPUExecutionProvider"])})
 
 
+def test_the_cuda_provider_multiplies_in_float32_as_pytorch_does():
+    """TF32 off (ORT's CUDA default is on; PyTorch's matmul default, HF's reference, is off)."""
+    from elx.runners.backends.ort_io import cuda_options
+
+    assert cuda_options(3) == {"device_id": 3, "use_tf32": 0}
+
+
 def test_titles_name_model_and_settings_and_smoke_runs():
     from dataclasses import asdict
 

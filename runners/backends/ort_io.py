@@ -44,6 +44,14 @@ def _gather_model(onnx_type: str) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9).SerializeToString()
 
 
+def cuda_options(device_id: int = 0) -> dict:
+    """The CUDA provider's options.  ``use_tf32`` off: ONNX Runtime's CUDA provider multiplies float32 matrices
+    in TF32 (10-bit mantissas) by default on Ampere and later, where PyTorch, HF's reference, does not
+    (``torch.backends.cuda.matmul.allow_tf32`` is False by default).  On an H200 the fp32 t5-base bench with
+    TF32 on gave HF's tokens on 30/32 and 127/128 rows (``docs/measurements/gpu_ort_cuda_2026-11-28.md``)."""
+    return {"device_id": device_id, "use_tf32": 0}
+
+
 def check_on_cuda(sessions: dict) -> None:
     """ONNX Runtime falls back to the CPU, with a log line only, when its CUDA provider cannot load (a CUDA,
     cuBLAS or cuDNN library of the wrong major, or none on the library path): a "cuda" run would then time the
@@ -67,7 +75,7 @@ class OrtIoBackend(Backend):
                            "(pip install 'elx[gpu]') on a machine with a GPU")
         if device not in ("cuda", "cpu"):
             raise ElxError(f"unknown device {device!r} for ONNX Runtime; use cpu or cuda")
-        self.providers = ([("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+        self.providers = ([("CUDAExecutionProvider", cuda_options(device_id)), "CPUExecutionProvider"]
                           if device == "cuda" else ["CPUExecutionProvider"])
         self.sessions = load_sessions(manifest, self.providers, threads)
         if device == "cuda":

@@ -23,7 +23,7 @@ from elx.exporter.capture.decoder_only import PROMPT_CACHE_FORMS, export_decoder
 from elx.exporter.capture.onnx_export import decoder_spec, export_cross_kv, export_decoder, export_encoder
 from elx.exporter.passes import check_model_kind, check_not_applied, parse_passes
 from elx.exporter.precision.fp16_export import check_precision, fp16_checks, refuse_fp16
-from elx.exporter.progress import WEIGHTS, Progress
+from elx.exporter.progress import WEIGHTS, Progress, pass_lines
 from elx.exporter.memory import check_export_memory, free_weights, own_copies, release_memory
 from elx.exporter.source.locate import locate_model
 from elx.exporter.capture.shared_weights import folder_bytes, store_weights_once
@@ -151,7 +151,8 @@ def run_passes(folder: Path, manifest: Manifest, requests: list, progress: Progr
     if requests:
         refuse_fp16(manifest, "apply passes")
     for request in requests:
-        with progress.stage(f"pass {request.name}", WEIGHTS["pass"]) as stage:
+        with progress.stage(f"pass {request.name}", WEIGHTS["pass"]) as stage, \
+                pass_lines(lambda text, name=request.name: progress.say(f"{progress.title}: pass {name}: {text}")):
             record = request.module_for(manifest).apply(folder, manifest, request.argument)
             manifest.data["passes"].append(record)
             stage.detail = f"verified, max abs logits diff {record['max_abs_logits_diff']:.2e}"

@@ -27,6 +27,7 @@ shared with the meter of ``elx generate --input-file``; this module adds the wei
 """
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 import time
@@ -149,3 +150,27 @@ class Progress:
 def quiet(title: str = "elx") -> Progress:
     """A reporter that says nothing (for callers that report no progress)."""
     return Progress(title, progress="none")
+
+
+# -- lines from inside a pass ---------------------------------------------------------------------------------
+# A pass's own steps (its per-layer search above all: ``exporter/passes/culprits.py``) can run for minutes on a
+# large model; ``run_passes`` sets where their lines go for the pass it runs, so the passes need no reporter
+# argument threaded through every ``apply``.
+_PASS_LINES: contextvars.ContextVar = contextvars.ContextVar("elx_pass_lines", default=None)
+
+
+@contextmanager
+def pass_lines(say_line):
+    """Lines ``pass_line`` gets inside this block go to ``say_line(text)``."""
+    token = _PASS_LINES.set(say_line)
+    try:
+        yield
+    finally:
+        _PASS_LINES.reset(token)
+
+
+def pass_line(text: str) -> None:
+    """A progress line from inside a pass (nothing outside ``pass_lines``)."""
+    say_line = _PASS_LINES.get()
+    if say_line is not None:
+        say_line(text)

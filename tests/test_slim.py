@@ -336,6 +336,21 @@ def test_singular_layer_refused(exported, workdir):
     assert json.loads((folder / "manifest.json").read_text()) == Manifest.load(original).data
 
 
+def test_the_layer_search_says_a_line_per_layer(exported, workdir, capsys):
+    """Issue 41: the per-layer search ran silent for 15 minutes on SmolLM2-1.7B.  Each step now says a line:
+    the candidate with every layer, each layer measured alone (with the time left), the layers left out."""
+    _, original = exported("bad_t5")
+    apply_passes(original, workdir / "bad_skip_lines", "slim=skip-bad", quiet=False, progress="plain")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elx passes: pass slim: ")]
+    said = [line.removeprefix("elx passes: pass slim: ") for line in lines]
+    assert said[0].startswith("2 decoder self-attention layers rewritten: max abs logits diff ")
+    assert said[1] == "beyond the limit: measuring each of the 2 layers rewritten alone"
+    assert said[2].startswith("layer 1 alone: ") and "(1 of 2, " in said[2] and "s left)" in said[2]
+    assert said[3].startswith("layer 2 alone: ") and "(2 of 2, " in said[3]
+    assert said[4].startswith("layers 0, 1 left out; the other 1: max abs logits diff ")
+    assert said[5].startswith("verified, max abs logits diff ") and len(said) == 6  # the stage's own line
+
+
 def test_skip_bad_keeps_bad_layers(exported, workdir):
     _, original = exported("bad_t5")
     folder = apply_passes(original, workdir / "bad_skip", "slim=skip-bad")

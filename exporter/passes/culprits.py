@@ -14,6 +14,7 @@ verification does not sample (see ``verify_limit``).
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from elx.runners.manifest import Manifest
 
 from elx.exporter.verification.verify import worst_report
 from elx.exporter.passes.catalog import SKIP_BAD
+from elx.exporter.progress import pass_line
 
 # A rewrite is accepted only within half the tolerance.  Verification samples a few shapes; generation on
 # other inputs reached up to 1.9x the verified max (issue 10's differential test: t5-gated-square's slim
@@ -70,12 +72,16 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
         index = min(bad)
         raise ElxError(f"pass {name}: no {where} layer can be rewritten (layer {index}: {bad[index]}); "
                        "nothing was written")
+    started = time.perf_counter()
     after = candidate(todo, name)
     report = _verify_seeds(verify, after, todo)
     limit, limit_text = verify_limit(report), _limit_text(report)
+    pass_line(f"{len(todo)} {where} layers rewritten: max abs logits diff {report['max_abs_logits_diff']:.3g} "
+              f"at {len(VERIFY_SEEDS)} seeds, limit {limit:.3g} ({time.perf_counter() - started:.1f} s)")
     if report["max_abs_logits_diff"] <= limit:
         return after, todo, report
     remove_new_files(folder, manifest, after)
+    pass_line(f"beyond the limit: measuring each of the {len(todo)} layers rewritten alone")
     alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
     worst = max(alone, key=lambda i: alone[i])
     if not skip_bad:
@@ -95,8 +101,11 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
         todo = [layer for layer in todo if layer.index not in bad]
         if not todo:
             break
+        started = time.perf_counter()
         after = candidate(todo, name)
         report = _verify_seeds(verify, after, todo)
+        pass_line(f"layers {', '.join(str(i) for i in sorted(bad))} left out; the other {len(todo)}: max abs logits "
+                  f"diff {report['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
         if report["max_abs_logits_diff"] <= limit:
             return after, todo, report
         remove_new_files(folder, manifest, after)
@@ -115,11 +124,15 @@ def _errors_alone(folder: Path, manifest: Manifest, name: str, layers: list, can
     at three; one within it at one seed may still be left out by the search when the rest does not verify at
     three).  At SmolLM2-1.7B a probe at three seeds took 90 s (45 s of it running the cases), 24 probes an hour."""
     alone = {}
-    for layer in layers:
+    started = time.perf_counter()
+    for done, layer in enumerate(layers, 1):
         probe = candidate([layer], f"{name}-probe")
         try:
             diff = verify(probe, [layer], VERIFY_SEEDS[0])["max_abs_logits_diff"]
         finally:
             remove_new_files(folder, manifest, probe)
         alone[layer.index] = diff if np.isfinite(diff) else float("inf")  # NaN counts as the worst
+        spent = time.perf_counter() - started
+        pass_line(f"layer {layer.index} alone: max abs logits diff {diff:.3g} ({done} of {len(layers)}, "
+                  f"{spent:.0f} s, about {spent / done * (len(layers) - done):.0f} s left)")
     return alone

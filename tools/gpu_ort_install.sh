@@ -10,7 +10,10 @@
 # the package; WHEELS_DIR's wheels (transformers 5.24, jsonschema, ...) are installed there too.
 # Exports PYTHONPATH (TARGET first) and LD_LIBRARY_PATH (the CUDA 13, cuBLAS, cuDNN 9, cuFFT, cuRAND
 # libraries of the image's cu130 PyTorch wheels), then creates a one-node session on the CUDA provider:
-# ONNX Runtime falls back to the CPU with a log line only when a library is missing.
+# ONNX Runtime falls back to the CPU with a log line only when a library is missing.  A failing step ends the
+# shell that sources it (a device call's command: nothing after it would mean anything); on success the
+# shell's own options are given back.
+_saved_options="$(set +o)"
 set -eo pipefail
 _pieces="${1:?usage: source tools/gpu_ort_install.sh PIECES_DIR [TARGET] [WHEELS_DIR]}"
 _target="${2:-/tmp/site}"
@@ -57,3 +60,4 @@ print("session providers:", s.get_providers(), "matmul ok:", bool(np.allclose(s.
 if "CUDAExecutionProvider" not in s.get_providers():
     raise SystemExit("gpu_ort_install: error: the CUDA provider did not load (see ONNX Runtime's log above)")
 EOF
+eval "$_saved_options"

@@ -101,6 +101,9 @@ def main(argv=None) -> int:
         rows = identical = fragile = failures = scored = scores_equal = 0
         worst_logits, worst_score = 0.0, 0.0
         for b, batch in enumerate(batches):
+            # a line per batch: an int8 export's differing rows each run HF's stability probes (minutes a batch)
+            print(f"real_weights_check: {setting}: batch {b + 1} of {len(batches)} "
+                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             inputs = generator.encoder_inputs(messages=batch)
             options = options_for(setting, b)
             if setting == "sample":

@@ -134,6 +134,7 @@ _INT8 = {"type": "object", "required": ["graphs", "reduce_range", "lm_head"],
          "description": "the int8 rule's record (exporter/precision/int8.py)",
          "properties": {"graphs": {"type": "object", "description": "MatMul counts per decision, by graph"},
                         "reduce_range": {"type": "boolean", "description": "true or false"},
+                        "kernel": {"enum": ["dynamic", "nbits"], "description": "'dynamic' or 'nbits' (absent: dynamic)"},
                         "lm_head": {"enum": ["int8", "fp32"], "description": "'int8' or 'fp32'"}}}
 _NAME = {"type": "string", "minLength": 1, "description": "a non-empty string"}
 _GGUF = {  # exporter/gguf/metadata.py: the GGUF file an export was made from

@@ -221,6 +221,11 @@ def test_decoder_only_int8_export_records_agreement(exported, converted, family)
         assert kept_here == per_layer * len([k for k in kept if k != "lm_head"]) + ("lm_head" in kept)
         assert manifest.graphs[name]["inputs"] == fp32.graphs[name]["inputs"]
         assert manifest.graphs[name]["outputs"] == fp32.graphs[name]["outputs"]
+        # decoder-only: MatMulNBits, 8-bit blocks of 32 (exporter/precision/int8.py, "Kernels"), one per quantized
+        # MatMul, and no dynamic quantization left
+        ops = [n.op_type for n in onnx.load(str(manifest.graph_path(name))).graph.node]
+        assert ops.count("MatMulNBits") == quantized and "DynamicQuantizeLinear" not in ops
+    assert data["int8"]["kernel"] == "nbits" and not data["int8"]["reduce_range"]
     found = data["verification"]["int8"]
     for name in ("greedy", "beam4"):
         search = found["searches"][name]
@@ -252,9 +257,16 @@ def test_decoder_only_int8_compare_fails_a_damaged_export(converted, tmp_path):
     manifest = Manifest.load(folder)
     path = manifest.graph_path(manifest.step)
     model = onnx.load(str(path))
+    flipped = 0
     for tensor in model.graph.initializer:
-        if tensor.data_type == TensorProto.INT8:
+        if tensor.data_type == TensorProto.INT8:  # dynamic quantization's weights
             tensor.CopyFrom(numpy_helper.from_array((-numpy_helper.to_array(tensor)).astype(np.int8), tensor.name))
+            flipped += 1
+        elif tensor.data_type == TensorProto.UINT8 and tensor.name.endswith("_Q8"):  # MatMulNBits: q - 128
+            q = numpy_helper.to_array(tensor).astype(np.int16)
+            tensor.CopyFrom(numpy_helper.from_array(np.where(q == 0, 0, 256 - q).astype(np.uint8), tensor.name))
+            flipped += 1
+    assert flipped > 0
     onnx.save(model, str(path))
     draw = manifest.data["verification"]["int8"]["draw"]
     report = compare(folder, batch_size=draw["batch_size"], input_length=draw["input_length"], seed=draw["seed"],

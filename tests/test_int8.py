@@ -68,6 +68,7 @@ def _weight_matmuls(path) -> tuple[int, int]:
 def test_int8_quantizes_every_weight_matmul_and_keeps_io(exported, int8_export, passes):
     fp32, int8 = Manifest.load(exported("t5", passes)), Manifest.load(int8_export("t5", passes))
     assert int8.data["precision"] == "int8" and int8.data["int8"]["lm_head"] == "int8"
+    assert int8.data["int8"]["kernel"] == "dynamic"  # encoder-decoder: per-tensor activations (int8.py, "Kernels")
     for name in [*fp32.stages, fp32.step]:
         before, _ = _weight_matmuls(fp32.graph_path(name))
         plain, quantized = _weight_matmuls(int8.graph_path(name))

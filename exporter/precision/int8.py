@@ -33,6 +33,16 @@ fp32 4.56 s.  A weight-only QDQ graph (``DequantizeLinear`` → fp32 MatMul) was
 in fp32.  So the activation entering a quantized MatMul is quantized too (per tensor), as CTranslate2's
 int8 quantizes its activations (per row); what that changes is measured and recorded, not assumed.
 
+**Kernels: per model kind** (``kernel_for``, recorded as ``int8.kernel``).  The figures above are t5-small's,
+and they hold for encoder-decoder exports: ``dynamic``.  Decoder-only exports take ``nbits``: ``MatMulNBits``
+with 8-bit symmetric weights per block of 32 along K and ``accuracy_level=4`` (activations quantized to int8 per
+block of 32 at run time).  Measured on the real SmolLM2-135M-Instruct (``docs/measurements/
+real_smollm2_2026-11-27.md``, "MatMulNBits"): greedy batch 1 as fast (1.74-1.83 s against 1.84-1.89 s, 128
+tokens), and HF fp32's greedy tokens for 46 steps against 1, beam 4 rows equal to HF's 2/4 against 0/4 (real
+weights' massive activations: one scale per tensor cannot resolve them, one per block of 32 can); beam 4 batch 4
+is 1.3x slower than dynamic quantization there.  Everything else below (what stays fp32, the per-layer rule) is
+the same for both kernels; ``REDUCE_RANGE`` is dynamic quantization's alone.
+
 **Saturation.**  On x86 CPUs without VNNI, MLAS's u8s8 kernel adds pairs of u8·s8 products in int16
 (``vpmaddubsw``), which saturates when both products are large; ``REDUCE_RANGE`` (7-bit weights) rules
 that out at the cost of one bit of weight precision.  Measured (t5-small dims, random weights,
@@ -72,6 +82,23 @@ from elx.exporter.precision.fp16 import _exact_projections, boundaries, gemms_to
 SUFFIX = "int8"
 KEEP_LM_HEAD_FP32 = False  # measured: see the module doc
 REDUCE_RANGE = True
+# The kernel per model kind (module doc, "Kernels"): decoder-only exports run ONNX Runtime's MatMulNBits with
+# 8-bit weights per block of NBITS_BLOCK and activations quantized per block; encoder-decoder exports keep
+# dynamic quantization (per-tensor activations), faster there.
+KERNELS = ("dynamic", "nbits")
+NBITS_BLOCK = 32
+
+
+METHODS = {
+    "dynamic": "onnxruntime.quantization.quantize_dynamic: int8 weights, symmetric, per output channel; uint8 "
+               "activations, per tensor, quantized at run time",
+    "nbits": f"onnxruntime MatMulNBits (bits=8, block_size={NBITS_BLOCK}, symmetric, accuracy_level=4): int8 weights "
+             f"per block of {NBITS_BLOCK} along K; int8 activations per block, quantized at run time"}
+
+
+def kernel_for(manifest: Manifest) -> str:
+    """``nbits`` for decoder-only exports, ``dynamic`` for encoder-decoder ones (measured: the module doc)."""
+    return "dynamic" if manifest.data.get("is_encoder_decoder", True) else "nbits"
 
 
 def fold_weight_transposes(model: onnx.ModelProto) -> int:
@@ -210,15 +237,17 @@ def prepare(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | None = None,
             keep_lm_head: bool = KEEP_LM_HEAD_FP32, reduce_range: bool = REDUCE_RANGE, keep_layers=frozenset(),
-            only=None) -> tuple[onnx.ModelProto, dict]:
+            only=None, kernel: str = "dynamic") -> tuple[onnx.ModelProto, dict]:
     """``model`` (fp32, weights loaded) with the rule's MatMuls quantized; and the count per decision
-    (``keep_layers``, ``only``: see ``choose``)."""
+    (``keep_layers``, ``only``: see ``choose``; ``kernel``: one of ``KERNELS``)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     prepare(model)
     chosen, counts = choose(model, exact_outputs, logits, keep_lm_head, keep_layers, only)
     if not chosen:
         return model, counts
+    if kernel == "nbits":
+        return _to_nbits(model, chosen), counts
     with tempfile.TemporaryDirectory(prefix="elx-int8-") as work:
         source, target = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
         save_model(model, source)
@@ -228,6 +257,29 @@ def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | Non
                              extra_options={"MatMulConstBOnly": True})
         quantized = onnx.load(str(target))  # its external data read in: the folder stores it (shared_weights.py)
     return quantized, counts
+
+
+def _to_nbits(model: onnx.ModelProto, chosen: list[str]) -> onnx.ModelProto:
+    """The ``chosen`` MatMuls as ``MatMulNBits``: 8-bit symmetric weights per block of ``NBITS_BLOCK`` along K,
+    int8 activations per block at run time (``accuracy_level=4``); the graph otherwise unchanged."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    chatty = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")  # an INFO line per MatMul
+    level = chatty.level
+    chatty.setLevel(logging.ERROR)
+    with _quiet():
+        # only the chosen MatMuls: every other MatMul excluded by name (``nodes_to_include`` alone did not
+        # restrict it: a one-layer conversion quantized 15 MatMuls instead of 7)
+        others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in set(chosen)]
+        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=NBITS_BLOCK, is_symmetric=True, accuracy_level=4,
+                                         nodes_to_exclude=others, op_types_to_quantize=("MatMul",))
+        quantizer.process()
+    chatty.setLevel(level)
+    quantized = quantizer.model.model
+    left = {n.name for n in quantized.graph.node if n.op_type == "MatMul"} & set(chosen)
+    if left:  # the quantizer skips a weight it cannot block (e.g. K not a whole number of blocks): say which
+        raise ValueError(f"MatMulNBits left {len(left)} chosen MatMul(s) unquantized, e.g. {sorted(left)[0]}")
+    return quantized
 
 
 def _scores_output(manifest: Manifest, name: str) -> str | None:
@@ -246,13 +298,13 @@ def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_L
     see ``choose``)."""
     target.mkdir(parents=True, exist_ok=True)
     after = Manifest(manifest.copy().data, target)
-    counts, sides = {}, boundaries(manifest)
+    counts, sides, kernel = {}, boundaries(manifest), kernel_for(manifest)
     for name in [*manifest.stages, manifest.step]:
         spec = after.graphs[name]
         logits = _scores_output(manifest, name)
         model = onnx.load(str(Path(manifest.folder) / spec["file"]))
         model, counts[name] = to_int8(model, sides[name].exact_outputs, logits, keep_lm_head, reduce_range,
-                                      keep_layers, only)
+                                      keep_layers, only, kernel)
         file = pass_file(spec["file"], SUFFIX)
         spec["external_data"] = save_model(model, target / file)
         spec["file"] = file
@@ -260,8 +312,7 @@ def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_L
     after.data["precision"] = "int8"
     after.data["int8"] = {
         "rule": "exporter/precision/int8.py", "check": "exporter/precision/int8_check.py", "graphs": counts,
-        "method": "onnxruntime.quantization.quantize_dynamic: int8 weights, symmetric, per output channel; "
-                  "uint8 activations, per tensor, quantized at run time",
-        "reduce_range": reduce_range, "lm_head": "fp32" if keep_lm_head else "int8",
+        "kernel": kernel, "method": METHODS[kernel],
+        "reduce_range": reduce_range if kernel == "dynamic" else False, "lm_head": "fp32" if keep_lm_head else "int8",
         "logits": "float32 (HF's searches run in fp32)", "io": "float32 (caches and per-input state as fp32 exports)"}
     return after

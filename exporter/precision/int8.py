@@ -265,20 +265,23 @@ def _to_nbits(model: onnx.ModelProto, chosen: list[str]) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     chatty = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")  # an INFO line per MatMul
-    level = chatty.level
+    level, wanted = chatty.level, set(chosen)
     chatty.setLevel(logging.ERROR)
-    with _quiet():
-        # only the chosen MatMuls: every other MatMul excluded by name (``nodes_to_include`` alone did not
-        # restrict it: a one-layer conversion quantized 15 MatMuls instead of 7)
-        others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in set(chosen)]
-        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=NBITS_BLOCK, is_symmetric=True, accuracy_level=4,
-                                         nodes_to_exclude=others, op_types_to_quantize=("MatMul",))
-        quantizer.process()
-    chatty.setLevel(level)
+    try:
+        with _quiet():
+            # only the chosen MatMuls: every other MatMul excluded by name (``nodes_to_include`` alone did not
+            # restrict it: a one-layer conversion quantized 15 MatMuls instead of 7)
+            others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in wanted]
+            quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=NBITS_BLOCK, is_symmetric=True,
+                                             accuracy_level=4, nodes_to_exclude=others, op_types_to_quantize=("MatMul",))
+            quantizer.process()
+    finally:
+        chatty.setLevel(level)
     quantized = quantizer.model.model
-    left = {n.name for n in quantized.graph.node if n.op_type == "MatMul"} & set(chosen)
-    if left:  # the quantizer skips a weight it cannot block (e.g. K not a whole number of blocks): say which
-        raise ValueError(f"MatMulNBits left {len(left)} chosen MatMul(s) unquantized, e.g. {sorted(left)[0]}")
+    left = {n.name for n in quantized.graph.node if n.op_type == "MatMul"} & wanted
+    if left:  # a weight the quantizer did not take (K that is not a whole number of blocks is padded, not skipped)
+        raise ValueError(f"MatMulNBits left {len(left)} chosen MatMul(s) unquantized, e.g. {sorted(left)[0]}; "
+                         "report this model")
     return quantized
 
 

@@ -20,7 +20,8 @@ from elx.exporter.capture.stitched import Capture
 from elx.exporter.tokenizer.chat_template import save_chat_template
 from elx.runners.errors import ElxError
 from elx.exporter.capture.decoder_only import PROMPT_CACHE_FORMS, export_decoder_only
-from elx.exporter.capture.onnx_export import decoder_spec, export_cross_kv, export_decoder, export_encoder
+from elx.exporter.capture.onnx_export import (decoder_spec, describe_decoder, export_cross_kv, export_decoder,
+                                             export_encoder)
 from elx.exporter.passes import check_model_kind, check_not_applied, parse_passes
 from elx.exporter.precision.fp16_export import check_precision, fp16_checks, refuse_fp16
 from elx.exporter.progress import WEIGHTS, Progress, pass_lines
@@ -28,7 +29,8 @@ from elx.exporter.memory import check_export_memory, free_weights, own_copies, r
 from elx.exporter.source.locate import locate_model
 from elx.exporter.capture.shared_weights import folder_bytes, store_weights_once
 from elx.exporter.source.load import resolve_model
-from elx.exporter.verification.verify import default_shapes, require_within_tolerance, tolerance_record, verify_export
+from elx.exporter.verification.verify import (default_shapes, require_within_tolerance, tolerance_record,
+                                              torch_references, verify_export)
 
 
 def _as_list(value):
@@ -118,6 +120,9 @@ def export_graphs(model, family, folder: Path, manifest: dict, progress: Progres
         capture.prefetch(lambda m: decoder_spec(m, family)[0], folder / "decoder.onnx")
     manifest["graphs"]["encoder"] = traced("encoder", export_encoder)
     manifest["graphs"]["cross_kv"] = traced("cross_kv", export_cross_kv)
+    # described before it is traced: the verification's PyTorch reference can run while a second process still
+    # traces the decoder's template (``Capture.while_waiting``)
+    manifest["graphs"]["decoder"], manifest["cache"]["self"] = describe_decoder(model, family, folder / "decoder.onnx")
     manifest["graphs"]["decoder"], manifest["cache"]["self"] = traced("decoder", export_decoder)
 
 
@@ -209,6 +214,19 @@ def _case_reporter(progress: Progress, stage):
     return report
 
 
+def _side_lines(progress: Progress):
+    """A line per side of the verification run outside its stage (``torch_references`` while the template of the step
+    graph, decoder.onnx, traces in a second process)."""
+    since = [time.perf_counter()]
+
+    def report(side: str, done: int, total: int) -> None:
+        if done == total:
+            progress.say(f"{progress.title}: verify: {side}, {total} cases in {time.perf_counter() - since[0]:.1f} s "
+                         "(while the decoder's template traces)")
+            since[0] = time.perf_counter()
+    return report
+
+
 @contextmanager
 def reference_threads(threads: int = 1):
     """PyTorch's reference forward of the verification on ``threads`` threads (restored after).
@@ -271,6 +289,12 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 stage.detail = f"{type(loaded.model).__name__}, family {loaded.family.name}{note}"
             data = base_manifest(loaded.model, loaded.family, loaded.source)
             capture = Capture(loaded.model, loaded.family, folder, report=lambda line: report.say(f"{report.title}: {line}"))
+            early = {}  # PyTorch's reference, computed while a second process traces the step's template
+
+            def references():
+                with reference_threads():
+                    early["sides"] = torch_references(loaded.model, Manifest(data, folder), report=_side_lines(report))
+            capture.while_waiting = references
             try:
                 if form is None:
                     export_graphs(loaded.model, loaded.family, folder, data, report, capture)
@@ -287,9 +311,11 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
             # fp32: HF's model is not needed after its reference logits; freed before the graphs' sessions load
             release = (lambda: free_weights(loaded.model)) if precision == "fp32" else None
             cases = len(default_shapes(manifest))
-            with report.stage("verify vs PyTorch", WEIGHTS["verify"], steps=3 * cases) as stage, reference_threads():
+            sides = early.get("sides")
+            with (report.stage("verify vs PyTorch", WEIGHTS["verify"], steps=(1 if sides else 3) * cases) as stage,
+                  reference_threads()):
                 verification = verify_export(loaded.model, manifest, release_model=release,
-                                             report=_case_reporter(report, stage))
+                                             report=_case_reporter(report, stage), references=sides)
                 require_within_tolerance(verification, "exported graphs vs PyTorch")
                 data["verification"]["export"] = verification
                 data["verification"]["tolerance"] = tolerance_record(verification["logits_magnitude"], verification)

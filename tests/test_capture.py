@@ -223,6 +223,64 @@ def test_second_process_returns_its_template_or_why_not(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failing_wait_job_stops_the_second_process(tmp_path):
+    """``Capture.while_waiting`` runs once where the export would wait for the template; if it fails, the child is
+    killed and its files removed (the export then fails with the job's own error)."""
+    import elx.exporter.capture.parallel as parallel
+    from elx.exporter.capture.stitched import Capture
+
+    capture = Capture(None, None, tmp_path, mode="auto")
+    child = parallel.TemplateProcess.start(lambda: time.sleep(600), tmp_path / ".template.d.onnx")
+    capture._children["d.onnx"] = child
+    ran = []
+
+    def job():
+        ran.append(child.running())
+        raise ElxError("the job failed")
+
+    capture.while_waiting = job
+    with pytest.raises(ElxError, match="the job failed"):
+        capture._traced_template(None, "d.onnx")
+    assert ran == [True] and child.done and capture.while_waiting is None
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)  # reaped: no zombie, no process
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_reference_computed_while_the_template_traces_is_the_later_one(llama5, tmp_path, monkeypatch):
+    """The export runs PyTorch's fp32 and fp64 reference while the second process traces the step's template, from
+    the manifest as described before that graph exists; the numbers must be those of the reference computed after
+    the graphs (no second process).  Whichever way the fixture's export went (it depends on timing), this export
+    goes the other way."""
+    import io
+    from contextlib import redirect_stderr
+
+    import elx.exporter.capture.parallel as parallel
+    from elx.exporter.export import export_model
+
+    marker = "(while the decoder's template traces)"
+    fixture_early = marker in llama5["log"]
+    monkeypatch.setenv("ELX_CAPTURE", "stitch")
+    if fixture_early:
+        monkeypatch.setenv("ELX_CAPTURE_PARALLEL", "0")
+    else:  # the first question (Capture's) answered "still at work" whatever the truth: the job runs
+        asked, real = [], parallel.TemplateProcess.running
+
+        def running(self):
+            if not asked:
+                asked.append(real(self))
+                return True
+            return real(self)
+        monkeypatch.setattr(parallel.TemplateProcess, "running", running)
+    stream = io.StringIO()
+    with redirect_stderr(stream):
+        out = export_model(str(llama5["model"]), tmp_path / "other", progress="plain")
+    assert (marker in stream.getvalue()) != fixture_early, stream.getvalue()
+    ours, theirs = (Manifest.load(f).data["verification"] for f in (out, llama5["export"]))
+    assert ours["export"]["max_abs_logits_diff"] > 0  # compared, not skipped
+    assert ours["export"] == theirs["export"] and ours["tolerance"] == theirs["tolerance"]
+
+
 def test_a_killed_export_leaves_no_folder_and_no_process(tmp_path):
     """SIGKILL while the second process traces: it dies with the export, and no output folder appears."""
     folder = make_model_folder(tmp_path, "llama", num_hidden_layers=LAYERS)

@@ -196,3 +196,44 @@ def test_a_pass_graph_reads_its_weights_from_the_folder_until_a_pass_reads_them(
 def onnx_lazy():
     import onnx_graphsurgeon as gs
     return gs.ir.tensor.LazyValues
+
+
+def test_large_strings_equal_only_where_sampled_are_both_stored(tmp_path):
+    """Strings over 4 MiB are keyed by samples of their bytes (``_fingerprint``); a key match is confirmed byte for
+    byte, so two strings that differ only between the samples are both written, and equal ones once."""
+    from elx.exporter.capture.shared_weights import SAMPLED_ABOVE, ByteStore, _fingerprint
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(SAMPLED_ABOVE // 4 * 3, dtype=np.float32)  # 12 MiB
+    b = a.copy()
+    middle = len(a) // 2 + 4099  # between two sampled slices
+    b[middle] += 1.0
+    assert _fingerprint(memoryview(a).cast("B")) == _fingerprint(memoryview(b).cast("B"))  # the samples agree
+    with open(tmp_path / "w.data", "w+b") as handle:
+        store = ByteStore(handle)
+        first, second, again = (store.place(x.tobytes()) for x in (a, b, a.copy()))
+    assert first != second and again == first and store.distinct == 2 and store.references == 3
+    data = np.fromfile(tmp_path / "w.data", dtype=np.float32)
+    assert np.array_equal(data[first // 4: first // 4 + len(a)], a)
+    assert np.array_equal(data[second // 4: second // 4 + len(b)], b)
+
+
+def test_initializer_views_and_transposes_are_the_bytes_of_numpy():
+    """``values_of`` (a view of an initializer's bytes) and ``transposed`` (PyTorch's transpose) give what
+    ``numpy_helper.to_array`` and NumPy's transpose give, bit for bit."""
+    from onnx import numpy_helper
+
+    from elx.exporter.capture.weights import _equal, transposed, values_of
+
+    rng = np.random.default_rng(1)
+    for array in (rng.standard_normal((67, 129)).astype(np.float32), rng.integers(-5, 5, (3, 4, 5)),
+                  rng.standard_normal(7).astype(np.float16), np.array([np.nan, -0.0], dtype=np.float32)):
+        tensor = numpy_helper.from_array(array, "t")
+        assert np.array_equal(values_of(tensor), numpy_helper.to_array(tensor), equal_nan=True)
+        assert values_of(tensor).dtype == array.dtype
+    w = rng.standard_normal((300, 70)).astype(np.float32)
+    assert transposed(w).tobytes() == np.ascontiguousarray(w.T).tobytes()
+    assert _equal(transposed(w), w, "transpose") and not _equal(transposed(w) + 1e-7, w, "transpose")
+    nan = np.array([np.nan, 1.0], dtype=np.float32)
+    assert _equal(nan.copy(), nan, "identity")  # a weight's bytes, NaN included
+    assert not _equal(np.array([0.0, 1.0], dtype=np.float32), np.array([-0.0, 1.0], dtype=np.float32), "identity")

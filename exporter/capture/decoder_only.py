@@ -200,18 +200,24 @@ def _step_spec(model, family: Family, form: str) -> tuple[GraphSpec, dict, list]
     return GraphSpec(module, args, dynamic, names, ["logits", *present_names]), inputs, cache
 
 
-def export_step(model, family: Family, path: Path, form: str, capture=None) -> tuple[dict, list[dict]]:
+def describe_step(model, family: Family, path: Path, form: str) -> tuple[dict, list[dict]]:
+    """The step graph's manifest entry (its data files still unknown) and its cache entries, before it is traced."""
     dims = family.dims(model.config)
     layers, heads, d_kv = dims["num_decoder_layers"], kv_heads(dims), dims["d_kv"]
     _, inputs, cache = _step_spec(model, family, form)
-    extra = export_graph(lambda m: _step_spec(m, family, form)[0], model, path, capture)
     present_names = kv_names("present", layers)
     graph = {
-        "file": path.name, "external_data": extra, "inputs": inputs, "logits": "logits",
+        "file": path.name, "external_data": [], "inputs": inputs, "logits": "logits",
         "outputs": {"logits": {"dtype": "float32", "shape": ["rows", dims["vocab_size"]]},
                     **{p: {"dtype": "float32", "shape": ["rows", heads, "past_sequence + 1", d_kv]}
                        for p in present_names}},
     }
+    return graph, cache
+
+
+def export_step(model, family: Family, path: Path, form: str, capture=None) -> tuple[dict, list[dict]]:
+    graph, cache = describe_step(model, family, path, form)
+    graph["external_data"] = export_graph(lambda m: _step_spec(m, family, form)[0], model, path, capture)
     return graph, cache
 
 
@@ -225,11 +231,15 @@ def export_decoder_only(model, family: Family, folder: Path, manifest: dict, for
         capture.prefetch(lambda m: _step_spec(m, family, form)[0], folder / "decoder.onnx")
     with progress.stage("prefill.onnx", WEIGHTS["prefill"]):
         manifest["graphs"]["prefill"] = export_prefill(model, family, folder / "prefill.onnx", capture)
-    with progress.stage("decoder.onnx", WEIGHTS["decoder"]) as stage:
-        manifest["graphs"]["decoder"], manifest["cache"]["self"] = export_step(model, family, folder / "decoder.onnx",
-                                                                               form, capture)
-        stage.detail = f"prompt cache {form}"
+    # the manifest is complete but for the step graph's data files before that graph is traced: the verification's
+    # PyTorch reference can run while a second process still traces the step's template (``Capture.while_waiting``)
+    manifest["graphs"]["decoder"], manifest["cache"]["self"] = describe_step(model, family, folder / "decoder.onnx",
+                                                                             form)
     manifest.update(stages=["prefill"], step="decoder", first_step_scores="prefill:logits", padding_side="left")
     manifest["cache"]["prompt"] = ({"kind": "beam-shared", "batch": "batch"} if form == "shared"
                                    else {"kind": "per-beam", "batch": "rows"})
     manifest["cache"].pop("cross", None)
+    with progress.stage("decoder.onnx", WEIGHTS["decoder"]) as stage:
+        manifest["graphs"]["decoder"], manifest["cache"]["self"] = export_step(model, family, folder / "decoder.onnx",
+                                                                               form, capture)
+        stage.detail = f"prompt cache {form}"

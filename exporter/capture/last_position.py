@@ -24,11 +24,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from elx.exporter.capture.weights import values_of
+
 PER_POSITION = ("Add", "Sub", "Mul", "Div")
 
 
 def _constants(graph: onnx.GraphProto) -> dict:
-    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    values = {t.name: values_of(t) for t in graph.initializer}  # views, not copies of the weights
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)

@@ -213,15 +213,21 @@ def decoder_spec(model, family: Family) -> tuple[GraphSpec, dict, list]:
     return spec, inputs, cache
 
 
-def export_decoder(model, family: Family, path: Path, capture=None) -> tuple[dict, list[dict]]:
+def describe_decoder(model, family: Family, path: Path) -> tuple[dict, list[dict]]:
+    """The decoder graph's manifest entry (its data files still unknown) and its cache entries, before it is traced."""
     dims = family.dims(model.config)
     heads, d_kv = dims["num_heads"], dims["d_kv"]
     _, inputs, cache = decoder_spec(model, family)
-    extra = export_graph(lambda m: decoder_spec(m, family)[0], model, path, capture)
     present_shape = ["rows", heads, "past_sequence + decoder_sequence", d_kv]
     graph = {
-        "file": path.name, "external_data": extra, "inputs": inputs, "logits": "logits",
+        "file": path.name, "external_data": [], "inputs": inputs, "logits": "logits",
         "outputs": {"logits": {"dtype": "float32", "shape": ["rows", dims["vocab_size"]]},
                     **{e["output"]: {"dtype": "float32", "shape": present_shape} for e in cache}},
     }
+    return graph, cache
+
+
+def export_decoder(model, family: Family, path: Path, capture=None) -> tuple[dict, list[dict]]:
+    graph, cache = describe_decoder(model, family, path)
+    graph["external_data"] = export_graph(lambda m: decoder_spec(m, family)[0], model, path, capture)
     return graph, cache

@@ -60,8 +60,10 @@ class TemplateProcess:
 
     def __init__(self, pid: int, path: Path, started: float):
         self.pid, self.path, self.started = pid, path, started
+        self.started_at = time.time() - (time.perf_counter() - started)  # wall clock, for the file's mtime
         self.seconds = 0.0
         self.done = False
+        self._code = None  # the exit code, once reaped
 
     @classmethod
     def start(cls, make_graph, path: Path) -> "TemplateProcess":
@@ -94,14 +96,21 @@ class TemplateProcess:
                 os._exit(code)
         return cls(pid, path, started)
 
+    def running(self) -> bool:
+        """Whether the child is still at work (its exit, if it came, is kept for ``result``)."""
+        if self.done:
+            return False
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid:
+            self.done, self._code = True, os.waitstatus_to_exitcode(status)
+        return not self.done
+
     def _wait(self) -> int | None:
         """The child's exit code; None when it was taken for hung and killed."""
         last, changed = None, time.monotonic()
         while True:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.done = True
-                return os.waitstatus_to_exitcode(status)
+            if not self.running():
+                return self._code
             ticks = _cpu_ticks(self.pid)
             if ticks != last:
                 last, changed = ticks, time.monotonic()
@@ -115,6 +124,8 @@ class TemplateProcess:
         try:
             code = self._wait()
             self.seconds = time.perf_counter() - self.started
+            if self.path.is_file():  # the child's own end (the parent may have been busy since)
+                self.seconds = min(self.seconds, max(0.0, self.path.stat().st_mtime - self.started_at))
             if code is None:
                 return None, f"no progress for {STALL_SECONDS:.0f} s"
             if code != 0 or not self.path.is_file():

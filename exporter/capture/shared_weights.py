@@ -69,6 +69,26 @@ def graph_files(manifest: Manifest) -> list[str]:
     return files
 
 
+SAMPLED_ABOVE = 1 << 22  # bytes: larger strings are keyed by samples of them
+
+
+def _fingerprint(data: memoryview) -> bytes:
+    """A key for equal bytes: a hash of all of ``data`` up to 4 MiB, beyond of its first and last MiB and 64 slices
+    of 16 KiB between.  Equal strings get equal keys; a key that matches is confirmed byte for byte before a string
+    is stored once (``ByteStore.place``), so unequal strings that share the samples are both written.  Hashing every
+    byte of TinyLlama-1.1B's 4.4 GB took 5 s of its export."""
+    length = len(data)
+    if length <= SAMPLED_ABOVE:
+        return hashlib.blake2b(data, digest_size=32).digest()
+    digest = hashlib.blake2b(digest_size=32)
+    digest.update(data[: 1 << 20])
+    digest.update(data[length - (1 << 20):])
+    stride = (length - (1 << 14)) // 64
+    for i in range(64):
+        digest.update(data[i * stride: i * stride + (1 << 14)])
+    return digest.digest()
+
+
 def _alignment(length: int) -> int:
     return PAGE if length >= PAGE else LINE
 
@@ -85,7 +105,7 @@ class ByteStore:
     def place(self, data) -> int:
         """The offset of ``data`` (bytes or a byte buffer) in the file: where equal bytes already are, or appended."""
         data = memoryview(data).cast("B")
-        key = (hashlib.blake2b(data, digest_size=32).digest(), len(data))
+        key = (_fingerprint(data), len(data))
         self.references += 1
         offset = self.offsets.get(key)
         if offset is not None and os.pread(self.handle.fileno(), len(data), offset) == data:

@@ -37,9 +37,8 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from elx.exporter.capture.weights import Binding, WeightsFile
+from elx.exporter.capture.weights import Binding, WeightsFile, values_of
 
 SCOPES = "pkg.torch.onnx.name_scopes"
 
@@ -105,8 +104,7 @@ def _attributes(node: onnx.NodeProto) -> list:
 
 
 def _same_values(a: onnx.TensorProto, b: onnx.TensorProto) -> bool:
-    return a.data_type == b.data_type and list(a.dims) == list(b.dims) and np.array_equal(
-        numpy_helper.to_array(a), numpy_helper.to_array(b))
+    return a.data_type == b.data_type and list(a.dims) == list(b.dims) and np.array_equal(values_of(a), values_of(b))
 
 
 class _Graph:

@@ -68,6 +68,9 @@ class Capture:
         self._template, self._refusal, self._weights = None, None, None
         self._tensors = None
         self._children = {}  # graph file -> TemplateProcess tracing its template
+        # called once, where this process would otherwise wait for a second process's template (the export runs
+        # the verification's PyTorch reference there); its time is taken from the wait, not added to the export
+        self.while_waiting = None
 
     # -- the template, built once per export --------------------------------------------------------------
     def _get_template(self):
@@ -157,6 +160,13 @@ class Capture:
         here; its tracing time, and whether it was traced in parallel."""
         child = self._children.pop(name, None)
         if child is not None:
+            if self.while_waiting is not None and child.running():
+                work, self.while_waiting = self.while_waiting, None
+                try:
+                    work()
+                except BaseException:
+                    child.stop()
+                    raise
             model, why = child.result()
             if model is not None:
                 self.report(f"{name}: traced a {TEMPLATE_LAYERS}-layer template in {child.seconds:.1f} s "

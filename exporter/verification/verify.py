@@ -331,27 +331,43 @@ def closeness(report: dict) -> float:
     return float("inf") if any(np.isnan(r) for r in ratios) else max(ratios, default=0.0)
 
 
-def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release_model=None, report=None) -> dict:
-    """The exported graphs (through the runtime) against HF's PyTorch forward, each case held to the bar its own
-    fp32 error sets (``exporter/verification/fp32_noise.py``): PyTorch fp32 and fp64 run the same cases first (the model is
-    converted to float64 in place and back), then the graphs.  The report adds ``fp32_noise``: per case, PyTorch
-    fp32 vs fp64 and the graphs vs fp64.  ``release_model()``, if given, runs between the two (the export frees
-    HF's model there, so that it and the graphs' sessions are never in memory together); ``report(side, done,
-    total)``, if given, after each case a side runs (the export's progress)."""
-    from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE, NOISE_RULE, Float64Side, case_bars, in_float64
+def _side_progress(report, side: str):
+    return None if report is None else (lambda done, total: report(side, done, total))
+
+
+def torch_references(model, manifest: Manifest, shapes=None, seed: int = 0, report=None) -> tuple:
+    """HF's PyTorch forward on the verification's cases, in fp32 and in fp64 (the model converted to float64 in
+    place and back, ``exporter/verification/fp32_noise.py``): the two recorded sides ``verify_export`` holds the
+    graphs to.  They need the manifest's description of the graphs, not the graphs: an export computes them while
+    a second process still traces a template (``exporter/capture/stitched.py``: ``Capture.while_waiting``)."""
+    from elx.exporter.verification.fp32_noise import Float64Side, in_float64
 
     shapes = shapes or default_shapes(manifest)
     torch_side = (TorchSide if manifest.data.get("is_encoder_decoder", True) else DecoderOnlyTorchSide)(model, manifest)
-    def progress(side):
-        return None if report is None else (lambda done, total: report(side, done, total))
-
-    fp32 = RecordedSide(torch_side, manifest, shapes, [seed], progress("PyTorch fp32"))
+    fp32 = RecordedSide(torch_side, manifest, shapes, [seed], _side_progress(report, "PyTorch fp32"))
     with in_float64(model):
-        fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], progress("PyTorch fp64"))
+        fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], _side_progress(report, "PyTorch fp64"))
+    return fp32, fp64
+
+
+def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release_model=None, report=None,
+                  references=None) -> dict:
+    """The exported graphs (through the runtime) against HF's PyTorch forward, each case held to the bar its own
+    fp32 error sets (``exporter/verification/fp32_noise.py``): PyTorch fp32 and fp64 run the same cases first
+    (``torch_references``; or ``references``, the pair it returned earlier for the same manifest, shapes and
+    seed), then the graphs.  The report adds ``fp32_noise``: per case, PyTorch fp32 vs fp64 and the graphs vs
+    fp64.  ``release_model()``, if given, runs between the two (the export frees HF's model there, so that it and
+    the graphs' sessions are never in memory together); ``report(side, done, total)``, if given, after each case
+    a side runs (the export's progress)."""
+    from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE, NOISE_RULE, case_bars
+
+    shapes = shapes or default_shapes(manifest)
+    fp32, fp64 = references or torch_references(model, manifest, shapes, seed, report)
     if release_model is not None:
-        model = torch_side = None
+        model = None
         release_model()
-    graphs = RecordedSide(RuntimeSide(manifest), manifest, shapes, [seed], progress("graphs"))  # sessions released
+    graphs = RecordedSide(RuntimeSide(manifest), manifest, shapes, [seed],
+                          _side_progress(report, "graphs"))  # sessions released
     noise = measure(fp64, fp32, manifest, shapes, seed)
     against_fp64 = measure(fp64, graphs, manifest, shapes, seed)
     report = measure(fp32, graphs, manifest, shapes, seed, bars=case_bars(noise, noise["tolerance"]))

@@ -6,6 +6,7 @@ verification included) succeeded.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -227,16 +228,37 @@ def _side_lines(progress: Progress):
     return report
 
 
-@contextmanager
-def reference_threads(threads: int = 1):
-    """PyTorch's reference forward of the verification on ``threads`` threads (restored after).
+def idle_cores(window: float = 0.1) -> float:
+    """How many of the machine's cores were idle over the last ``window`` seconds (``/proc/stat``); the core count
+    where that cannot be read."""
+    def ticks():
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
 
-    The verification's inputs are a few tokens: each forward is hundreds of small products, where a second
-    thread gains little and, on a loaded machine, costs a lot (OpenMP's barriers wait for a descheduled
-    thread).  Measured on the real SmolLM2-135M, one forward [2, 11] on this 2-core machine at load 7:
-    fp32 0.32 s on one thread, 1.36-1.65 s on two; fp64 0.49 s and 2.2-4.6 s."""
+    cores = os.cpu_count() or 1
+    try:
+        idle0, all0 = ticks()
+        time.sleep(window)
+        idle1, all1 = ticks()
+    except (OSError, ValueError, IndexError):
+        return float(cores)
+    return cores * (idle1 - idle0) / max(1, all1 - all0)
+
+
+@contextmanager
+def reference_threads(threads: int | None = None):
+    """PyTorch's reference forward of the verification on ``threads`` threads (restored after); None: as many as
+    cores are idle now (at least one).
+
+    On a busy machine a second thread costs more than it gains (OpenMP's barriers wait for a descheduled thread):
+    the real SmolLM2-135M, one forward [2, 11] on this 2-core machine at load 7, fp32 0.32 s on one thread, 1.36-1.65
+    s on two.  On idle cores it halves the reference (same machine, quiet, the export's five cases: SmolLM2-135M
+    fp32 1.1 -> 0.7 s, fp64 3.2 -> 2.0 s; TinyLlama-1.1B fp32 7.5 -> 3.8 s, fp64 32.5 -> 15.3 s).  While the second
+    process traces a template, one core is busy: one thread."""
     import torch
 
+    if threads is None:
+        threads = max(1, min(os.cpu_count() or 1, round(idle_cores())))
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

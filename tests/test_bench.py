@@ -129,6 +129,7 @@ def test_export_logs_each_graphs_own_time(monkeypatch, tmp_path):
     monkeypatch.setattr(export, "export_encoder", lambda *a: "enc")
     monkeypatch.setattr(export, "export_cross_kv", lambda *a: "kv")
     monkeypatch.setattr(export, "export_decoder", lambda *a: ("dec", []))
+    monkeypatch.setattr(export, "describe_decoder", lambda *a: ("described", []))  # before the decoder is traced
     manifest, stream = {"graphs": {}, "cache": {}}, io.StringIO()
     export.export_graphs(None, None, tmp_path, manifest, progress.Progress("elx export", 3, "plain", stream))
     assert stream.getvalue().splitlines() == ["elx export: encoder.onnx (1.0 s)", "elx export: cross_kv.onnx (2.0 s)",

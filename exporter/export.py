@@ -215,12 +215,19 @@ def _case_reporter(progress: Progress, stage):
     return report
 
 
-def _side_lines(progress: Progress):
+def _side_lines(progress: Progress, still_tracing=None):
     """A line per side of the verification run outside its stage (``torch_references`` while the template of the step
-    graph, decoder.onnx, traces in a second process)."""
-    since = [time.perf_counter()]
+    graph, decoder.onnx, traces in a second process).  Once ``still_tracing()`` says the second process is done, the
+    reference's next cases run on the cores idle then (``reference_threads``: whisper-base's 30 s cases outlast the
+    template)."""
+    since, widened = [time.perf_counter()], [still_tracing is None]
 
     def report(side: str, done: int, total: int) -> None:
+        if not widened[0] and not still_tracing():
+            import torch
+
+            widened[0] = True
+            torch.set_num_threads(max(1, min(os.cpu_count() or 1, round(idle_cores()))))  # restored by the caller
         if done == total:
             progress.say(f"{progress.title}: verify: {side}, {total} cases in {time.perf_counter() - since[0]:.1f} s "
                          "(while the decoder's template traces)")
@@ -313,9 +320,10 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
             capture = Capture(loaded.model, loaded.family, folder, report=lambda line: report.say(f"{report.title}: {line}"))
             early = {}  # PyTorch's reference, computed while a second process traces the step's template
 
-            def references():
+            def references(still_tracing):
                 with reference_threads():
-                    early["sides"] = torch_references(loaded.model, Manifest(data, folder), report=_side_lines(report))
+                    early["sides"] = torch_references(loaded.model, Manifest(data, folder),
+                                                      report=_side_lines(report, still_tracing))
             capture.while_waiting = references
             try:
                 if form is None:

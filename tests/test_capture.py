@@ -234,8 +234,8 @@ def test_a_failing_wait_job_stops_the_second_process(tmp_path):
     capture._children["d.onnx"] = child
     ran = []
 
-    def job():
-        ran.append(child.running())
+    def job(still_tracing):
+        ran.append(still_tracing())
         raise ElxError("the job failed")
 
     capture.while_waiting = job

@@ -68,8 +68,9 @@ class Capture:
         self._template, self._refusal, self._weights = None, None, None
         self._tensors = None
         self._children = {}  # graph file -> TemplateProcess tracing its template
-        # called once, where this process would otherwise wait for a second process's template (the export runs
-        # the verification's PyTorch reference there); its time is taken from the wait, not added to the export
+        # called once as ``while_waiting(still_tracing)``, where this process would otherwise wait for a second
+        # process's template (the export runs the verification's PyTorch reference there); its time is taken from the
+        # wait, not added to the export; ``still_tracing()`` says whether the second process is still at work
         self.while_waiting = None
 
     # -- the template, built once per export --------------------------------------------------------------
@@ -163,7 +164,7 @@ class Capture:
             if self.while_waiting is not None and child.running():
                 work, self.while_waiting = self.while_waiting, None
                 try:
-                    work()
+                    work(child.running)
                 except BaseException:
                     child.stop()
                     raise

@@ -227,7 +227,7 @@ def _side_lines(progress: Progress, still_tracing=None):
             import torch
 
             widened[0] = True
-            torch.set_num_threads(max(1, min(os.cpu_count() or 1, round(idle_cores()))))  # restored by the caller
+            torch.set_num_threads(idle_threads())  # restored by the caller
         if done == total:
             progress.say(f"{progress.title}: verify: {side}, {total} cases in {time.perf_counter() - since[0]:.1f} s "
                          "(while the decoder's template traces)")
@@ -252,6 +252,11 @@ def idle_cores(window: float = 0.1) -> float:
     return cores * (idle1 - idle0) / max(1, all1 - all0)
 
 
+def idle_threads() -> int:
+    """A thread per idle core now, at least one."""
+    return max(1, min(os.cpu_count() or 1, round(idle_cores())))
+
+
 @contextmanager
 def reference_threads(threads: int | None = None):
     """PyTorch's reference forward of the verification on ``threads`` threads (restored after); None: as many as
@@ -265,7 +270,7 @@ def reference_threads(threads: int | None = None):
     import torch
 
     if threads is None:
-        threads = max(1, min(os.cpu_count() or 1, round(idle_cores())))
+        threads = idle_threads()
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

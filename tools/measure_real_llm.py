@@ -420,8 +420,22 @@ def load_llamacpp(spec: dict):
         raise SystemExit("llama-cpp-python runs greedy batch 1 here (it has no beam search)")
     width, n = len(spec["input_ids"][0]), spec["new_tokens"]
     kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if spec["kv_f32"] else {}
-    llm = llama_cpp.Llama(spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
-                          n_ctx=width + n + 16, n_batch=max(512, width), logits_all=False, verbose=False, **kv)
+    # llama.cpp's "extra buffer types" (weights repacked for its AMX and repack kernels) off: on this project's VM,
+    # whose CPU reports AMX, ggml_backend_amx_mul_mat crashes (SIGSEGV, seen in gdb) on every quantized file
+    # (Q8_0, Q4_1), and llama-cpp-python exposes the switch only through the default model parameters
+    default_params = llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = without_extra_buffers
+    try:
+        llm = llama_cpp.Llama(spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                              n_ctx=width + n + 16, n_batch=max(512, width), logits_all=False, verbose=False, **kv)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = default_params
     sampler = _internals.LlamaSampler()
     sampler.add_logit_bias(llm.n_vocab(), {eos: float("-inf") for eos in spec["eos_ids"]})
     sampler.add_greedy()
@@ -438,7 +452,7 @@ def load_llamacpp(spec: dict):
         return [out]
 
     return generate, {"llama_cpp": llama_cpp.__version__, "kv_cache": "f32" if spec["kv_f32"] else "default (f16)",
-                      "flash_attn": False}
+                      "flash_attn": False, "extra_buffer_types": False}
 
 
 LOADERS = {"hf": load_hf, "elx": load_elx, "genai": load_genai, "ct2": load_ct2, "llamacpp": load_llamacpp}

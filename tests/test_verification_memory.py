@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from elx.exporter.verification.verify import Shape
 from tests.conftest import BUILDERS
 
 
@@ -85,3 +86,48 @@ def test_mapped_sessions_give_the_loaded_sessions_outputs(exported):
         a, _ = plain.run(case, dict(case.past))
         b, _ = shared.run(case, dict(case.past))
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["whisper", "bart"])
+def test_the_reference_decoder_on_a_few_rows_at_a_time_gives_the_all_rows_forward(family, exported, model_folders,
+                                                                                   monkeypatch):
+    """``TorchSide`` runs the decoder on chunks of an item's beams (``rows_per_forward``: Whisper's cross keys and
+    values of all rows were the export's memory peak); each row must get its own encoder output, past and tokens:
+    held to HF's forward on every row at once, the form it replaced, with a row per forward and with all beams."""
+    from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    import elx.exporter.verification.verify as verify
+    from elx.runners.manifest import Manifest
+
+    manifest = Manifest.load(exported(family))
+    auto = AutoModelForSpeechSeq2Seq if family == "whisper" else AutoModelForSeq2SeqLM
+    model = auto.from_pretrained(model_folders[family]).eval()
+    side = verify.TorchSide(model, manifest)
+    case = verify.make_case(manifest, Shape(batch=2, beams=3, source=6, past=4), seed=2)
+    inputs = {role: torch.from_numpy(a) for role, a in case.inputs.items()}
+    mask = inputs.get("attention_mask")
+    with torch.no_grad():
+        encoder = model.get_encoder()(**inputs).last_hidden_state.repeat_interleave(3, 0)
+        pairs = [(torch.from_numpy(case.past[f"past_key_values.{i}.decoder.key"]),
+                  torch.from_numpy(case.past[f"past_key_values.{i}.decoder.value"])) for i in range(side.layers)]
+        expected = model(encoder_outputs=(encoder,), decoder_input_ids=torch.from_numpy(case.tokens),
+                         attention_mask=None if mask is None else mask.repeat_interleave(3, 0),
+                         past_key_values=EncoderDecoderCache(DynamicCache(pairs), DynamicCache()),
+                         use_cache=True).logits[:, -1, :].numpy()
+    for budget, rows in ((1, 1), (1 << 40, 3)):
+        monkeypatch.setattr(verify, "CROSS_CACHE_BYTES", budget)
+        assert verify.rows_per_forward(encoder, side.layers, 3) == rows
+        scores, _ = side.run(case, dict(case.past))
+        assert scores.shape == expected.shape
+        np.testing.assert_allclose(scores, expected, rtol=0, atol=1e-5)
+    # the rows differ (their own past and tokens): a row given another row's inputs would not pass the above
+    assert np.abs(expected[0] - expected[1]).max() > 1e-2
+
+
+def test_row_chunks_cover_each_items_beams_in_order_never_across_items():
+    from elx.exporter.verification.verify import _row_chunks
+
+    assert _row_chunks(2, 3, 1) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    assert _row_chunks(2, 3, 2) == [(0, 2), (2, 1), (3, 2), (5, 1)]
+    assert _row_chunks(3, 2, 4) == [(0, 2), (2, 2), (4, 2)]

@@ -34,6 +34,7 @@ from elx.runners.manifest import Manifest
 from elx.runners.model import Model
 from elx.runners.backends.ort import OrtBackend
 from elx.exporter.verification.shapes import DECODER_ONLY_SHAPES, SHAPES, Shape  # noqa: F401 (re-exported)
+from elx.exporter.memory import return_free_pages
 
 # -- the fp32 tolerance -----------------------------------------------------------------------------------
 # Two float32 evaluations of the same network (PyTorch's kernels, ONNX Runtime's; or the graphs before and
@@ -200,7 +201,6 @@ class TorchSide:
 
     def run(self, case: Case, past: dict) -> tuple[np.ndarray, np.ndarray]:
         import torch
-        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
         beams = case.shape.beams
         inputs = {role: torch.from_numpy(a) for role, a in case.inputs.items()}
@@ -214,19 +214,50 @@ class TorchSide:
             batch = next(iter(inputs.values())).shape[0]
             encoder = torch.cat([self.model.get_encoder()(**{role: a[i:i + 1] for role, a in inputs.items()})
                                  .last_hidden_state for i in range(batch)])
-            rows = encoder.repeat_interleave(beams, 0)
-            if self.prefill:
-                from elx.exporter.verification.hf_decoding import hf_decoder_logits
+            # and the decoder on a few rows at a time (rows do not interact), never across items: on all batch ×
+            # beams rows at once the cross-attention keys and values of every layer were held together, at
+            # Whisper's 1500 frames 37 MB a tensor in float64, 12 per whisper-base case, the export's next memory
+            # peak (2.1 GB against the issue's bound of 1.58 GB).  Text models' sources are short: an item's beams
+            # in one forward.  Each row's logits are those of the same forward on more rows
+            chunk = rows_per_forward(encoder, self.layers, beams)
+            scores = [self._rows_scores(case, past, encoder[r // beams: r // beams + 1].expand(n, -1, -1), mask,
+                                        slice(r, r + n))
+                      for r, n in _row_chunks(batch, beams, chunk)]
+        return torch.cat(scores).numpy(), encoder.numpy()
 
-                tokens = torch.from_numpy(np.concatenate([case.prefix, case.tokens], axis=1))
-                logits = hf_decoder_logits(self.model, rows, mask, tokens, use_cache=False)
-                return logits[:, -1, :].numpy(), encoder.numpy()
-            pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"]),
-                      torch.from_numpy(past[f"past_key_values.{i}.decoder.value"])) for i in range(self.layers)]
-            cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())
-            out = self.model(encoder_outputs=(rows,), attention_mask=mask,
-                             decoder_input_ids=torch.from_numpy(case.tokens), past_key_values=cache, use_cache=True)
-        return out.logits[:, -1, :].numpy(), encoder.numpy()
+    def _rows_scores(self, case: Case, past: dict, rows, mask, item: slice):
+        """The last position's logits of some rows of one item (``item``: their slice of the case's rows, ``rows``
+        their encoder output)."""
+        import torch
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        mask = None if mask is None else mask[item]
+        if self.prefill:
+            from elx.exporter.verification.hf_decoding import hf_decoder_logits
+
+            tokens = torch.from_numpy(np.concatenate([case.prefix, case.tokens], axis=1)[item])
+            return hf_decoder_logits(self.model, rows, mask, tokens, use_cache=False)[:, -1, :]
+        pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"][item]),
+                  torch.from_numpy(past[f"past_key_values.{i}.decoder.value"][item])) for i in range(self.layers)]
+        cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())
+        out = self.model(encoder_outputs=(rows,), attention_mask=mask,
+                         decoder_input_ids=torch.from_numpy(case.tokens[item]), past_key_values=cache, use_cache=True)
+        return out.logits[:, -1, :]
+
+
+CROSS_CACHE_BYTES = 64 << 20  # the cross-attention keys and values one reference forward may hold
+
+
+def rows_per_forward(encoder, layers: int, beams: int) -> int:
+    """How many rows of an item one reference forward takes: as many of its beams as keep the decoder's cross
+    keys and values (2 per layer, each rows × frames × d_model) within ``CROSS_CACHE_BYTES``, at least one."""
+    per_row = 2 * layers * encoder.shape[1] * encoder.shape[2] * encoder.element_size()
+    return max(1, min(beams, CROSS_CACHE_BYTES // max(1, per_row)))
+
+
+def _row_chunks(batch: int, beams: int, chunk: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each forward: an item's beams in chunks of ``chunk``, item after item."""
+    return [(item * beams + first, min(chunk, beams - first)) for item in range(batch) for first in range(0, beams, chunk)]
 
 
 class RecordedSide:
@@ -242,6 +273,7 @@ class RecordedSide:
             for shape in shapes:
                 case = make_case(manifest, shape, seed)
                 self._results[self._key(case, case.past)] = side.run(case, dict(case.past))
+                return_free_pages()  # the case's tensors, before the next case allocates its own
                 if report is not None:  # report(cases done, cases in all)
                     report(len(self._results), total)
 

@@ -36,6 +36,9 @@ def session_options(threads: int | None = None, prepack: bool = True):
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
+        # and no arena: it grows by powers of two and keeps its largest size, so a verification's cases of several
+        # shapes held up to twice their largest run (whisper-base's 30 s cases: the export's peak)
+        options.enable_cpu_mem_arena = False
     return options
 
 

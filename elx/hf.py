@@ -37,6 +37,7 @@ from transformers.generation.utils import (GenerateBeamDecoderOnlyOutput, Genera
 import elx
 from elx._version import __version__
 from elx.exporter.atomic import HF_CONFIG_FILES
+from elx.exporter.cache_root import cache_root
 from elx.exporter.gguf.metadata import file_sha256
 from elx.runners.errors import ElxError
 from elx.runners.generate import Generator
@@ -55,9 +56,7 @@ _GENERATOR_ONLY = ("text", "audio", "messages", "decode", "track_memory")
 def default_cache_dir() -> Path:
     """Where ``from_pretrained`` keeps its exports: ``$ELX_CACHE_DIR/hf``, else ``$XDG_CACHE_HOME/elx/hf``, else
     ``~/.cache/elx/hf`` (``$ELX_CACHE_DIR`` is also where elx keeps its compiled TensorRT plugins)."""
-    root = os.environ.get("ELX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "elx")
-    return Path(root) / "hf"
+    return cache_root() / "hf"
 
 
 class _SupportedModelFilter(logging.Filter):

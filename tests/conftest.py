@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# the traced-template cache off: tests run the paths they name (a template traced here or in a second process),
+# and the same seeded models in several modules would otherwise share entries; tests/test_template_cache.py turns
+# it on in a folder of its own
+os.environ["ELX_TEMPLATE_CACHE"] = "0"
 
 # -- the CI slice ------------------------------------------------------------------------------------------
 # CI must stay under 40 minutes on the 2-core machine: it runs one case of each kind.  The cases below repeat

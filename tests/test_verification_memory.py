@@ -21,6 +21,9 @@ def test_float64_layer_by_layer_equals_the_whole_model_in_float64(family):
     torch.manual_seed(3)
     model = BUILDERS[family]().eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    # every tensor object the model holds, buffers kept out of the state dict (RoPE's inv_freq) included: a template
+    # (exporter/capture/template.py) shares them and must find them in float32 again after the block
+    held = dict([*model.named_parameters(), *model.named_buffers()])
     whole = copy.deepcopy(model).to(torch.float64)
     assert len(_layer_modules(model)) >= 2  # the stacks are found: the layers really run one at a time
     if family == "whisper":
@@ -41,6 +44,9 @@ def test_float64_layer_by_layer_equals_the_whole_model_in_float64(family):
     assert torch.equal(got, expected)
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    assert all(now[k] is t for k, t in held.items())
+    assert all(t.dtype == torch.float32 for t in held.values() if t.is_floating_point())
 
 
 def test_float64_layer_by_layer_restores_the_model_after_an_error():

@@ -139,7 +139,9 @@ class TemplateProcess:
             if code != 0 or not self.path.is_file():
                 error = self.path.with_name(self.path.name + ".error")
                 return None, error.read_text()[:300] if error.is_file() else f"exit status {code}"
-            return onnx.load(str(self.path)), ""
+            from elx.exporter.capture.template_cache import as_saved
+
+            return as_saved(onnx.load(str(self.path))), ""
         finally:
             self._remove_files()
 

@@ -38,6 +38,7 @@ import onnx
 
 from elx.runners.errors import ElxError
 
+from elx.exporter.capture import template_cache
 from elx.exporter.capture.stitch import NotStitchable, Stack, TooShallow, bind_weights, order_io, stitch_stack
 from elx.exporter.capture.template import TEMPLATE_LAYERS, make_template
 from elx.exporter.capture.weights import WeightsFile, bind
@@ -68,6 +69,8 @@ class Capture:
         self._template, self._refusal, self._weights = None, None, None
         self._tensors = None
         self._children = {}  # graph file -> TemplateProcess tracing its template
+        self._cache_keys = {}  # graph file -> its template's key in ``exporter/capture/template_cache.py`` (None: off)
+        self._cached = {}  # graph file -> its template read from that cache by ``prefetch``
         # called once as ``while_waiting(still_tracing)``, where this process would otherwise wait for a second
         # process's template (the export runs the verification's PyTorch reference there); its time is taken from the
         # wait, not added to the export; ``still_tracing()`` says whether the second process is still at work
@@ -121,10 +124,20 @@ class Capture:
         from elx.exporter.capture.parallel import TemplateProcess, parallel_allowed
 
         path = Path(path)
-        if not parallel_allowed() or path.name in self._children:
+        if path.name in self._children or path.name in self._cached:
             return
         template = self._get_template()
         if template is None:
+            return
+        import torch
+
+        with torch.random.fork_rng():  # the spec's example inputs draw from torch's generator: leave it as it was
+            key = self._cache_key(make_spec(template.model), path.name)
+        cached = template_cache.load(key) if key else None
+        if cached is not None:
+            self._cached[path.name] = cached
+            return
+        if not parallel_allowed():
             return
         self._children[path.name] = TemplateProcess.start(lambda: trace(make_spec(template.model)),
                                                           self.folder / f".template.{path.name}")
@@ -156,9 +169,31 @@ class Capture:
         self.records[path.name] = {"method": "traced", "why": why, "seconds": round(time.perf_counter() - started, 1)}
         return written
 
-    def _traced_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, bool]:
-        """The template's graph: from the second process started by ``prefetch`` when it succeeded, else traced
-        here; its tracing time, and whether it was traced in parallel."""
+    def _cache_key(self, spec, name: str) -> str | None:
+        if name not in self._cache_keys:
+            self._cache_keys[name] = (template_cache.template_key(name, spec, self._template)
+                                      if template_cache.enabled() else None)
+        return self._cache_keys[name]
+
+    def _traced_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, str]:
+        """The template's graph: from the template cache (``exporter/capture/template_cache.py``), from the second
+        process started by ``prefetch`` when it succeeded, else traced here; its tracing time, and where it came
+        from ("cache", "second process", "here").  A traced one is kept in the cache."""
+        key = self._cache_key(spec, name)
+        cached = self._cached.pop(name, None)
+        if cached is None and key:
+            cached = template_cache.load(key)
+        if cached is not None:
+            self.report(f"{name}: its {TEMPLATE_LAYERS}-layer template from the cache ({template_cache.cache_dir()})")
+            return cached, 0.0, "cache"
+        model, traced, where = self._trace_template(spec, name)
+        if key:
+            why = template_cache.store(key, model)
+            if why:
+                self.report(f"{name}: its template not kept in the cache ({why})")
+        return model, traced, where
+
+    def _trace_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, str]:
         child = self._children.pop(name, None)
         if child is not None:
             if self.while_waiting is not None and child.running():
@@ -172,7 +207,7 @@ class Capture:
             if model is not None:
                 self.report(f"{name}: traced a {TEMPLATE_LAYERS}-layer template in {child.seconds:.1f} s "
                             "(in a second process)")
-                return model, child.seconds, True
+                return model, child.seconds, "second process"
             self.report(f"{name}: the second process gave no template ({why}); tracing it here")
         started = time.perf_counter()
         try:
@@ -181,11 +216,11 @@ class Capture:
             raise NotStitchable(f"its template does not trace ({type(err).__name__}: {str(err)[:200]})") from None
         traced = time.perf_counter() - started
         self.report(f"{name}: traced a {TEMPLATE_LAYERS}-layer template in {traced:.1f} s")
-        return model, traced, False
+        return model, traced, "here"
 
     def _stitch(self, make_spec, real, template, name: str) -> onnx.ModelProto:
         spec = make_spec(template.model)
-        model, traced, parallel = self._traced_template(spec, name)
+        model, traced, where = self._traced_template(spec, name)
         sources = {**{n: p.detach().numpy() for n, p in template.model.named_parameters(remove_duplicate=False)},
                    **{n: b.detach().numpy() for n, b in template.model.named_buffers(remove_duplicate=False)}}
         bindings = bind(model.graph.initializer, sources)
@@ -214,7 +249,9 @@ class Capture:
         _check_every_layer_read(model, bindings, template)
         bind_weights(model, bindings, weights, tensors)
         self.records[name] = {"method": "stitched", "template_layers": TEMPLATE_LAYERS,
-                              "template_trace_seconds": round(traced, 1), "template_traced_in_parallel": parallel}
+                              "template_trace_seconds": round(traced, 1),
+                              "template_traced_in_parallel": where == "second process",
+                              "template_from_cache": where == "cache"}
         return model
 
 

@@ -19,7 +19,6 @@ dropped silently.  The stripped graph is verified like a pass: its logits equal 
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
@@ -92,9 +91,9 @@ def verify_stripped(manifest: Manifest, stripped_ort: Path, n: int) -> dict:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("ELX_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                           os.path.expanduser("~/.cache"), "elx")
-    return Path(root)
+    from elx.exporter.cache_root import cache_root
+
+    return cache_root()
 
 
 def _build_script():

@@ -61,7 +61,8 @@ def in_float64(model):
         for hook in hooks:
             hook.remove()
         swap.restore()
-        model.to(torch.float32)
+        with torch.no_grad():  # in place, on the same tensor objects: ``model.to`` would give each buffer a new one,
+            _convert_outside(model, set(), torch.float32)  # and a template sharing it would keep the float64 one
 
 
 class _LayerSwap:

@@ -1,0 +1,131 @@
+"""The traced-template cache (``exporter/capture/template_cache.py``, issue 41): a second export of the same model
+takes its templates from the cache and writes the same folder byte for byte; the key follows what the trace
+depends on (the model's own non-layer tensors, not its layers' weights); a broken entry, a cache that cannot be
+written, a full cache and ``ELX_TEMPLATE_CACHE=0`` cost nothing but the trace."""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from elx.exporter.capture import template_cache
+from elx.runners.manifest import Manifest
+from tests.conftest import BUILDERS, make_model_folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELX_TEMPLATE_CACHE", "1")
+    monkeypatch.setenv("ELX_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "templates"
+
+
+def _files(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.suffix in (".onnx", ".data")}
+
+
+def test_a_second_export_takes_its_templates_from_the_cache_and_writes_the_same_graphs(cache, tmp_path, monkeypatch):
+    from elx.exporter.export import export_model
+
+    monkeypatch.setenv("ELX_CAPTURE", "stitch")
+    folder = make_model_folder(tmp_path, "llama", num_hidden_layers=5)
+    outs, logs = [], []
+    for run in ("first", "second"):
+        stream = io.StringIO()
+        with redirect_stderr(stream):
+            outs.append(export_model(str(folder), tmp_path / run, progress="plain"))
+        logs.append(stream.getvalue())
+        if run == "first":
+            assert len([e for e in cache.iterdir() if not e.name.startswith(".")]) == 2  # prefill's and step's
+    first, second = (Manifest.load(out) for out in outs)
+    for graph in ("prefill", "decoder"):
+        assert first.data["graphs"][graph]["capture"]["template_from_cache"] is False
+        assert second.data["graphs"][graph]["capture"]["template_from_cache"] is True
+        assert f"{graph}.onnx: its 3-layer template from the cache" in logs[1]
+    assert "from the cache" not in logs[0]
+    assert _files(outs[0]) == _files(outs[1])  # the graphs and weights.data, byte for byte
+    assert second.data["verification"]["export"] == first.data["verification"]["export"]
+
+
+def _template(seed: int = 0):
+    from elx.exporter.capture.decoder_only import _prefill_spec
+    from elx.exporter.capture.template import make_template
+    from elx.exporter.families.catalog import family_for_architecture
+
+    torch.manual_seed(seed)
+    model = BUILDERS["llama"](num_hidden_layers=5).eval()
+    template = make_template(model)
+    return model, template, _prefill_spec(template.model, family_for_architecture(type(model).__name__))
+
+
+def test_the_key_follows_the_models_own_tensors_not_its_layers_weights(cache):
+    model, template, spec = _template()
+    key = template_cache.template_key("prefill.onnx", spec, template)
+    assert key == template_cache.template_key("prefill.onnx", spec, _template()[1])  # the same model: the same key
+    assert key != template_cache.template_key("decoder.onnx", spec, template)
+    with torch.no_grad():
+        model.model.layers[4].mlp.up_proj.weight.add_(1.0)  # a layer's weight: bound later, not in the template
+    assert template_cache.template_key("prefill.onnx", spec, _rebuilt(model)) == key
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7, 3] += 1e-3  # an embedding: the template holds it
+    assert template_cache.template_key("prefill.onnx", spec, _rebuilt(model)) != key
+
+
+def _rebuilt(model):
+    from elx.exporter.capture.template import make_template
+
+    return make_template(model)
+
+
+def _graph(size: int = 4) -> onnx.ModelProto:
+    weight = numpy_helper.from_array(np.arange(size, dtype=np.float32), "w")  # raw bytes: kept in the data file
+    node = helper.make_node("Add", ["x", "w"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size])], [weight])
+    return helper.make_model(graph)
+
+
+def test_an_entry_is_whole_or_absent_and_a_broken_one_is_removed(cache):
+    model = _graph(2048)
+    assert template_cache.load("k1") is None
+    assert template_cache.store("k1", model) is None
+    assert template_cache.load("k1").SerializeToString() == model.SerializeToString()
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no partial folder left
+    (cache / "k1" / (template_cache.ENTRY + ".data")).write_bytes(b"x")  # truncated tensors
+    assert template_cache.load("k1") is None and not (cache / "k1").exists()
+
+
+def test_a_cache_that_cannot_be_written_says_why_and_keeps_nothing(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("ELX_CACHE_DIR", str(blocker))
+    why = template_cache.store("k", _graph())
+    assert why and "Error" in why
+    assert template_cache.load("k") is None
+
+
+def test_the_least_recently_used_entries_go_when_the_cache_is_full(cache, monkeypatch):
+    monkeypatch.setenv("ELX_TEMPLATE_CACHE_GB", str(3.5 * 40_000 / 1e9))  # room for three 40 kB entries, not four
+    for i in range(3):
+        assert template_cache.store(f"k{i}", _graph(10_000)) is None
+        os.utime(cache / f"k{i}", (1000 + i, 1000 + i))
+    template_cache.load("k0")  # used: now the most recent
+    assert template_cache.store("k3", _graph(10_000)) is None
+    assert sorted(p.name for p in cache.iterdir()) == ["k0", "k2", "k3"]
+
+
+def test_the_cache_is_off_when_asked(monkeypatch):
+    for value in ("0", "off", "false"):
+        monkeypatch.setenv("ELX_TEMPLATE_CACHE", value)
+        assert not template_cache.enabled()
+    monkeypatch.setenv("ELX_TEMPLATE_CACHE", "1")
+    assert template_cache.enabled()

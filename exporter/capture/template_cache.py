@@ -88,7 +88,8 @@ def _describe(value) -> str:
 
 def template_key(name: str, spec, template) -> str:
     """The cache key of graph ``name``'s template traced from ``spec`` (the module docstring says what it covers)."""
-    import onnxscript
+    from importlib.metadata import version
+
     import torch
     import transformers
 
@@ -97,7 +98,7 @@ def template_key(name: str, spec, template) -> str:
     model = template.model
     digest = hashlib.sha256()
     for part in (source_digest(), torch.__version__, transformers.__version__, onnx.__version__,
-                 onnxscript.__version__, name, type(model).__qualname__, model.config.to_json_string(),
+                 version("onnxscript"), name, type(model).__qualname__, model.config.to_json_string(),
                  str(model.config._attn_implementation), type(spec.module).__qualname__, repr(spec.input_names),
                  repr(spec.output_names), _describe(spec.args), repr(spec.dynamic_shapes)):
         digest.update(part.encode())

@@ -97,6 +97,17 @@ def through_shape_ops_up(tensor):
     return tensor
 
 
+def constant_shape(tensor) -> tuple | None:
+    """A constant's shape, without reading its values (a weight left on disk stays there: ``_StoredValues``); None
+    where ``tensor`` is not a constant (exactly where ``constant_value`` gives None)."""
+    if isinstance(tensor, gs.Constant):
+        return tuple(tensor.shape)
+    node = producer(tensor)
+    if node is not None and node.op == "Constant":
+        return tuple(node.attrs["value"].shape)
+    return None
+
+
 def constant_value(tensor) -> np.ndarray | None:
     if isinstance(tensor, gs.Constant):
         return np.asarray(tensor.values)

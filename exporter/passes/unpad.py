@@ -61,8 +61,8 @@ from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
 from elx.exporter.passes import catalog
-from elx.exporter.passes.rewrite import Builder, commit, constant_value, load_graph, pass_file, refuse_twice, \
-    save_graph
+from elx.exporter.passes.rewrite import Builder, commit, constant_shape, constant_value, load_graph, pass_file, \
+    refuse_twice, save_graph
 
 SPEC = catalog.UNPAD
 NAME, parse_argument = SPEC.name, SPEC.parse
@@ -84,17 +84,18 @@ def _static_shape(tensor) -> list | None:
     return None if shape is None else list(shape)
 
 
-def _weight(node: gs.Node) -> np.ndarray | None:
-    """The constant 2-D weight of ``MatMul(x, W)``, or None."""
+def _weight(node: gs.Node) -> tuple | None:
+    """The shape of the constant 2-D weight of ``MatMul(x, W)``, or None.  Shapes only, here and below: reading
+    every weight's values to find the regions held a second copy of the model (TinyLlama-1.1B's unpad: 16.9 GB)."""
     if node.op != "MatMul" or len(node.inputs) != 2:
         return None
-    weight = constant_value(node.inputs[1])
-    return weight if weight is not None and weight.ndim == 2 else None
+    shape = constant_shape(node.inputs[1])
+    return shape if shape is not None and len(shape) == 2 else None
 
 
-def _per_feature(value: np.ndarray) -> bool:
+def _per_feature(shape: tuple) -> bool:
     """A constant that broadcasts along the last axis only (a scalar, [f], [1, f], [1, 1, f])."""
-    return value.ndim <= 3 and all(s == 1 for s in value.shape[:-1])
+    return len(shape) <= 3 and all(s == 1 for s in shape[:-1])
 
 
 def _last_axis(node: gs.Node) -> bool:
@@ -124,7 +125,7 @@ class Region:
         seen, out = set(), []
         for node in self.nodes:
             for t in node.inputs:
-                if constant_value(t) is None and t.name not in self.tensors and t.name not in seen:
+                if constant_shape(t) is None and t.name not in self.tensors and t.name not in seen:
                     seen.add(t.name)
                     out.append(t)
         return out
@@ -145,7 +146,7 @@ def _position_wise(node: gs.Node, is_rows) -> bool:
     broadcast along the last axis, and it mixes no two positions."""
     if not node.outputs or any(t.outputs for t in node.outputs[1:]):
         return False  # one output read (a norm's optional mean and inverse deviation are not)
-    variable = [t for t in node.inputs if t.name and constant_value(t) is None]
+    variable = [t for t in node.inputs if t.name and constant_shape(t) is None]
     if not variable or not all(is_rows(t) for t in variable):
         return False
     if node.op == "MatMul":
@@ -156,7 +157,7 @@ def _position_wise(node: gs.Node, is_rows) -> bool:
         return len(variable) == 1 and variable[0] is node.inputs[0] and _last_axis(node)
     if node.op not in UNARY | BINARY:
         return False
-    return all(_per_feature(constant_value(t)) for t in node.inputs if t.name and constant_value(t) is not None)
+    return all(_per_feature(constant_shape(t)) for t in node.inputs if t.name and constant_shape(t) is not None)
 
 
 def find_regions(graph: gs.Graph, dims: tuple) -> list[Region]:
@@ -191,7 +192,7 @@ def find_regions(graph: gs.Graph, dims: tuple) -> list[Region]:
         for t in node.inputs:
             if t.name in by_output:
                 parent[root(id(node))] = root(id(by_output[t.name]))
-            elif t.name and constant_value(t) is None:
+            elif t.name and constant_shape(t) is None:
                 parent[root(id(node))] = root(id(first_reader.setdefault(t.name, node)))
     groups: dict = {}
     for node in position_wise:
@@ -251,11 +252,11 @@ def _width(tensor) -> int:
     producer = tensor.inputs[0] if tensor.inputs else None
     weight = _weight(producer) if producer is not None else None
     if weight is not None:
-        return int(weight.shape[1])
+        return int(weight[1])
     if producer is not None and producer.op in REDUCTIONS:
         return 1
     if producer is not None and producer.op in UNARY | BINARY | NORMS:  # the broadcast width of its row inputs
-        widths = [_width(t) for t in producer.inputs if t.name and constant_value(t) is None]
+        widths = [_width(t) for t in producer.inputs if t.name and constant_shape(t) is None]
         if widths:
             return max(widths)
     raise ElxError(f"pass unpad: the width of {tensor.name} is unknown; report this model")

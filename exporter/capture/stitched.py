@@ -171,8 +171,13 @@ class Capture:
 
     def _cache_key(self, spec, name: str) -> str | None:
         if name not in self._cache_keys:
-            self._cache_keys[name] = (template_cache.template_key(name, spec, self._template)
-                                      if template_cache.enabled() else None)
+            key = None
+            if template_cache.enabled():
+                try:
+                    key = template_cache.template_key(name, spec, self._template)
+                except Exception as err:  # noqa: BLE001 - a tensor whose bytes cannot be read: trace, as without a cache
+                    self.report(f"{name}: no template cache for this model ({type(err).__name__}: {str(err)[:120]})")
+            self._cache_keys[name] = key
         return self._cache_keys[name]
 
     def _traced_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, str]:

@@ -16,7 +16,8 @@ copies layer 2 once per missing layer, checked against layer 1, bound to the mod
 written to ``weights.data`` one tensor at a time straight from the PyTorch parameters.  The stitched graph is
 node for node the graph a whole-model trace gives (``tests/test_capture.py`` compares the two, and their
 outputs bit for bit), so the passes find the same patterns, and it is verified against PyTorch like any
-export (``exporter/verification/verify.py``).
+export (``exporter/verification/verify.py``).  A traced template is kept for the next export of the same model
+(``exporter/capture/template_cache.py``), which then traces nothing.
 
 **Not chosen.**  (b) the TorchScript exporter (``dynamo=False``): deprecated, and its graphs differ from the
 dynamo graphs every pass matches (other decompositions, other names); (c) building the graphs from the weights

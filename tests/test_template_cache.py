@@ -99,6 +99,8 @@ def test_an_entry_is_whole_or_absent_and_a_broken_one_is_removed(cache):
     assert template_cache.load("k1") is None
     assert template_cache.store("k1", model) is None
     assert template_cache.load("k1").SerializeToString() == model.SerializeToString()
+    assert template_cache.store("k1", _graph(16)) is None  # a second export storing the same key: the first stays
+    assert template_cache.load("k1").SerializeToString() == model.SerializeToString()
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no partial folder left
     (cache / "k1" / (template_cache.ENTRY + ".data")).write_bytes(b"x")  # truncated tensors
     assert template_cache.load("k1") is None and not (cache / "k1").exists()
@@ -129,3 +131,13 @@ def test_the_cache_is_off_when_asked(monkeypatch):
         assert not template_cache.enabled()
     monkeypatch.setenv("ELX_TEMPLATE_CACHE", "1")
     assert template_cache.enabled()
+
+
+@pytest.mark.parametrize("value", ["four", "-1", "nan"])
+def test_a_malformed_cache_size_is_refused_in_one_line(value, monkeypatch):
+    from elx.runners.errors import ElxError
+
+    monkeypatch.setenv("ELX_TEMPLATE_CACHE", "1")
+    monkeypatch.setenv("ELX_TEMPLATE_CACHE_GB", value)
+    with pytest.raises(ElxError, match="ELX_TEMPLATE_CACHE_GB is .*a number >= 0"):
+        template_cache.enabled()

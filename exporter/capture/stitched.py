@@ -72,6 +72,7 @@ class Capture:
         self._children = {}  # graph file -> TemplateProcess tracing its template
         self._cache_keys = {}  # graph file -> its template's key in ``exporter/capture/template_cache.py`` (None: off)
         self._cached = {}  # graph file -> its template read from that cache by ``prefetch``
+        self._tensors_digest = None  # ``template_cache.tensors_digest`` of the template
         # called once as ``while_waiting(still_tracing)``, where this process would otherwise wait for a second
         # process's template (the export runs the verification's PyTorch reference there); its time is taken from the
         # wait, not added to the export; ``still_tracing()`` says whether the second process is still at work
@@ -175,7 +176,9 @@ class Capture:
             key = None
             if template_cache.enabled():
                 try:
-                    key = template_cache.template_key(name, spec, self._template)
+                    if self._tensors_digest is None:  # the same for every graph of the export: hashed once
+                        self._tensors_digest = template_cache.tensors_digest(self._template)
+                    key = template_cache.template_key(name, spec, self._template, self._tensors_digest)
                 except Exception as err:  # noqa: BLE001 - a tensor whose bytes cannot be read: trace, as without a cache
                     self.report(f"{name}: no template cache for this model ({type(err).__name__}: {str(err)[:120]})")
             self._cache_keys[name] = key

@@ -39,6 +39,9 @@ _SOURCE_DIGEST = None
 
 
 def enabled() -> bool:
+    """``ELX_TEMPLATE_CACHE`` is not 0/false/no/off; a malformed ``ELX_TEMPLATE_CACHE_GB`` is refused here, before
+    the first template is traced or read."""
+    _limit_bytes()
     return os.environ.get("ELX_TEMPLATE_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -49,10 +52,17 @@ def cache_dir() -> Path:
 
 
 def _limit_bytes() -> float:
+    text = os.environ.get("ELX_TEMPLATE_CACHE_GB", "").strip() or str(DEFAULT_GB)
     try:
-        return float(os.environ.get("ELX_TEMPLATE_CACHE_GB", DEFAULT_GB)) * 1e9
+        limit = float(text)
     except ValueError:
-        return DEFAULT_GB * 1e9
+        limit = -1.0
+    if not limit >= 0:  # NaN too
+        from elx.runners.errors import ElxError
+
+        raise ElxError(f"ELX_TEMPLATE_CACHE_GB is {text!r}; give the template cache's size in GB (a number >= 0, "
+                       f"default {DEFAULT_GB:g}), or ELX_TEMPLATE_CACHE=0 to turn it off")
+    return limit * 1e9
 
 
 def source_digest() -> str:
@@ -86,24 +96,15 @@ def _describe(value) -> str:
     return repr(value)
 
 
-def template_key(name: str, spec, template) -> str:
-    """The cache key of graph ``name``'s template traced from ``spec`` (the module docstring says what it covers)."""
-    from importlib.metadata import version
-
+def tensors_digest(template) -> str:
+    """The names, shapes and dtypes of the template's tensors and the bytes of those it takes from the model (its
+    layers' are synthetic, drawn from a fixed seed): computed once per export, shared by its graphs' keys."""
     import torch
-    import transformers
 
     from elx.exporter.capture.template import STACK
 
     model = template.model
-    digest = hashlib.sha256()
-    for part in (source_digest(), torch.__version__, transformers.__version__, onnx.__version__,
-                 version("onnxscript"), name, type(model).__qualname__, model.config.to_json_string(),
-                 str(model.config._attn_implementation), type(spec.module).__qualname__, repr(spec.input_names),
-                 repr(spec.output_names), _describe(spec.args), repr(spec.dynamic_shapes)):
-        digest.update(part.encode())
-        digest.update(b"\0")
-    seen = set()
+    digest, seen = hashlib.sha256(), set()
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for tensor_name, tensor in sorted(tensors, key=lambda item: item[0]):
         digest.update(f"{tensor_name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
@@ -111,6 +112,26 @@ def template_key(name: str, spec, template) -> str:
             continue
         seen.add(id(tensor))
         digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def template_key(name: str, spec, template, tensors: str | None = None) -> str:
+    """The cache key of graph ``name``'s template traced from ``spec`` (the module docstring says what it covers);
+    ``tensors``: ``tensors_digest(template)`` where the caller already has it."""
+    from importlib.metadata import version
+
+    import torch
+    import transformers
+
+    model = template.model
+    digest = hashlib.sha256()
+    for part in (source_digest(), torch.__version__, transformers.__version__, onnx.__version__,
+                 version("onnxscript"), name, type(model).__qualname__, model.config.to_json_string(),
+                 str(model.config._attn_implementation), type(spec.module).__qualname__, repr(spec.input_names),
+                 repr(spec.output_names), _describe(spec.args), repr(spec.dynamic_shapes),
+                 tensors or tensors_digest(template)):
+        digest.update(part.encode())
+        digest.update(b"\0")
     return digest.hexdigest()[:40]
 
 

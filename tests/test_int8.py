@@ -178,3 +178,27 @@ def test_int8_bench_pass_sets_and_rows_equal():
     peer = np.array([[0, 5, 6, 1, 0], [0, 7, 9, 1, 0], [0, 9, 1, 0, 0]])  # padded one column wider
     assert rows_equal(reference, peer, pad=0) == (2, 3)
     assert rows_equal(reference, peer[:2], pad=0) == (1, 3)  # a missing row is not equal
+
+
+def test_the_lm_head_is_the_matmul_reaching_the_logits_through_adds_and_scales_only():
+    """``lm_heads``: walked back from the logits through at most four Add/Mul/Identity nodes; a MatMul feeding
+    another MatMul, or one too many steps away, is not the head."""
+    from onnx import TensorProto, helper
+
+    from elx.exporter.precision.int8 import choose, lm_heads
+
+    w = [numpy_helper.from_array(np.ones((4, 4), np.float32), f"w{i}") for i in range(3)]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h0"], name="inner"),
+             helper.make_node("MatMul", ["h0", "w1"], ["h1"], name="head"),
+             helper.make_node("Add", ["h1", "x"], ["a"]), helper.make_node("Mul", ["a", "x"], ["logits"]),
+             helper.make_node("MatMul", ["x", "w2"], ["far"], name="far")]
+    nodes += [helper.make_node("Identity", [f"far{'' if i == 0 else i}" if i else "far"], [f"far{i + 1}"])
+              for i in range(5)]
+    nodes.append(helper.make_node("Add", ["far5", "x"], ["far_logits"]))
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 4]) for n in ("x", "logits", "far_logits")]
+    model = helper.make_model(helper.make_graph(nodes, "g", io[:1], io[1:], initializer=w))
+    assert lm_heads(model, "logits") == {"h1"}
+    assert lm_heads(model, "far_logits") == set()  # six steps away
+    assert lm_heads(model, None) == set()
+    chosen, counts = choose(model, logits="logits", keep_lm_head=True)
+    assert "head" not in chosen and "inner" in chosen and counts["fp32: LM head"] == 1

@@ -61,7 +61,8 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     names carry ``suffix``); ``verify(after, layers, seed) -> report`` compares them with ``manifest``
     (run at every one of ``VERIFY_SEEDS``; the worst counts, and must be within ``verify_limit``).
     Refuses naming a layer unless ``skip_bad``; then layers are left out (joining ``bad``, in
-    place), worst first by their error when rewritten alone, until the rest verifies.
+    place), worst first by their error when rewritten alone, until the rest verifies (``_left_out``: as many at
+    once as the root-sum-square of the others' errors alone asks, then one at a time).
     Returns (the verified manifest, the rewritten layers, the report); nothing else stays written.
     """
     if bad and not skip_bad:
@@ -91,8 +92,7 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
                   f"(this layer alone: {alone[worst]:.3g}, the largest)")
         raise refuse(name, where, worst, detail)
     while todo:
-        for layer in [layer for layer in todo if alone[layer.index] > limit] or [
-                max(todo, key=lambda layer: alone[layer.index])]:
+        for layer in _left_out(todo, alone, limit):
             bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {limit_text}"
                                 if alone[layer.index] > limit else
                                 f"left out: with the other layers the max abs logits diff reached "
@@ -111,6 +111,33 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
         remove_new_files(folder, manifest, after)
     raise ElxError(f"pass {name}: no {where} layer is accurate enough to rewrite (max abs logits diff beyond "
                    f"{limit_text}); nothing was written")
+
+
+def rss_estimate(errors) -> float:
+    """The error of several layers rewritten together, estimated from each one's error alone as independent
+    noise: the root of the sum of squares."""
+    return float(np.sqrt(sum(float(e) ** 2 for e in errors)))
+
+
+def _left_out(todo: list, alone: dict, limit: float) -> list:
+    """The layers to leave out of the next candidate: every layer beyond the limit alone, and the worst of the
+    others until the rest's ``rss_estimate`` is within the limit; when that leaves out none (the estimate held,
+    the verification did not), the worst one.
+
+    One layer at a time was the rule before; on SmolLM2-1.7B dims (``--pass slim=skip-bad``, 24 layers, each a
+    probe of ~26 s) it took six rounds of 77-147 s each after the probes (13, 12, ..., 8 layers kept), and the
+    estimate tracked the measured errors (8 kept: 4.2e-5 estimated, 3.96e-5 measured; 9: 5.0e-5, 5.58e-5).  On
+    that run's single-layer errors this rule proposes 9 layers first (estimate 4.92e-5), then those 8: two rounds
+    instead of six.  The estimate only proposes; every candidate is verified at all ``VERIFY_SEEDS`` as before."""
+    over = [layer for layer in todo if alone[layer.index] > limit]
+    kept, errors = [], []
+    for layer in sorted((layer for layer in todo if layer not in over), key=lambda layer: alone[layer.index]):
+        if rss_estimate([*errors, alone[layer.index]]) > limit:
+            break
+        kept.append(layer)
+        errors.append(alone[layer.index])
+    left = [layer for layer in todo if layer not in kept]
+    return left or [max(todo, key=lambda layer: alone[layer.index])]
 
 
 def _verify_seeds(verify, after: Manifest, layers: list) -> dict:

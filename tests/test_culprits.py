@@ -1,0 +1,96 @@
+"""The skip-bad culprit search (``exporter/passes/culprits.py``) on made-up layer errors: which layers each round
+leaves out, how many rounds it takes, and that only a candidate within the limit is ever adopted."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from elx.exporter.passes import culprits
+
+LIMIT = 5e-5  # half the tolerance below
+
+
+@dataclass(frozen=True)
+class Layer:
+    index: int
+
+
+class Candidate:
+    """A manifest stand-in: the layers it rewrote, no files."""
+
+    def __init__(self, layers, suffix=""):
+        self.layers, self.probe = tuple(layer.index for layer in layers), suffix.endswith("-probe")
+
+    def graph_files(self):
+        return []
+
+
+def search(alone: dict, together, skip_bad=True):
+    """Run ``verified_rewrite`` with each layer's error ``alone[i]`` and ``together(errors)`` the error of a set;
+    returns (kept layer indices, the candidates verified, the layers left out with their reasons)."""
+    verified = []
+
+    def verify(after, layers, seed):
+        errors = [alone[i] for i in after.layers]
+        diff = errors[0] if len(errors) == 1 else together(errors)
+        if seed == 0 and not after.probe:
+            verified.append(after.layers)
+        return {"max_abs_logits_diff": diff, "tolerance": 2 * LIMIT, "shapes": [], "within": diff <= 2 * LIMIT}
+
+    bad = {}
+    layers = [Layer(i) for i in sorted(alone)]
+    after, kept, report = culprits.verified_rewrite("/nonexistent", Candidate([]), "slim", "decoder", layers, bad,
+                                                    skip_bad, Candidate, verify)
+    assert report["max_abs_logits_diff"] <= LIMIT and after.layers == tuple(layer.index for layer in kept)
+    return [layer.index for layer in kept], verified, bad
+
+
+# the single-layer errors logged by `elx export --model smollm2-1.7b --random-init --pass slim=skip-bad` (2026-11-29)
+SMOLLM2_17B = {0: 2.16e-4, 1: 4.11e-4, 2: 6.39e-5, 3: 8.27e-5, 4: 7.32e-5, 5: 3.92e-5, 6: 3.15e-5, 7: 9.61e-5,
+               8: 2.82e-5, 9: 2.32e-5, 10: 2.44e-4, 11: 7.87e-6, 12: 1.25e-5, 13: 1.29e-4, 14: 1.93e-5, 15: 2.71e-5,
+               16: 9.98e-5, 17: 1.29e-5, 18: 9.42e-6, 19: 9.78e-6, 20: 5.94e-5, 21: 2.53e-5, 22: 5.41e-5,
+               23: 1.74e-5}
+
+
+def test_layers_are_left_out_as_the_root_sum_square_asks_then_one_at_a_time():
+    """Errors that add 10% above the estimate (as measured at 1.7B): the 9 layers the estimate proposes fail, one
+    more round leaves out the worst of them; 3 candidates verified in all, where one layer at a time took 7."""
+    kept, verified, bad = search(SMOLLM2_17B, lambda e: 1.1 * culprits.rss_estimate(e))
+    assert kept == [9, 11, 12, 14, 17, 18, 19, 23]
+    assert [len(v) for v in verified] == [24, 9, 8]
+    assert all("exceeds" in bad[i] for i in (0, 1, 2, 3, 4, 7, 10, 13, 16, 20, 22))
+    assert all(bad[i].startswith("left out:") for i in (5, 6, 8, 15, 21))
+
+
+def test_errors_adding_linearly_are_still_searched_down_to_a_verified_set():
+    """Where the estimate is far too hopeful (errors adding in full), the search still ends on a set that verifies,
+    and each layer left out is the worst one remaining."""
+    alone = {i: e for i, e in enumerate([3e-5, 2e-5, 1e-5, 4e-6, 2e-6])}
+    kept, verified, bad = search(alone, lambda e: float(np.sum(e)))
+    assert sum(alone[i] for i in kept) <= LIMIT and kept == [1, 2, 3, 4]
+    assert [len(v) for v in verified] == [5, 4]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_errors_end_within_the_limit_or_refuse(seed):
+    """Drawn errors and ways of adding them: every adopted candidate is within the limit, every layer beyond the
+    limit alone is left out, and no kept layer was left out."""
+    rng = np.random.default_rng(seed)
+    alone = {i: float(e) for i, e in enumerate(rng.lognormal(np.log(2e-5), 1.2, size=int(rng.integers(2, 16))))}
+    power = float(rng.uniform(1.0, 2.0))  # 1: errors add in full; 2: as independent noise
+    together = lambda e: float(np.sum(np.asarray(e) ** power) ** (1 / power))  # noqa: E731
+    if min(alone.values()) > LIMIT:
+        with pytest.raises(culprits.ElxError, match="no decoder layer is accurate enough"):
+            search(alone, together)
+        return
+    kept, verified, bad = search(alone, together)
+    assert kept and together([alone[i] for i in kept]) <= LIMIT
+    assert not set(kept) & set(bad) and set(kept) | set(bad) == set(alone)
+    assert all(i in bad for i, e in alone.items() if e > LIMIT)
+
+
+def test_without_skip_bad_the_worst_layer_is_named():
+    with pytest.raises(culprits.ElxError, match=r"decoder layer 1: max abs logits diff 0.0004"):
+        search({0: 1e-5, 1: 4e-4, 2: 2e-5}, culprits.rss_estimate, skip_bad=False)

@@ -45,7 +45,9 @@ def test_a_second_export_takes_its_templates_from_the_cache_and_writes_the_same_
             outs.append(export_model(str(folder), tmp_path / run, progress="plain"))
         logs.append(stream.getvalue())
         if run == "first":
-            assert len([e for e in cache.iterdir() if not e.name.startswith(".")]) == 2  # prefill's and step's
+            entries = [e for e in cache.iterdir() if not e.name.startswith(".")]
+            assert len(entries) == 2  # prefill's and step's
+            assert all((e / template_cache.BINDINGS).is_file() for e in entries)  # the second export binds nothing
     first, second = (Manifest.load(out) for out in outs)
     for graph in ("prefill", "decoder"):
         assert first.data["graphs"][graph]["capture"]["template_from_cache"] is False
@@ -104,6 +106,43 @@ def test_an_entry_is_whole_or_absent_and_a_broken_one_is_removed(cache):
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no partial folder left
     (cache / "k1" / (template_cache.ENTRY + ".data")).write_bytes(b"x")  # truncated tensors
     assert template_cache.load("k1") is None and not (cache / "k1").exists()
+
+
+def _two_weights(size: int = 2048) -> onnx.ModelProto:
+    """A graph of two weights of ``size`` floats each (both kept in the data file)."""
+    weights = [numpy_helper.from_array(np.arange(size, dtype=np.float32) + i, f"w{i}") for i in range(2)]
+    nodes = [helper.make_node("Add", ["x", "w0"], ["h"]), helper.make_node("Add", ["h", "w1"], ["y"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [size]) for n in ("x", "y")]
+    return helper.make_model(helper.make_graph(nodes, "g", io[:1], io[1:], weights))
+
+
+def test_kept_bindings_spare_reading_the_bound_weights_and_a_damaged_entry_is_removed(cache):
+    """``load_bound``: the unbound initializers read, the bound ones left without values (stitching points them at
+    the user's model); bindings that name a missing initializer, or a data file shorter than the tensors it holds,
+    remove the entry (the export traces again)."""
+    from elx.exporter.capture.weights import Binding
+
+    model = _two_weights()
+    assert template_cache.load_bound("k") is None
+    assert template_cache.store("k", model) is None
+    assert template_cache.load_bound("k") is None  # no bindings kept yet: the whole template is read (``load``)
+    bindings = {"w0": Binding("model.layers.1.mlp.up_proj.weight", "transpose", 0.0)}
+    template_cache.store_bindings("k", bindings)
+    loaded, found = template_cache.load_bound("k")
+    assert found == bindings
+    w0, w1 = loaded.graph.initializer
+    assert not w0.raw_data and not w0.external_data and w0.data_location == TensorProto.DEFAULT
+    np.testing.assert_array_equal(numpy_helper.to_array(w1), numpy_helper.to_array(model.graph.initializer[1]))
+    assert not w1.external_data and w1.data_location == TensorProto.DEFAULT
+    template_cache.store_bindings("k", {"w0": Binding("other", "identity", 0.0)})  # a second store keeps the first
+    assert template_cache.load_bound("k")[1] == bindings
+
+    data = cache / "k" / (template_cache.ENTRY + ".data")
+    data.write_bytes(data.read_bytes()[:-4])  # the last tensor cut short (a bound one would be too)
+    assert template_cache.load_bound("k") is None and not (cache / "k").exists()
+    assert template_cache.store("k", model) is None
+    (cache / "k" / template_cache.BINDINGS).write_text('{"w9": ["x", "identity", 0.0]}')
+    assert template_cache.load_bound("k") is None and not (cache / "k").exists()
 
 
 def test_a_cache_that_cannot_be_written_says_why_and_keeps_nothing(tmp_path, monkeypatch):

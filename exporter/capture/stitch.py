@@ -192,7 +192,8 @@ def _plan_inputs(g: _Graph, stack: Stack, l1: list, l2: list, bindings: dict) ->
                         raise NotStitchable(f"{where} reads {found2.source} ({found2.transform}); layer {a} reads "
                                             f"{found1.source + ' (' + found1.transform + ')' if found1 else x1}")
                     roles.append(("weight", x2, found2))
-                elif x1 == x2 or (x1 in g.initializers and _same_values(g.initializers[x1], g.initializers[x2])):
+                elif x1 == x2 or (found2 is not None and found1 == found2) or (
+                        x1 in g.initializers and _same_values(g.initializers[x1], g.initializers[x2])):
                     roles.append(("shared", x2))
                 else:
                     raise NotStitchable(f"{where} reads constant {x2}, layer {a} a different one ({x1}): a constant "
@@ -432,7 +433,8 @@ def bind_weights(model: onnx.ModelProto, bindings: dict, weights: WeightsFile, t
         binding: Binding | None = bindings.get(tensor.name)
         if binding is None:
             weights.own(tensor)
-        elif tensor.HasField("raw_data") or tensor.float_data:
+        elif tensor.data_location != onnx.TensorProto.EXTERNAL:  # not yet pointed at the model's tensor (a template's
+            # own values, or none: a template from the cache, ``template_cache.load_bound``)
             if binding.source not in tensors:
                 raise NotStitchable(f"the model has no {binding.source}")
             weights.bound(tensor, binding, tensors[binding.source])

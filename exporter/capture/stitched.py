@@ -71,7 +71,8 @@ class Capture:
         self._tensors = None
         self._children = {}  # graph file -> TemplateProcess tracing its template
         self._cache_keys = {}  # graph file -> its template's key in ``exporter/capture/template_cache.py`` (None: off)
-        self._cached = {}  # graph file -> its template read from that cache by ``prefetch``
+        self._cached = {}  # graph file -> (its template, its bindings or None) read from that cache by ``prefetch``
+        self._bound = {}  # graph file -> the bindings the cache kept for its template (``template_cache.load_bound``)
         self._tensors_digest = None  # ``template_cache.tensors_digest`` of the template
         # called once as ``while_waiting(still_tracing)``, where this process would otherwise wait for a second
         # process's template (the export runs the verification's PyTorch reference there); its time is taken from the
@@ -135,7 +136,7 @@ class Capture:
 
         with torch.random.fork_rng():  # the spec's example inputs draw from torch's generator: leave it as it was
             key = self._cache_key(make_spec(template.model), path.name)
-        cached = template_cache.load(key) if key else None
+        cached = _from_cache(key) if key else None
         if cached is not None:
             self._cached[path.name] = cached
             return
@@ -191,10 +192,13 @@ class Capture:
         key = self._cache_key(spec, name)
         cached = self._cached.pop(name, None)
         if cached is None and key:
-            cached = template_cache.load(key)
+            cached = _from_cache(key)
         if cached is not None:
             self.report(f"{name}: its {TEMPLATE_LAYERS}-layer template from the cache ({template_cache.cache_dir()})")
-            return cached, 0.0, "cache"
+            model, bindings = cached
+            if bindings is not None:
+                self._bound[name] = bindings
+            return model, 0.0, "cache"
         model, traced, where = self._trace_template(spec, name)
         if key:
             why = template_cache.store(key, model)
@@ -230,10 +234,14 @@ class Capture:
     def _stitch(self, make_spec, real, template, name: str) -> onnx.ModelProto:
         spec = make_spec(template.model)
         model, traced, where = self._traced_template(spec, name)
-        sources = {**{n: p.detach().numpy() for n, p in template.model.named_parameters(remove_duplicate=False)},
-                   **{n: b.detach().numpy() for n, b in template.model.named_buffers(remove_duplicate=False)}}
-        bindings = bind(model.graph.initializer, sources)
-        del sources
+        bindings = self._bound.pop(name, None)
+        if bindings is None:
+            sources = {**{n: p.detach().numpy() for n, p in template.model.named_parameters(remove_duplicate=False)},
+                       **{n: b.detach().numpy() for n, b in template.model.named_buffers(remove_duplicate=False)}}
+            bindings = bind(model.graph.initializer, sources)
+            del sources
+            if self._cache_keys.get(name):
+                template_cache.store_bindings(self._cache_keys[name], bindings)
         scopes = _stack_scopes(spec.module, template)
         tensors, weights = self.tensors(), self._weights_file()
         _refuse_unbound_layer_constants(model, scopes, bindings)
@@ -262,6 +270,16 @@ class Capture:
                               "template_traced_in_parallel": where == "second process",
                               "template_from_cache": where == "cache"}
         return model
+
+
+def _from_cache(key: str):
+    """(template, bindings) from the template cache: without its weights where the cache kept its bindings
+    (``template_cache.load_bound``), else whole with None; None on a miss."""
+    bound = template_cache.load_bound(key)
+    if bound is not None:
+        return bound
+    model = template_cache.load(key)
+    return None if model is None else (model, None)
 
 
 def _stack_scopes(module, template) -> dict:

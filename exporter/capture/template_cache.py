@@ -13,7 +13,10 @@ torch, transformers, onnx and onnxscript, the graph's file name, the template mo
 implementation, the wrapper's class, input and output names, example shapes and dtypes and dynamic axes, and the
 bytes of every tensor the template takes from the model (embeddings, head, norms, buffers: its layers' tensors are
 synthetic, drawn from a fixed seed).  A hit gives the graph the trace gave, byte for byte, and the export goes on
-exactly as after a trace (binding, stitching, the verification against PyTorch in full).  A template holds the
+exactly as after a trace (stitching, the verification against PyTorch in full).  Beside it, the template's
+bindings (which initializer holds which model tensor: ``exporter/capture/weights.py``'s ``bind``, a function of
+what the key covers) once an export has computed them: a hit with bindings reads only the template's unbound
+initializers and binds nothing (``load_bound``).  A template holds the
 model's own non-layer tensors: the cache is the user's, like the exports ``elx.from_pretrained`` keeps beside it.
 
 **Bounds and faults.**  At most ``ELX_TEMPLATE_CACHE_GB`` (default 4) GB: the least recently used entries go
@@ -34,6 +37,7 @@ from pathlib import Path
 import onnx
 
 ENTRY = "template.onnx"
+BINDINGS = "bindings.json"
 DEFAULT_GB = 4.0
 _SOURCE_DIGEST = None
 
@@ -152,6 +156,76 @@ def load(key: str) -> onnx.ModelProto | None:
     except OSError:
         pass
     return model
+
+
+def load_bound(key: str):
+    """The cached template and its bindings (``exporter/capture/weights.py``'s ``bind`` on it, kept by
+    ``store_bindings``), or None (no entry, or no bindings kept for it).  Only the initializers no binding names are
+    read from the data file: the bound ones (the template's weights, which stitching points at the user's model) are
+    left without values.  TinyLlama-1.1B dims: the template's 1.0 GB read and ~5 s of binding (bit-for-bit compares of
+    every weight) skipped on each re-export."""
+    import json
+
+    from elx.exporter.capture.weights import Binding
+
+    entry = cache_dir() / key
+    path, listed = entry / ENTRY, entry / BINDINGS
+    if not (path.is_file() and listed.is_file()):
+        return None
+    try:
+        bindings = {name: Binding(*fields) for name, fields in json.loads(listed.read_text()).items()}
+        model = onnx.load(str(path), load_external_data=False)
+        _read_unbound(model, entry, bindings)
+    except Exception:  # noqa: BLE001 - whatever is wrong with it, the trace replaces it
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+    return model, bindings
+
+
+def _read_unbound(model: onnx.ModelProto, entry: Path, bindings: dict) -> None:
+    """Read the data of the initializers ``bindings`` does not name; empty the bound ones (no values, no location).
+    Every binding must name an initializer, and the data file must hold every tensor's bytes."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    names = {t.name for t in model.graph.initializer}
+    if not set(bindings) <= names:
+        raise ValueError("bindings name initializers the template lacks")
+    data = entry / (ENTRY + ".data")
+    size = data.stat().st_size if data.is_file() else 0
+    for tensor in model.graph.initializer:
+        if not uses_external_data(tensor):
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        if int(info.get("offset", 0)) + int(info.get("length", 0)) > size:
+            raise ValueError(f"initializer {tensor.name}: beyond the end of the data file")
+        if tensor.name in bindings:
+            del tensor.external_data[:]
+            tensor.ClearField("data_location")
+            continue
+        load_external_data_for_tensor(tensor, str(entry))
+        del tensor.external_data[:]
+        tensor.ClearField("data_location")
+    _check_complete(model)
+
+
+def store_bindings(key: str, bindings: dict) -> None:
+    """Keep ``bindings`` beside the entry ``key`` (written to a temporary file and renamed: whole or absent);
+    nothing when the entry is not there or cannot be written (the next export binds again)."""
+    import json
+
+    entry = cache_dir() / key
+    if not entry.is_dir() or (entry / BINDINGS).is_file():
+        return
+    partial = entry / f".{BINDINGS}.{os.getpid()}.partial"
+    try:
+        partial.write_text(json.dumps({name: [b.source, b.transform, b.shift] for name, b in bindings.items()}))
+        os.replace(partial, entry / BINDINGS)
+    except OSError:
+        partial.unlink(missing_ok=True)
 
 
 def as_saved(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -27,7 +27,8 @@ def test_a_layer_cut_from_the_full_conversion_is_that_layer_converted_alone(expo
     from elx.exporter.precision.decoder_only import torch_side
     from elx.exporter.precision.int8 import convert_folder
     from elx.exporter.precision.int8_check import random_inputs_error
-    from elx.exporter.precision.int8_layers import GraphPair, measured_layers, pair_layers, variant_folder
+    from elx.exporter.precision.int8_layers import (GraphPair, PreparedWeights, measured_layers, pair_layers,
+                                                    variant_folder)
     from elx.exporter.source.load import resolve_model
 
     manifest = Manifest.load(exported(family))
@@ -38,9 +39,16 @@ def test_a_layer_cut_from_the_full_conversion_is_that_layer_converted_alone(expo
     # no monkeypatching of the 2 GB rule: a graph under it is what every real export below 2 GB has (a patched
     # threshold here once hid that the prepared weights were saved inside the graph, copied by every variant)
     (tmp_path / "shared").mkdir()
-    shared = {name: GraphPair(manifest, name, converted, tmp_path / "shared") for name in pairs}
-    weights = {name: (tmp_path / "shared" / f"{name}.fp32.onnx.data").stat().st_size for name in pairs}
-    assert all(size > 0 for size in weights.values())
+    (tmp_path / "apart").mkdir()
+    store = PreparedWeights(tmp_path / "shared")
+    shared = {name: GraphPair(manifest, name, converted, tmp_path / "shared", store) for name in pairs}
+    store.close()
+    apart = {name: GraphPair(manifest, name, converted, tmp_path / "apart") for name in pairs}
+    sizes = {name: (tmp_path / "apart" / f"{name}.fp32.weights.data").stat().st_size for name in apart}
+    one_file = (tmp_path / "shared" / store.file).stat().st_size
+    # the graphs' weights in one file, each tensor once: the sessions of a layer's check map one copy of the model
+    assert max(sizes.values()) <= one_file < sum(sizes.values()) and min(sizes.values()) > 0, (one_file, sizes)
+    weights = {name: one_file for name in pairs}
     layers = pair_layers(pairs)
     assert layers == measured_layers(manifest) and "lm_head" in layers and len(layers) >= 3
     fp32_ops = {name: _ops(pair.fp32) for name, pair in pairs.items()}

@@ -75,6 +75,7 @@ from onnx import TensorProto, numpy_helper
 
 from elx.runners.manifest import Manifest
 
+from elx.exporter.memory import return_free_pages
 from elx.exporter.capture.onnx_export import save_model
 from elx.exporter.passes.rewrite import pass_file
 from elx.exporter.precision.fp16 import _exact_projections, boundaries, gemms_to_matmuls
@@ -311,6 +312,8 @@ def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_L
         file = pass_file(spec["file"], SUFFIX)
         spec["external_data"] = save_model(model, target / file)
         spec["file"] = file
+        del model  # before the next graph is read: one graph's fp32 and int8 weights at a time
+        return_free_pages()
         spec.pop("tensorrt_file", None)  # the TensorRT twin of a pass graph: engines are built from fp32/fp16 graphs
     after.data["precision"] = "int8"
     after.data["int8"] = {

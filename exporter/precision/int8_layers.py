@@ -72,11 +72,41 @@ def _in_graph_order(graphs) -> list[str]:
     return found
 
 
+class PreparedWeights:
+    """The prepared fp32 graphs' weights in one file of the work folder, each distinct tensor once: the variants
+    of every graph point at it, so the ONNX Runtime sessions of one layer's check map one copy of the model
+    (``runners/backends/ort_mapped.py`` maps each data file once).  A file per graph held the prefill's and the
+    step's copies of the same weights at once: the real SmolLM2-135M's int8 export peaked at 2750 MiB there."""
+
+    def __init__(self, work: Path, file: str = "fp32.weights.data"):
+        from elx.exporter.capture.shared_weights import ByteStore
+
+        self.file = file
+        self.handle = open(Path(work) / file, "w+b")
+        self.store = ByteStore(self.handle)
+
+    def move(self, model: onnx.ModelProto) -> None:
+        """Every initializer of ``model`` holding ``MIN_BYTES`` or more of raw data moved to the file (in place)."""
+        from elx.exporter.capture.shared_weights import MIN_BYTES, point_external
+
+        for tensor in model.graph.initializer:
+            if tensor.HasField("raw_data") and len(tensor.raw_data) >= MIN_BYTES:
+                data = tensor.raw_data
+                point_external(tensor, self.store.place(data), len(data), location=self.file)
+                del data
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
 class GraphPair:
     """One graph of the export: fp32 (prepared as the conversion prepares it) and converted with every layer on
     int8; ``variant(layer)`` is the fp32 graph with only ``layer``'s MatMuls on int8, or None without them."""
 
-    def __init__(self, manifest: Manifest, name: str, converted: Manifest, work: Path | None = None):
+    def __init__(self, manifest: Manifest, name: str, converted: Manifest, work: Path | None = None,
+                 store: "PreparedWeights | None" = None):
+        from elx.exporter.memory import return_free_pages
         from elx.exporter.precision.fp16 import boundaries
         from elx.exporter.precision.int8 import _scores_output, prepare
 
@@ -84,12 +114,17 @@ class GraphPair:
         self.work = None
         if work is not None:  # the prepared weights written once; each variant refers to them (see the module doc)
             self.work = Path(work)
-            path = self.work / f"{name}.fp32.onnx"
             # always external (``save_model`` keeps a graph under 2 GB whole: each variant was then a copy of the
-            # weights, serialized and written per layer, 13 s a layer on SmolLM2-135M)
-            onnx.save_model(self.fp32, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=f"{name}.fp32.onnx.data", size_threshold=1024)
-            self.fp32 = onnx.load(str(path), load_external_data=False)
+            # weights, serialized and written per layer, 13 s a layer on SmolLM2-135M), and in one file for every
+            # graph, equal tensors once (``PreparedWeights``)
+            own = store is None
+            store = store or PreparedWeights(self.work, f"{name}.fp32.weights.data")
+            store.move(self.fp32)
+            if own:
+                store.close()
+            # a fresh proto: a cleared field's bytes stay in the message's arena until the message goes
+            self.fp32 = onnx.load_model_from_string(self.fp32.SerializeToString())
+            return_free_pages()  # the loaded weights just freed (the next graph's are read next)
         self.int8 = onnx.load(str(converted.graph_path(name)))
         self.logits = _scores_output(manifest, name)
         self.exact = boundaries(manifest)[name].exact_outputs
@@ -97,7 +132,14 @@ class GraphPair:
         self.known = ({o for n in graph.node for o in n.output} | {i.name for i in graph.input}
                       | {t.name for t in graph.initializer})
         self.producers = {o: (i, n) for i, n in enumerate(self.int8.graph.node) for o in n.output}
+        # only the tensors the conversion wrote are taken from the int8 graph (``variant``): the fp32 ones it shares
+        # with the fp32 graph (the embeddings, norms, the layers kept fp32) dropped, not held twice per graph
+        initializers = self.int8.graph.initializer
+        for index in reversed(range(len(initializers))):
+            if initializers[index].name in self.known:
+                del initializers[index]
         self.int8_weights = {t.name: t for t in self.int8.graph.initializer}
+        return_free_pages()
 
     def _written_for(self, output: str) -> list[tuple[int, onnx.NodeProto]]:
         """The converted graph's nodes computing ``output`` from tensors the fp32 graph has (index, node)."""
@@ -191,7 +233,10 @@ def measure_and_convert(torch_model, manifest: Manifest, target: Path, progress=
     with tempfile.TemporaryDirectory(prefix="elx-int8-layers-") as work:
         shared = Path(work) / "weights"
         shared.mkdir()
-        pairs = {name: GraphPair(manifest, name, converted, shared) for name in [*manifest.stages, manifest.step]}
+        store = PreparedWeights(shared)
+        pairs = {name: GraphPair(manifest, name, converted, shared, store)
+                 for name in [*manifest.stages, manifest.step]}
+        store.close()
         layers = pair_layers(pairs)
         for done, layer in enumerate(layers, 1):
             folder = Path(work) / re.sub(r"[^A-Za-z0-9_.-]", "_", layer)

@@ -26,7 +26,7 @@ from elx.exporter.capture.onnx_export import (decoder_spec, describe_decoder, ex
 from elx.exporter.passes import check_model_kind, check_not_applied, parse_passes
 from elx.exporter.precision.fp16_export import check_precision, fp16_checks, refuse_fp16
 from elx.exporter.progress import WEIGHTS, Progress, pass_lines
-from elx.exporter.memory import check_export_memory, free_weights, own_copies, release_memory
+from elx.exporter.memory import check_export_memory, free_weights, release_memory
 from elx.exporter.source.locate import locate_model
 from elx.exporter.capture.shared_weights import folder_bytes, store_weights_once
 from elx.exporter.source.load import resolve_model
@@ -341,7 +341,6 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 if spec["file"] in capture.records:
                     spec["capture"] = capture.records[spec["file"]]
             manifest = Manifest(data, folder)
-            own_copies(loaded.model)  # the weights file's mapping released (it would stay through the fp64 reference)
             release_memory()  # the traces' garbage, before the verification's sessions load
             # fp32: HF's model is not needed after its reference logits; freed before the graphs' sessions load
             release = (lambda: free_weights(loaded.model)) if precision == "fp32" else None

@@ -33,25 +33,6 @@ def free_weights(model) -> None:
     release_memory()
 
 
-def own_copies(model) -> None:
-    """Give every parameter and buffer of ``model`` its own memory, one tensor at a time, instead of views of the
-    weights file ``from_pretrained`` mapped (safetensors): the file's mapping is released with the last view.
-
-    A mapped model converted in place to float64 (the verification's ``in_float64``) holds the whole mapping
-    until every tensor is converted: float32 mapped + float64 at once, 3× the weights (measured on the real
-    SmolLM2-135M: peak 2096 MiB during the conversion).  With its own copies each float32 tensor is freed as
-    its float64 one is made: 2× the weights."""
-    import torch
-
-    with torch.no_grad():
-        for module in model.modules():
-            for table in (module._parameters, module._buffers):
-                for key, tensor in table.items():
-                    if tensor is not None and not tensor.is_meta:
-                        tensor.data = tensor.data.clone()
-    release_memory()
-
-
 # -- the export's memory, estimated before any weight is read ---------------------------------------------------
 # Measured on the real SmolLM2-135M (538 MB of float32 weights; elx export, 2026-11-28): peak 1761 MiB when the
 # verification held HF's model in float64 (2 copies) and then one ONNX Runtime session per graph, each with its own

@@ -234,9 +234,11 @@ def measure_and_convert(torch_model, manifest: Manifest, target: Path, progress=
         shared = Path(work) / "weights"
         shared.mkdir()
         store = PreparedWeights(shared)
-        pairs = {name: GraphPair(manifest, name, converted, shared, store)
-                 for name in [*manifest.stages, manifest.step]}
-        store.close()
+        try:
+            pairs = {name: GraphPair(manifest, name, converted, shared, store)
+                     for name in [*manifest.stages, manifest.step]}
+        finally:
+            store.close()
         layers = pair_layers(pairs)
         for done, layer in enumerate(layers, 1):
             folder = Path(work) / re.sub(r"[^A-Za-z0-9_.-]", "_", layer)

@@ -215,24 +215,38 @@ def _case_reporter(progress: Progress, stage):
     return report
 
 
-def _side_lines(progress: Progress, still_tracing=None):
+def _side_lines(progress: Progress):
     """A line per side of the verification run outside its stage (``torch_references`` while the template of the step
-    graph, decoder.onnx, traces in a second process).  Once ``still_tracing()`` says the second process is done, the
-    reference's next cases run on the cores idle then (``reference_threads``: whisper-base's 30 s cases outlast the
-    template)."""
-    since, widened = [time.perf_counter()], [still_tracing is None]
+    graph, decoder.onnx, traces in a second process)."""
+    since = [time.perf_counter()]
 
     def report(side: str, done: int, total: int) -> None:
-        if not widened[0] and not still_tracing():
-            import torch
-
-            widened[0] = True
-            torch.set_num_threads(idle_threads())  # restored by the caller
         if done == total:
             progress.say(f"{progress.title}: verify: {side}, {total} cases in {time.perf_counter() - since[0]:.1f} s "
                          "(while the decoder's template traces)")
             since[0] = time.perf_counter()
     return report
+
+
+class ReferenceThreads:
+    """How many threads PyTorch's reference takes for its next case (or layer: ``fp32_noise.Lockstep``): the cores
+    idle when it starts, and once the export's own other work has ended (``busy``: callables true while a second
+    process traces a template, or while ``weights.data`` is still being written), the cores idle then.
+
+    On two cores, a PyTorch reference on two threads beside the weights' writer took 4x as long (TinyLlama-1.1B
+    dims, fp32 cases 3.9 -> 16.4 s: OpenMP's barriers wait for the thread the writer displaces), on one thread 2x;
+    whisper-base's 30 s cases outlast its template's trace."""
+
+    def __init__(self, *busy):
+        self.busy = [each for each in busy if each is not None]
+        self.count = idle_threads()
+        self.widened = not self.busy
+
+    def __call__(self) -> int:
+        if not self.widened and not any(each() for each in self.busy):
+            self.widened = True
+            self.count = idle_threads()
+        return self.count
 
 
 def idle_cores(window: float = 0.1) -> float:
@@ -277,6 +291,17 @@ def reference_threads(threads: int | None = None):
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+@contextmanager
+def _unless_closed(weights):
+    """Leaving the block by an error: ``weights`` (a ``WeightsFile`` still being written, or None) aborted."""
+    try:
+        yield
+    except BaseException:
+        if weights is not None:
+            weights.abort()
+        raise
 
 
 def _check_decoder_only_options(family, prompt_cache) -> str | None:
@@ -326,39 +351,53 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
             early = {}  # PyTorch's reference, computed while a second process traces the step's template
 
             def references(still_tracing):
-                with reference_threads():
-                    early["sides"] = torch_references(loaded.model, Manifest(data, folder),
-                                                      report=_side_lines(report, still_tracing))
+                threads = ReferenceThreads(still_tracing, capture.weights_writing)
+                with reference_threads(threads()):
+                    early["sides"] = torch_references(loaded.model, Manifest(data, folder), report=_side_lines(report),
+                                                      threads=threads)
             capture.while_waiting = references
             try:
                 if form is None:
                     export_graphs(loaded.model, loaded.family, folder, data, report, capture)
                 else:
                     export_decoder_only(loaded.model, loaded.family, folder, data, form, report, capture)
-            finally:
-                capture.close()
-            for spec in data["graphs"].values():
-                if spec["file"] in capture.records:
-                    spec["capture"] = capture.records[spec["file"]]
-            manifest = Manifest(data, folder)
-            release_memory()  # the traces' garbage, before the verification's sessions load
-            # fp32: HF's model is not needed after its reference logits; freed before the graphs' sessions load
-            release = (lambda: free_weights(loaded.model)) if precision == "fp32" else None
-            cases = len(default_shapes(manifest))
-            sides = early.get("sides")
-            with (report.stage("verify vs PyTorch", WEIGHTS["verify"], steps=(1 if sides else 3) * cases) as stage,
-                  reference_threads()):
-                verification = verify_export(loaded.model, manifest, release_model=release,
-                                             report=_case_reporter(report, stage), references=sides)
-                require_within_tolerance(verification, "exported graphs vs PyTorch")
-                data["verification"]["export"] = verification
-                data["verification"]["tolerance"] = tolerance_record(verification["logits_magnitude"], verification)
-                encoder = (f", encoder {verification['max_abs_encoder_diff']:.2e}"
-                           if "max_abs_encoder_diff" in verification else " (prefill and step)")
-                noise = verification["fp32_noise"]["max_torch_fp32_vs_fp64"]
-                stage.detail = (f"max abs logits diff {verification['max_abs_logits_diff']:.2e}{encoder} (tolerance "
-                                f"{verification['tolerance']:.2e} at max |logit| {verification['logits_magnitude']:.3g}; "
-                                f"PyTorch fp32 vs fp64 {noise:.2e})")
+            except BaseException:
+                capture.abort()
+                raise
+            # weights.data is still being written by a thread (exporter/capture/weights_writer.py) while PyTorch's
+            # reference runs; every byte is on disk before the graphs' sessions load (``before_graphs``)
+            writing = capture.hand_over_weights()
+            capture.close()
+            with _unless_closed(writing):  # a failure before the weights are all written drops the rest
+                for spec in data["graphs"].values():
+                    if spec["file"] in capture.records:
+                        spec["capture"] = capture.records[spec["file"]]
+                manifest = Manifest(data, folder)
+                release_memory()  # the traces' garbage, before the verification's sessions load
+
+                def before_graphs():
+                    if writing is not None:
+                        writing.close()  # the weights on disk (a failed write raised here)
+                    if precision == "fp32":  # HF's model is not needed after its reference logits
+                        free_weights(loaded.model)
+                cases = len(default_shapes(manifest))
+                sides = early.get("sides")
+                threads = ReferenceThreads(writing.writing if writing is not None else None)
+                with (report.stage("verify vs PyTorch", WEIGHTS["verify"], steps=(1 if sides else 3) * cases) as stage,
+                      reference_threads(threads())):
+                    verification = verify_export(loaded.model, manifest, release_model=before_graphs,
+                                                 report=_case_reporter(report, stage), references=sides,
+                                                 threads=threads)
+                    require_within_tolerance(verification, "exported graphs vs PyTorch")
+                    data["verification"]["export"] = verification
+                    v = verification
+                    data["verification"]["tolerance"] = tolerance_record(v["logits_magnitude"], v)
+                    encoder = (f", encoder {v['max_abs_encoder_diff']:.2e}"
+                               if "max_abs_encoder_diff" in v else " (prefill and step)")
+                    noise = v["fp32_noise"]["max_torch_fp32_vs_fp64"]
+                    stage.detail = (f"max abs logits diff {v['max_abs_logits_diff']:.2e}{encoder} (tolerance "
+                                    f"{v['tolerance']:.2e} at max |logit| {v['logits_magnitude']:.3g}; "
+                                    f"PyTorch fp32 vs fp64 {noise:.2e})")
             if precision == "fp32":  # passes verify graphs against graphs: HF's model goes first (6.8 GB at
                 loaded.model = None  # SmolLM2-1.7B, beside the passes' sessions and the weights stored once)
                 release_memory()

@@ -312,6 +312,37 @@ def test_a_killed_export_leaves_no_folder_and_no_process(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("at_write", [1, 3])
+def test_a_weight_write_failing_in_its_thread_is_one_line_and_leaves_no_folder(llama5, tmp_path, capsys, monkeypatch,
+                                                                              at_write):
+    """``weights.data`` is written by a thread while the export goes on (``exporter/capture/weights_writer.py``): a
+    write failing there (the disk full at the first or a later write) ends the export with one line, exit 2, no
+    folder, no thread left writing."""
+    import errno
+    import threading
+
+    from elx.cli import main
+    from elx.exporter.capture import weights_writer
+
+    calls = []
+
+    def full(self, data, offset):
+        calls.append(offset)
+        if len(calls) >= at_write:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "out" / "weights.data"))
+        os.pwrite(self.fd, data, offset)
+
+    monkeypatch.setattr(weights_writer.BackgroundWriter, "_pwrite", full)
+    monkeypatch.setenv("ELX_CAPTURE", "stitch")
+    code = main(["export", "--model", str(llama5["model"]), "--output", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.startswith("elx: error:")]
+    assert code == 2 and len(lines) == 1 and "no space left" in lines[0] and "Traceback" not in err, err
+    assert len(calls) == at_write  # the thread stopped at the failed write
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert not [t for t in threading.enumerate() if t.name == "elx-weights-writer"]
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()

@@ -199,16 +199,16 @@ def onnx_lazy():
 
 
 def test_large_strings_equal_only_where_sampled_are_both_stored(tmp_path):
-    """Strings over 4 MiB are keyed by samples of their bytes (``_fingerprint``); a key match is confirmed byte for
+    """Strings over 4 MiB are keyed by samples of their bytes (``bytes_key``); a key match is confirmed byte for
     byte, so two strings that differ only between the samples are both written, and equal ones once."""
-    from elx.exporter.capture.shared_weights import SAMPLED_ABOVE, ByteStore, _fingerprint
+    from elx.exporter.capture.shared_weights import SAMPLED_ABOVE, ByteStore, bytes_key
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal(SAMPLED_ABOVE // 4 * 3, dtype=np.float32)  # 12 MiB
     b = a.copy()
     middle = len(a) // 2 + 4099  # between two sampled slices
     b[middle] += 1.0
-    assert _fingerprint(memoryview(a).cast("B")) == _fingerprint(memoryview(b).cast("B"))  # the samples agree
+    assert bytes_key(memoryview(a).cast("B")) == bytes_key(memoryview(b).cast("B"))  # the samples agree
     with open(tmp_path / "w.data", "w+b") as handle:
         store = ByteStore(handle)
         first, second, again = (store.place(x.tobytes()) for x in (a, b, a.copy()))

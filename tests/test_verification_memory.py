@@ -137,3 +137,76 @@ def test_row_chunks_cover_each_items_beams_in_order_never_across_items():
     assert _row_chunks(2, 3, 1) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
     assert _row_chunks(2, 3, 2) == [(0, 2), (2, 1), (3, 2), (5, 1)]
     assert _row_chunks(3, 2, 4) == [(0, 2), (2, 2), (4, 2)]
+
+
+def _decoder_only_cases(exported, model_folders, family: str):
+    from transformers import AutoModelForCausalLM
+
+    from elx.exporter.verification.verify import DecoderOnlyTorchSide, default_shapes
+    from elx.runners.manifest import Manifest
+
+    manifest = Manifest.load(exported(family))
+    model = AutoModelForCausalLM.from_pretrained(model_folders[family]).eval()
+    return model, manifest, DecoderOnlyTorchSide(model, manifest), default_shapes(manifest)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_float64_cases_run_in_lockstep_give_the_numbers_they_give_one_after_another(family, exported,
+                                                                                        model_folders):
+    """The export's float64 reference runs its decoder-only cases together, each layer converted once for all of
+    them (``fp32_noise.Lockstep``): every case's logits equal, bit for bit, those of the cases run one after another,
+    the layers are converted 2 x layers times (prompt, then token) instead of 2 x layers x cases, and the model is
+    float32 again after it."""
+    from elx.exporter.verification.fp32_noise import Float64Side, _LayerSwap, _layer_modules, in_float64
+    from elx.exporter.verification.verify import RecordedSide, make_case
+
+    model, manifest, side, shapes = _decoder_only_cases(exported, model_folders, family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    conversions = []
+    original = _LayerSwap.enter
+
+    def counted(self, module, args):
+        conversions.append(module)
+        return original(self, module, args)
+
+    layers = len(_layer_modules(model))
+    assert layers >= 2 and len(shapes) >= 3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_LayerSwap, "enter", counted)
+        with in_float64(model):
+            alone = RecordedSide(Float64Side(side), manifest, shapes, [0])
+        assert len(conversions) == 2 * layers * len(shapes)
+        conversions.clear()
+        with in_float64(model) as lockstep:
+            together = RecordedSide(Float64Side(side), manifest, shapes, [0], together=lockstep.run)
+        assert len(conversions) == 2 * layers
+    for shape in shapes:
+        case = make_case(manifest, shape, 0)
+        a, b = alone.run(case, case.past)[0], together.run(case, case.past)[0]
+        assert a.dtype == np.float64 and np.array_equal(a, b)
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_failing_case_in_lockstep_is_raised_after_the_others_end_and_the_model_is_restored(exported, model_folders):
+    from elx.exporter.verification.fp32_noise import Float64Side, in_float64
+    from elx.exporter.verification.verify import RecordedSide
+
+    model, manifest, side, shapes = _decoder_only_cases(exported, model_folders, "llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ran = []
+
+    class Failing:
+        def run(self, case, past):
+            if case.shape == shapes[1]:
+                raise ValueError("case 2 fails")
+            ran.append(case.shape)
+            return Float64Side(side).run(case, past)
+
+    with pytest.raises(ValueError, match="case 2 fails"):
+        with in_float64(model) as lockstep:
+            RecordedSide(Failing(), manifest, shapes, [0], together=lockstep.run)
+    assert len(ran) == len(shapes) - 1  # the other cases ran to their end
+    after = model.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0

@@ -72,7 +72,7 @@ def graph_files(manifest: Manifest) -> list[str]:
 SAMPLED_ABOVE = 1 << 22  # bytes: larger strings are keyed by samples of them
 
 
-def _fingerprint(data: memoryview) -> bytes:
+def bytes_key(data: memoryview) -> bytes:
     """A key for equal bytes: a hash of all of ``data`` up to 4 MiB, beyond of its first and last MiB and 64 slices
     of 16 KiB between.  Equal strings get equal keys; a key that matches is confirmed byte for byte before a string
     is stored once (``ByteStore.place``), so unequal strings that share the samples are both written.  Hashing every
@@ -89,7 +89,7 @@ def _fingerprint(data: memoryview) -> bytes:
     return digest.digest()
 
 
-def _alignment(length: int) -> int:
+def alignment(length: int) -> int:
     return PAGE if length >= PAGE else LINE
 
 
@@ -105,13 +105,13 @@ class ByteStore:
     def place(self, data) -> int:
         """The offset of ``data`` (bytes or a byte buffer) in the file: where equal bytes already are, or appended."""
         data = memoryview(data).cast("B")
-        key = (_fingerprint(data), len(data))
+        key = (bytes_key(data), len(data))
         self.references += 1
         offset = self.offsets.get(key)
         if offset is not None and os.pread(self.handle.fileno(), len(data), offset) == data:
             return offset
         end = self.handle.seek(0, os.SEEK_END)
-        offset = -(-end // _alignment(len(data))) * _alignment(len(data))
+        offset = -(-end // alignment(len(data))) * alignment(len(data))
         self.handle.write(b"\0" * (offset - end))
         self.handle.write(data)
         self.offsets.setdefault(key, offset)
@@ -207,7 +207,7 @@ def _stored_once(folder: Path, manifest: Manifest) -> dict | None:
         external[file] = stored
     end = 0
     for offset, length in sorted(ranges):
-        if offset < end or offset - end >= _alignment(length) or length < MIN_BYTES:
+        if offset < end or offset - end >= alignment(length) or length < MIN_BYTES:
             return None
         end = offset + length
     if end != target.stat().st_size:

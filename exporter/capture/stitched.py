@@ -111,13 +111,32 @@ class Capture:
                              **dict(self.model.named_buffers(remove_duplicate=False))}
         return self._tensors
 
+    def weights_writing(self) -> bool:
+        """Some weight is not on disk yet."""
+        return self._weights is not None and self._weights.writing()
+
+    def hand_over_weights(self) -> WeightsFile | None:
+        """The ``weights.data`` being written (None: no graph was stitched), now the caller's to ``close`` before
+        anything reads it (the export: before the verification's sessions load) and to ``abort`` on failure;
+        its thread goes on writing meanwhile (``exporter/capture/weights_writer.py``)."""
+        weights, self._weights = self._weights, None
+        return weights
+
     def close(self) -> None:
+        """Second processes stopped; weights not handed over written and closed (``hand_over_weights``)."""
         for child in self._children.values():
             child.stop()
         self._children = {}
-        if self._weights is not None:
-            self._weights.close()
+        weights, self._weights = self._weights, None
         self._template = self._tensors = self.model = None  # the export frees HF's model later
+        if weights is not None:
+            weights.close()
+
+    def abort(self) -> None:
+        """``close`` after a failure: weights not handed over are left unwritten."""
+        if self._weights is not None:
+            self._weights.abort()
+        self.close()
 
     # -- a template traced by a second process ------------------------------------------------------------
     def prefetch(self, make_spec, path: Path) -> None:

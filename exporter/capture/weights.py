@@ -9,14 +9,16 @@ confirms it element for element.  An initializer no weight explains is a constan
 frequencies) or a folded expression of a weight the binding does not know; the stitcher refuses to copy a
 layer that reads one of the latter (``exporter/capture/stitch.py``).
 
-**Writing.**  ``WeightsFile`` appends each bound tensor to ``weights.data`` straight from the PyTorch
-parameter (a transposed one through one temporary copy of that tensor alone), and points the graph's
-initializer at it (ONNX external data): the graph proto never holds the weights, and a tensor the prefill and
-the step graph both read is written once.  The layout is ``exporter/capture/shared_weights.py``'s (page-aligned
+**Writing.**  ``WeightsFile`` gives each bound tensor its place in ``weights.data`` at once and points the graph's
+initializer there (ONNX external data): the graph proto never holds the weights, and a tensor the prefill and the
+step graph both read is stored once.  The bytes themselves are written straight from the PyTorch parameter by a
+thread (``exporter/capture/weights_writer.py``: a transposed one a block at a time) while the export goes on, and
+are all on disk when ``close`` returns.  The layout is ``exporter/capture/shared_weights.py``'s (page-aligned
 tensors, equal bytes stored once).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from elx.exporter.capture.shared_weights import MIN_BYTES, WEIGHTS_FILE, ByteStore, point_external
+from elx.exporter.capture.shared_weights import MIN_BYTES, WEIGHTS_FILE, alignment, bytes_key, point_external
 
 FINGERPRINT = 8  # values compared first; a match is then confirmed on every element
 IDENTITY, TRANSPOSE, SHIFT = "identity", "transpose", "shift"
@@ -161,17 +163,76 @@ def _shifted(values: np.ndarray, sources: dict, candidates) -> Binding | None:
 
 
 class WeightsFile:
-    """``weights.data`` in an export folder being written: tensors appended as graphs are stitched."""
+    """``weights.data`` in an export folder being written: tensors placed as graphs are stitched, their bytes
+    written by a thread (``exporter/capture/weights_writer.py``) while the export goes on; ``close`` waits for
+    them (and raises a failed write), ``abort`` drops them.
+
+    Each distinct tensor is stored once: the bytes of a model tensor already placed under any name (the same
+    parameter in the prefill and the step graph, or equal values: a model's RMSNorm scales of ones) with the same
+    transform are pointed at, not written again.  Equal sources are confirmed element for element, in memory."""
 
     def __init__(self, folder: Path):
+        from elx.exporter.capture.weights_writer import BackgroundWriter
+
         self.path = Path(folder) / WEIGHTS_FILE
         self.handle = open(self.path, "w+b")
-        self.store = ByteStore(self.handle)
-        self.placed = {}  # (source, transform) -> (offset, length)
+        self.writer = BackgroundWriter(self.handle.fileno())
+        self.end = 0  # bytes the file will have when every placed tensor is written
+        self.placed = {}  # (source, transform, shift) -> (offset, length)
+        self.same = {}  # (fingerprint, dtype, shape, transform, shift) -> [(array, offset)]
 
     def close(self) -> None:
+        """Every placed tensor written (the first failed write raised), the file closed."""
+        if self.handle.closed:
+            return
+        try:
+            self.writer.finish()
+            os.ftruncate(self.handle.fileno(), self.end)
+        except BaseException:
+            self.abort()
+            raise
+        self.handle.close()
+        self.same.clear()  # the model's tensors, no longer needed here (the export frees them next)
+
+    def writing(self) -> bool:
+        """Some placed tensor is not on disk yet."""
+        return self.writer.busy()
+
+    def abort(self) -> None:
+        """The writes left undone, the file closed (the caller removes the folder)."""
+        self.writer.abort()
         if not self.handle.closed:
             self.handle.close()
+        self.same.clear()
+
+    def _place(self, array: np.ndarray, transform: str = IDENTITY, shift: float = 0.0) -> int:
+        """The offset ``transform(array)`` will be at: where an equal source's is, or a new aligned range."""
+        key = (bytes_key(memoryview(array).cast("B")), array.dtype.str, array.shape, transform, shift)
+        for entry in self.same.get(key, ()):
+            if self._equal(entry, array, transform, shift):
+                return entry[1]
+        step = alignment(array.nbytes)
+        offset = -(-self.end // step) * step
+        self.end = offset + array.nbytes
+        entry = [array, offset]  # the source, until the thread has written it (then the file is compared)
+        self.same.setdefault(key, []).append(entry)
+        self.writer.submit(offset, array, transform, shift, written=lambda: entry.__setitem__(0, None))
+        return offset
+
+    def _equal(self, entry: list, array: np.ndarray, transform: str, shift: float) -> bool:
+        """``array`` is the source of ``entry`` (a placed tensor): compared with that source while it is queued, with
+        the written bytes after (not holding the model's tensor meanwhile: the fp64 reference, running beside the
+        writer, converts some of them in place, and a kept float32 storage is memory)."""
+        source, offset = entry
+        if source is not None:
+            return np.array_equal(_bits(source), _bits(array))
+        stored = np.frombuffer(os.pread(self.handle.fileno(), array.nbytes, offset), dtype=array.dtype)
+        if stored.size != array.size:
+            return False
+        if transform == TRANSPOSE:
+            return np.array_equal(_bits(stored.reshape(array.shape[::-1]).T), _bits(array))
+        expected = Binding("", transform, shift).apply(array)
+        return np.array_equal(_bits(stored), _bits(np.ascontiguousarray(expected).reshape(-1)))
 
     def bound(self, tensor: TensorProto, binding: Binding, source) -> None:
         """Point ``tensor`` at ``binding``'s transform of ``source`` (a PyTorch tensor), written once per folder."""
@@ -188,10 +249,10 @@ class WeightsFile:
             tensor.raw_data = data
             return
         if key not in self.placed:
-            array = binding.apply(as_array(source))
-            data = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
-            self.placed[key] = (self.store.place(data), data.nbytes)
-            del data, array
+            array = as_array(source)
+            if binding.transform == TRANSPOSE and array.ndim != 2:
+                raise ValueError(f"{tensor.name}: {binding.source} is not a matrix to transpose")
+            self.placed[key] = (self._place(array, binding.transform, binding.shift), array.nbytes)
         offset, length = self.placed[key]
         if length != expected:
             raise ValueError(f"{tensor.name}: {binding.source} has {length} bytes, the initializer {expected}")
@@ -201,5 +262,5 @@ class WeightsFile:
         """Move a large initializer's own bytes to the file (small ones stay in the graph)."""
         if tensor.data_type == TensorProto.STRING or not tensor.HasField("raw_data") or len(tensor.raw_data) < MIN_BYTES:
             return
-        data = tensor.raw_data
-        point_external(tensor, self.store.place(data), len(data))
+        data = np.frombuffer(tensor.raw_data, dtype=np.uint8)
+        point_external(tensor, self._place(data), data.nbytes)

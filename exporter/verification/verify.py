@@ -266,16 +266,30 @@ class RecordedSide:
     released before a candidate loads.  Holding both sides held four copies of a decoder-only model's weights
     (prefill and step, before and after): 27 GB at SmolLM2-1.7B, past this machine's 23 GB."""
 
-    def __init__(self, side, manifest: Manifest, shapes, seeds, report=None):
+    def __init__(self, side, manifest: Manifest, shapes, seeds, report=None, together=None, threads=None):
+        """``together(jobs, threads) -> results``, if given, runs the cases' jobs at once (``fp32_noise.Lockstep.run``);
+        ``threads()``, if given, says how many threads PyTorch takes for the next case (``export.ReferenceThreads``)."""
+        import torch
+
         self._results = {}
         total = len(seeds) * len(shapes)
-        for seed in seeds:
-            for shape in shapes:
-                case = make_case(manifest, shape, seed)
-                self._results[self._key(case, case.past)] = side.run(case, dict(case.past))
-                return_free_pages()  # the case's tensors, before the next case allocates its own
-                if report is not None:  # report(cases done, cases in all)
+        cases = (make_case(manifest, shape, seed) for seed in seeds for shape in shapes)  # made as they run
+        if together is not None:
+            cases = list(cases)
+            results = together([lambda case=case: side.run(case, dict(case.past)) for case in cases], threads)
+            for case, result in zip(cases, results):
+                self._results[self._key(case, case.past)] = result
+                if report is not None:
                     report(len(self._results), total)
+            return_free_pages()
+            return
+        for case in cases:
+            if threads is not None:
+                torch.set_num_threads(threads())
+            self._results[self._key(case, case.past)] = side.run(case, dict(case.past))
+            return_free_pages()  # the case's tensors, before the next case allocates its own
+            if report is not None:  # report(cases done, cases in all)
+                report(len(self._results), total)
 
     @staticmethod
     def _key(case: Case, past: dict) -> tuple:
@@ -367,7 +381,7 @@ def _side_progress(report, side: str):
     return None if report is None else (lambda done, total: report(side, done, total))
 
 
-def torch_references(model, manifest: Manifest, shapes=None, seed: int = 0, report=None) -> tuple:
+def torch_references(model, manifest: Manifest, shapes=None, seed: int = 0, report=None, threads=None) -> tuple:
     """HF's PyTorch forward on the verification's cases, in fp32 and in fp64 (the model converted to float64 in
     place and back, ``exporter/verification/fp32_noise.py``): the two recorded sides ``verify_export`` holds the
     graphs to.  They need the manifest's description of the graphs, not the graphs: an export computes them while
@@ -376,14 +390,19 @@ def torch_references(model, manifest: Manifest, shapes=None, seed: int = 0, repo
 
     shapes = shapes or default_shapes(manifest)
     torch_side = (TorchSide if manifest.data.get("is_encoder_decoder", True) else DecoderOnlyTorchSide)(model, manifest)
-    fp32 = RecordedSide(torch_side, manifest, shapes, [seed], _side_progress(report, "PyTorch fp32"))
-    with in_float64(model):
-        fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], _side_progress(report, "PyTorch fp64"))
+    fp32 = RecordedSide(torch_side, manifest, shapes, [seed], _side_progress(report, "PyTorch fp32"), threads=threads)
+    with in_float64(model) as lockstep:
+        # decoder-only cases all at once, each layer converted once for them (``Lockstep``): their activations are
+        # small.  An encoder-decoder case holds its encoder output and cross keys/values (Whisper: 37 MB a tensor in
+        # float64), so those run one after another
+        together = lockstep.run if isinstance(torch_side, DecoderOnlyTorchSide) else None
+        fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], _side_progress(report, "PyTorch fp64"),
+                            together=together, threads=threads)
     return fp32, fp64
 
 
 def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release_model=None, report=None,
-                  references=None) -> dict:
+                  references=None, threads=None) -> dict:
     """The exported graphs (through the runtime) against HF's PyTorch forward, each case held to the bar its own
     fp32 error sets (``exporter/verification/fp32_noise.py``): PyTorch fp32 and fp64 run the same cases first
     (``torch_references``; or ``references``, the pair it returned earlier for the same manifest, shapes and
@@ -394,7 +413,7 @@ def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release
     from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE, NOISE_RULE, case_bars
 
     shapes = shapes or default_shapes(manifest)
-    fp32, fp64 = references or torch_references(model, manifest, shapes, seed, report)
+    fp32, fp64 = references or torch_references(model, manifest, shapes, seed, report, threads)
     if release_model is not None:
         model = None
         release_model()

@@ -117,6 +117,10 @@ def main(argv=None) -> int:
                     identical += int(r < ours.shape[0] and np.array_equal(hf[r], ours[r]))
                 continue
             report = compare_loaded(generator, model, inputs=inputs, variants=variants, **options)
+            # each batch's verdict as it is known (a run stopped by a time limit keeps the batches it finished)
+            print(f"real_weights_check: {setting}: batch {b + 1}: {sum(r.identical for r in report.rows)} of "
+                  f"{len(report.rows)} rows identical, {len(report.fragile)} fragile, {len(report.failures)} failures "
+                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             rows += len(report.rows)
             identical += sum(r.identical for r in report.rows)
             fragile += len(report.fragile)

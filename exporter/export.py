@@ -272,9 +272,9 @@ def idle_threads() -> int:
 
 
 @contextmanager
-def reference_threads(threads: int | None = None):
-    """PyTorch's reference forward of the verification on ``threads`` threads (restored after); None: as many as
-    cores are idle now (at least one).
+def reference_threads(threads: int):
+    """PyTorch's reference forward of the verification on ``threads`` threads (restored after; ``ReferenceThreads``
+    says how many).
 
     On a busy machine a second thread costs more than it gains (OpenMP's barriers wait for a descheduled thread):
     the real SmolLM2-135M, one forward [2, 11] on this 2-core machine at load 7, fp32 0.32 s on one thread, 1.36-1.65
@@ -283,8 +283,6 @@ def reference_threads(threads: int | None = None):
     process traces a template, one core is busy: one thread."""
     import torch
 
-    if threads is None:
-        threads = idle_threads()
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

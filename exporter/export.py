@@ -229,7 +229,7 @@ def _side_lines(progress: Progress):
 
 
 class ReferenceThreads:
-    """How many threads PyTorch's reference takes for its next case (or layer: ``fp32_noise.Lockstep``): the cores
+    """How many threads PyTorch's reference takes for its next case (or layer: ``fp32_noise.in_float64``): the cores
     idle when it starts, and once the export's own other work has ended (``busy``: callables true while a second
     process traces a template, or while ``weights.data`` is still being written), the cores idle then.
 

@@ -35,7 +35,7 @@ NOISE_RULE = ("per verification case: max abs logits diff <= max(magnitude rule,
 
 
 @contextlib.contextmanager
-def in_float64(model):
+def in_float64(model, threads=None):
     """``model`` in float64 inside the block, and back to float32 after it (float32 → float64 → float32 is exact:
     no weight changes).  In place, not a copy, and its layers one at a time: everything outside the layer stacks
     (embeddings, head, norms, buffers) is converted for the block; each layer of a stack (``exporter/capture/
@@ -45,22 +45,23 @@ def in_float64(model):
     1.1B model in float64 is 8.8 GB), and nothing is allocated per layer and per forward (converting each layer
     with ``Module.to`` there and back made TinyLlama-1.1B's fp64 reference 3.4x slower, most of it page faults).
 
-    Yields a ``Lockstep``: its ``run(jobs)`` runs several forwards so that each layer is converted once for all of
-    them instead of once per forward."""
+    A forward converts every layer once, so the float64 reference makes as few forwards as it can: the
+    decoder-only cases all in two (``verify.DecoderOnlyTorchSide.run_together``).  ``threads()``, if given, says
+    how many threads PyTorch takes for each layer (``export.ReferenceThreads``: the cores another task leaves)."""
     import torch
 
     layers = _layer_modules(model)
     inside = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
     swap = _LayerSwap(torch.float64)
-    lockstep = Lockstep(swap)
     hooks = []
     try:
         with torch.no_grad():
             _convert_outside(model, inside, torch.float64)
         for layer in layers:
-            hooks.append(layer.register_forward_pre_hook(lockstep.enter))
-            hooks.append(layer.register_forward_hook(lockstep.leave))
-        yield lockstep
+            hooks.append(layer.register_forward_pre_hook(swap.enter))
+            hooks.append(layer.register_forward_hook(swap.leave))
+        with per_layer_threads(model, threads):
+            yield
     finally:
         for hook in hooks:
             hook.remove()
@@ -69,125 +70,22 @@ def in_float64(model):
             _convert_outside(model, set(), torch.float32)  # and a template sharing it would keep the float64 one
 
 
-class Lockstep:
-    """Several forwards of a model ``in_float64`` with each layer converted once for all of them.
+@contextlib.contextmanager
+def per_layer_threads(model, threads=None):
+    """PyTorch's thread count read from ``threads()`` before each layer of ``model``'s stacks runs, inside the block
+    (a batched reference is one forward: the cores another task frees mid-way are taken at the next layer);
+    nothing when ``threads`` is None."""
+    import torch
 
-    Converting a layer's float32 tensors to float64 costs as much as running a few tokens through it: TinyLlama-1.1B's
-    reference, 5 cases of two forwards each, spent 5.0 of its 11.8 s in those copies (22 layers x 10 forwards).
-    ``run(jobs)`` runs each job (a callable making forwards) in a thread of its own, one thread at a time: a thread
-    reaching a layer waits there, and the layer a waiting thread needs is converted only when no thread waits for
-    the one converted now.  Jobs making the same forwards in the same order (the verification's cases: the prompt,
-    then one token) go through the stack together: 2 x 22 conversions instead of 10 x 22.  Each job computes
-    exactly what it would alone (the same operations in the same order, on as many PyTorch threads as the caller's);
-    only when each layer is converted changes.  A forward made outside ``run`` converts each layer on entry."""
-
-    def __init__(self, swap):
-        import threading
-
-        self.swap = swap
-        self.condition = threading.Condition()
-        self.workers = set()  # the threads of the ``run`` under way
-        self.current = None  # the layer in float64 now (during a ``run``)
-        self.running = None  # the worker allowed to run
-        self.waiting = {}  # worker -> the layer it waits at (None: waiting to start)
-        self.cancelled = False
-        self.threads = None  # how many PyTorch threads a resuming job takes (``run``)
-
-    # -- layer hooks -------------------------------------------------------------------------------------------
-    def enter(self, module, args) -> None:
-        import threading
-
-        me = threading.get_ident()
-        if me not in self.workers:
-            self.swap.enter(module, args)
-            return
-        with self.condition:
-            self.waiting[me], self.running = module, None
-            self.condition.notify_all()
-            self._wait_turn(me)
-        import torch
-
-        torch.set_num_threads(self.threads())
-
-    def leave(self, module, args, output) -> None:
-        import threading
-
-        if threading.get_ident() not in self.workers:
-            self.swap.leave(module, args, output)
-
-    def _wait_turn(self, me) -> None:
-        self.condition.wait_for(lambda: self.running == me or self.cancelled)
-        if self.cancelled:
-            raise RuntimeError("the float64 reference was stopped")
-
-    # -- the scheduler -----------------------------------------------------------------------------------------
-    def run(self, jobs: list, threads=None) -> list:
-        """Each job's result; the first job's exception is raised once every job has ended.  ``threads()``, if given,
-        says how many threads PyTorch takes each time a job resumes (default: as many as the caller's: the count is
-        per thread)."""
-        import threading
-
-        import torch
-
-        here = torch.get_num_threads()
-        self.threads = threads or (lambda: here)
-        results, errors, done = [None] * len(jobs), [None] * len(jobs), set()
-
-        def body(i, job):
-            me = threading.get_ident()
-            try:
-                with self.condition:
-                    self._wait_turn(me)
-                torch.set_num_threads(self.threads())
-                results[i] = job()
-            except BaseException as err:  # noqa: BLE001 - raised by ``run`` once every job has ended
-                errors[i] = err
-            finally:
-                with self.condition:
-                    done.add(me)
-                    self.running = None
-                    self.condition.notify_all()
-
-        workers = [threading.Thread(target=body, args=(i, job), daemon=True) for i, job in enumerate(jobs)]
-        try:
-            with self.condition:
-                for worker in workers:
-                    worker.start()
-                    self.workers.add(worker.ident)
-                    self.waiting[worker.ident] = None
-                while True:
-                    self.condition.wait_for(lambda: self.running is None)
-                    if len(done) == len(workers):
-                        break
-                    self.running = self._next()
-                    self.condition.notify_all()
-        finally:
-            with self.condition:
-                self.cancelled = len(done) < len(workers)  # the scheduler itself failed: the workers stop
-                self.condition.notify_all()
-            for worker in workers:
-                worker.join()
-            self.workers, self.waiting, self.current, self.cancelled = set(), {}, None, False
-            self.swap.restore()
-        for err in errors:
-            if err is not None:
-                raise err
-        return results
-
-    def _next(self):
-        """The worker to run next (the condition held): one starting or waiting at the layer in float64, else the
-        layer most workers wait at is converted (of equals, the one the longest-waiting worker needs)."""
-        for worker, layer in self.waiting.items():
-            if layer is None or layer is self.current:
-                del self.waiting[worker]
-                return worker
-        counts = {}
-        for layer in self.waiting.values():
-            counts[id(layer)] = counts.get(id(layer), 0) + 1
-        layer = max(self.waiting.values(), key=lambda each: counts[id(each)])
-        self.swap.enter(layer, ())
-        self.current = layer
-        return self._next()
+    hooks = []
+    if threads is not None:
+        for layer in _layer_modules(model):
+            hooks.append(layer.register_forward_pre_hook(lambda module, args: torch.set_num_threads(threads())))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 class _LayerSwap:
@@ -252,9 +150,20 @@ class Float64Side:
         self.side = side
 
     def run(self, case, past: dict):
+        return self._result(self.side.run(*self._cast(case, past)))
+
+    def run_together(self, items: list) -> list:
+        """The side's ``run_together`` (decoder-only: every case in two forwards) on the cast cases."""
+        return [self._result(found) for found in self.side.run_together([self._cast(*item) for item in items])]
+
+    @staticmethod
+    def _cast(case, past: dict):
         inputs = {k: (v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v) for k, v in case.inputs.items()}
-        past = {k: v.astype(np.float64) for k, v in past.items()}
-        scores, encoder = self.side.run(replace(case, inputs=inputs), past)
+        return replace(case, inputs=inputs), {k: v.astype(np.float64) for k, v in past.items()}
+
+    @staticmethod
+    def _result(found):
+        scores, encoder = found
         return (np.asarray(scores, dtype=np.float64),
                 None if encoder is None else np.asarray(encoder, dtype=np.float64))
 

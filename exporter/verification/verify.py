@@ -192,6 +192,69 @@ class DecoderOnlyTorchSide:
         first_scores = first.logits[:, -1, :].repeat_interleave(beams, 0)
         return np.concatenate([out.logits[:, -1, :].numpy(), first_scores.numpy()]), None
 
+    def run_together(self, items: list) -> list:
+        """``run(case, past)`` for every (case, past) of ``items`` in two forwards for all of them: the prompts
+        left-padded to the widest (their own padding kept), then one token per row over [prompt ; a gap ; ``past``],
+        the gap and the padding masked, each row at the position ``run`` gives it.  Masked keys get a weight of
+        exactly 0, so each row computes what ``run`` computes, in another blocking of the same sums: the results
+        differ from ``run``'s by the arithmetic's rounding (fp32: ~3e-6 of the largest logit on TinyLlama-1.1B
+        dims, float64: ~1e-15).  ``torch_references`` runs both of the export's references so: each forward streams
+        every layer's weights once (TinyLlama-1.1B: 4.4 GB, 8.8 GB in float64), and five cases of two forwards each
+        read them ten times (measured there, one thread: fp32 18.9 -> 8.9 s, float64 23.3 -> 11.8 s).  Each row's
+        logits are compared with the graphs' for that case alone, whose own rows are not padded: the comparison is
+        of two evaluations of the same function, as before, and each case's bar comes from the fp32 and float64
+        references computed the same way."""
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        from elx.runners.inputs.prompt import prompt_positions, sequence_positions
+
+        cases = [case for case, _ in items]
+        width = max(case.inputs["input_ids"].shape[1] for case in cases)
+        gap_to = max(case.shape.past for case in cases)
+        ids, masks, token_masks, positions = [], [], [], []
+        for case in cases:
+            prompt_ids, mask = case.inputs["input_ids"], case.inputs["attention_mask"]
+            pad = width - prompt_ids.shape[1]
+            # the padding id of the case's own padded rows (any id: it is masked), else its first token's
+            ids.append(np.pad(prompt_ids, ((0, 0), (pad, 0)), mode="edge"))
+            masks.append(np.pad(mask, ((0, 0), (pad, 0))))
+            rows_mask = np.repeat(mask, case.shape.beams, axis=0)
+            generated = case.shape.past
+            token_masks.append(np.concatenate([np.pad(rows_mask, ((0, 0), (pad, 0))),
+                                               np.zeros((case.rows, gap_to - generated), dtype=np.int64),
+                                               np.ones((case.rows, generated + 1), dtype=np.int64)], axis=1))
+            positions.append(sequence_positions(rows_mask, rows_mask.shape[1] + generated + 1)[:, -1:])
+        ids, masks = np.concatenate(ids), np.concatenate(masks)
+        with torch.no_grad():
+            first = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(masks),
+                               position_ids=torch.from_numpy(prompt_positions(masks)), use_cache=True)
+            pairs = []
+            for i, layer in enumerate(first.past_key_values.layers):
+                pair = []
+                for kind, prompt in (("key", layer.keys), ("value", layer.values)):
+                    rows, start = [], 0
+                    for case, past in items:
+                        mine = prompt[start: start + case.shape.batch].repeat_interleave(case.shape.beams, 0)
+                        start += case.shape.batch
+                        own = torch.from_numpy(past[f"past_key_values.{i}.{kind}"]).to(mine.dtype)
+                        gap = own.new_zeros((*own.shape[:2], gap_to - own.shape[2], *own.shape[3:]))
+                        rows.append(torch.cat([mine, gap, own], dim=2))
+                    pair.append(torch.cat(rows))
+                pairs.append(tuple(pair))
+            tokens = np.concatenate([case.tokens for case in cases])
+            out = self.model(input_ids=torch.from_numpy(tokens),
+                             attention_mask=torch.from_numpy(np.concatenate(token_masks)),
+                             position_ids=torch.from_numpy(np.concatenate(positions)),
+                             past_key_values=DynamicCache(pairs), use_cache=True)
+        last, firsts = out.logits[:, -1, :].numpy(), first.logits[:, -1, :]
+        results, row, item = [], 0, 0
+        for case in cases:
+            first_scores = firsts[item: item + case.shape.batch].repeat_interleave(case.shape.beams, 0).numpy()
+            results.append((np.concatenate([last[row: row + case.rows], first_scores]), None))
+            row, item = row + case.rows, item + case.shape.batch
+        return results
+
 
 class TorchSide:
     """HF's own forward in PyTorch with per-row self-attention caches."""
@@ -266,17 +329,19 @@ class RecordedSide:
     released before a candidate loads.  Holding both sides held four copies of a decoder-only model's weights
     (prefill and step, before and after): 27 GB at SmolLM2-1.7B, past this machine's 23 GB."""
 
-    def __init__(self, side, manifest: Manifest, shapes, seeds, report=None, together=None, threads=None):
-        """``together(jobs, threads) -> results``, if given, runs the cases' jobs at once (``fp32_noise.Lockstep.run``);
+    def __init__(self, side, manifest: Manifest, shapes, seeds, report=None, together: bool = False, threads=None):
+        """``together``: every case in one call of ``side.run_together`` (the float64 reference, ``torch_references``);
         ``threads()``, if given, says how many threads PyTorch takes for the next case (``export.ReferenceThreads``)."""
         import torch
 
         self._results = {}
         total = len(seeds) * len(shapes)
         cases = (make_case(manifest, shape, seed) for seed in seeds for shape in shapes)  # made as they run
-        if together is not None:
+        if together:
             cases = list(cases)
-            results = together([lambda case=case: side.run(case, dict(case.past)) for case in cases], threads)
+            if threads is not None:
+                torch.set_num_threads(threads())
+            results = side.run_together([(case, dict(case.past)) for case in cases])
             for case, result in zip(cases, results):
                 self._results[self._key(case, case.past)] = result
                 if report is not None:
@@ -381,23 +446,47 @@ def _side_progress(report, side: str):
     return None if report is None else (lambda done, total: report(side, done, total))
 
 
+BATCHED_AGREEMENT = 1e-3  # |fp32 - fp64| / max |fp64 logit| beyond which a batched fp64 reference is not trusted
+
+
+def _agrees_with(fp64: RecordedSide, fp32: RecordedSide, manifest: Manifest, shapes, seed: int) -> bool:
+    """Whether the float64 reference is within ``BATCHED_AGREEMENT`` (relative to its largest logit) of fp32's on
+    every case: fp32's own error is 1e-7 to 3e-5 of that (SmolLM2-135M real: 2.9e-5); a float64 forward that computed
+    something else errs by O(1).  (A batch that changed what a row computes in both precisions alike would leave the
+    two close and both far from the graphs, which compute each case alone: the export would be refused, not passed;
+    ``tests/test_verification_memory.py`` holds every decoder-only family's batched rows to its cases alone.)"""
+    for shape in shapes:
+        case = make_case(manifest, shape, seed)
+        high, low = fp64.run(case, case.past)[0], fp32.run(case, case.past)[0]
+        if not _max_abs_diff(high, low) <= BATCHED_AGREEMENT * max(_max_abs_finite(high), 1.0):
+            return False
+    return True
+
+
 def torch_references(model, manifest: Manifest, shapes=None, seed: int = 0, report=None, threads=None) -> tuple:
     """HF's PyTorch forward on the verification's cases, in fp32 and in fp64 (the model converted to float64 in
     place and back, ``exporter/verification/fp32_noise.py``): the two recorded sides ``verify_export`` holds the
     graphs to.  They need the manifest's description of the graphs, not the graphs: an export computes them while
     a second process still traces a template (``exporter/capture/stitched.py``: ``Capture.while_waiting``)."""
-    from elx.exporter.verification.fp32_noise import Float64Side, in_float64
+    from elx.exporter.verification.fp32_noise import Float64Side, in_float64, per_layer_threads
 
     shapes = shapes or default_shapes(manifest)
     torch_side = (TorchSide if manifest.data.get("is_encoder_decoder", True) else DecoderOnlyTorchSide)(model, manifest)
-    fp32 = RecordedSide(torch_side, manifest, shapes, [seed], _side_progress(report, "PyTorch fp32"), threads=threads)
-    with in_float64(model) as lockstep:
-        # decoder-only cases all at once, each layer converted once for them (``Lockstep``): their activations are
-        # small.  An encoder-decoder case holds its encoder output and cross keys/values (Whisper: 37 MB a tensor in
-        # float64), so those run one after another
-        together = lockstep.run if isinstance(torch_side, DecoderOnlyTorchSide) else None
+    # decoder-only cases all in two forwards (``DecoderOnlyTorchSide.run_together``): their activations are small.
+    # An encoder-decoder case holds its encoder output and cross keys/values (Whisper: 37 MB a tensor in float64),
+    # so those run one after another
+    together = isinstance(torch_side, DecoderOnlyTorchSide)
+    with per_layer_threads(model, threads if together else None):
+        fp32 = RecordedSide(torch_side, manifest, shapes, [seed], _side_progress(report, "PyTorch fp32"),
+                            together=together, threads=threads)
+    with in_float64(model, threads):
         fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], _side_progress(report, "PyTorch fp64"),
                             together=together, threads=threads)
+    if together and not _agrees_with(fp64, fp32, manifest, shapes, seed):
+        # a float64 reference that is not fp32's function must not widen the bars it sets: its cases again, one at
+        # a time
+        with in_float64(model, threads):
+            fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], threads=threads)
     return fp32, fp64
 
 

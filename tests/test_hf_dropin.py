@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import elx
+from elx.exporter.verification.verify import logits_tolerance
 from elx.runners.errors import ElxError
 from tests.conftest import _t5, make_model_folder
 
@@ -169,7 +170,10 @@ def test_return_dict_in_generate_is_hf(assets, family, options):
             for step, (ours, theirs) in enumerate(zip(got[name], expected[name])):
                 finite = torch.isfinite(theirs)
                 assert torch.equal(torch.isfinite(ours), finite), (name, step)
-                assert torch.allclose(ours[finite], theirs[finite], atol=1e-4), (name, step)
+                # the fp32 bar of elx's own checks at this step's magnitude (verify.logits_tolerance): the one-layer
+                # T5's logits reach 180, where 1e-4 is 7 ulps (measured 2.2e-4 at M = 75 on an AMD EPYC VM)
+                bar = logits_tolerance(float(theirs[finite].abs().max()))
+                assert torch.allclose(ours[finite], theirs[finite], atol=bar, rtol=0.0), (name, step)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -63,3 +63,21 @@ def test_compare_names_the_first_differing_step(tool):
     result = tool.compare([[5, 6, 7, 8], [5, 9, 7, 1], [5, 6, 7]], reference)
     assert result == {"equal_rows": 1, "rows": 3, "first_diff": [None, 1, 3]}
     assert tool.compare([[1]], None)["equal_rows"] is None
+
+
+def test_step_bench_feeds_an_exported_step_graph_with_the_shapes_it_names(exported, capsys):
+    """tools/step_bench.py (the greedy-gap measurement of docs/measurements/real_smollm2_2026-11-29.md): its feeds
+    fit the step graph's inputs (prompt cache ``--prompt`` long, past ``--past`` long, one token) and a run prints
+    its line."""
+    import onnxruntime as ort
+
+    bench = load_tool("step_bench")
+    graph = exported("llama") / "decoder.onnx"
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    feeds = bench.feeds_for(session, prompt=7, past=3)
+    assert feeds["prompt_key_values.0.key"].shape[2] == 7 and feeds["past_key_values.0.key"].shape[2] == 3
+    assert feeds["input_ids"].shape == (1, 1)
+    present = session.run(["present.0.key"], feeds)[0]
+    assert present.shape[2] == 4  # the past and the new token
+    assert bench.main([str(graph), "--runs", "3", "--threads", "1"]) == 0
+    assert "median" in capsys.readouterr().out

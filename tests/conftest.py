@@ -85,6 +85,11 @@ LONG_ONLY = {
     "tests/test_slim.py::test_whisper_generation_unchanged": "test_whisper.py::test_random_whisper_identical[*-el,slim]",
     "tests/test_slim.py::test_measured_cache_bytes_halve[whisper]": "[t5] and [bart]",
     "tests/test_el_self.py::test_measured_self_cache_bytes[whisper-biased]": "[t5], [t5-wide] and [bart-biased]",
+    # CI time (stop 51: the full suite ran 3189 s on an AMD EPYC VM): two exports only these cases make; the batched
+    # references of every decoder-only export in CI are checked against fp32 at run time (verify._agrees_with)
+    **{f"tests/test_verification_memory.py::test_the_reference_cases_in_two_forwards_give_what_each_case_gives_"
+       f"alone[{family}]": "[llama] and [gpt2]"
+       for family in ("opt", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox")},
 }
 
 

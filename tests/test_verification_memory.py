@@ -150,14 +150,16 @@ def _decoder_only_cases(exported, model_folders, family: str):
     return model, manifest, DecoderOnlyTorchSide(model, manifest), default_shapes(manifest)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox"])
 def test_the_reference_cases_in_two_forwards_give_what_each_case_gives_alone(family, exported, model_folders):
     """The export's fp32 and float64 references run their decoder-only cases in two forwards for all of them
     (``DecoderOnlyTorchSide.run_together``: left-padded prompts, a masked gap before each case's past): every
     case's float64 logits equal those of the case run alone up to float64's rounding (far below fp32's error,
-    which they measure), its fp32 logits within fp32's own error of the case alone, each layer is converted 2 x layers times instead of 2 x layers x cases, PyTorch's thread count is
-    read per layer, and the model is float32 again after it.  OPT reads positions its own way, Mistral has a
-    sliding window: the padded rows must compute what the case computes there too."""
+    which they measure), its fp32 logits within fp32's own error of the case alone, each layer is converted
+    2 x layers times instead of 2 x layers x cases, PyTorch's thread count is read per layer, and the model is
+    float32 again after it.  Every decoder-only family (CI: Llama and GPT-2; the
+    others with ELX_LONG_TESTS=1): OPT reads positions its own way, Mistral has a sliding window, Phi-3 a partial
+    rotary, Gemma scales its embeddings; the padded rows must compute what the case computes in each."""
     from elx.exporter.verification.fp32_noise import Float64Side, _LayerSwap, _layer_modules, in_float64
     from elx.exporter.verification.verify import RecordedSide, make_case
 

@@ -90,12 +90,15 @@ def test_external_data_path(tmp_path, model_folders, monkeypatch):
 
     The limit (2 GB in real use) is lowered so that a tiny model takes the same code path."""
     import elx.exporter.capture.onnx_export as onnx_export
-    from elx.exporter.export import export_model
     from elx.exporter.verification.compare import compare
     from elx.exporter.capture.shared_weights import WEIGHTS_FILE
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 10_000)
-    folder = export_model(str(model_folders["t5"]), tmp_path / "ext", passes="el", quiet=True)
+    # the same export checks the release of HF's model before the passes (an fp32 export: released; CI's one fp32
+    # case of ``test_the_model_is_released_before_the_passes_run``)
+    folder, released = _export_watching_the_model(monkeypatch, str(model_folders["t5"]), tmp_path / "ext",
+                                                  passes="el", quiet=True)
+    assert released == [True]
     manifest = Manifest.load(folder)
     for name in manifest.stages + [manifest.step]:
         assert manifest.graphs[name]["external_data"] == [WEIGHTS_FILE]
@@ -113,6 +116,14 @@ def test_the_model_is_released_before_the_passes_run(tmp_path, model_folders, mo
     """``elx export --pass slim=skip-bad`` at SmolLM2-1.7B held HF's model (6.8 GB) beside the pass's sessions:
     an fp32 export releases it once verified against it (the passes verify graphs against graphs); fp16
     keeps it (each pass is checked in fp16 against PyTorch)."""
+    folder, seen = _export_watching_the_model(monkeypatch, str(model_folders["t5"]), tmp_path / "out", passes="el",
+                                              quiet=True, precision=precision)
+    assert seen == [freed]
+    assert [p["name"] for p in Manifest.load(folder).data["passes"]] == ["el"]
+
+
+def _export_watching_the_model(monkeypatch, *args, **kwargs):
+    """``export_model(*args, **kwargs)``, and for each time the passes start, whether HF's model was gone by then."""
     import weakref
 
     import elx.exporter.export as export
@@ -120,18 +131,15 @@ def test_the_model_is_released_before_the_passes_run(tmp_path, model_folders, mo
     refs, seen = [], []
     real_resolve, real_run = export.resolve_model, export.run_passes
 
-    def resolve(*args, **kwargs):
-        loaded = real_resolve(*args, **kwargs)
+    def resolve(*a, **k):
+        loaded = real_resolve(*a, **k)
         refs.append(weakref.ref(loaded.model))
         return loaded
 
-    def run(*args, **kwargs):
+    def run(*a, **k):
         seen.append(refs[0]() is None)
-        return real_run(*args, **kwargs)
+        return real_run(*a, **k)
 
     monkeypatch.setattr(export, "resolve_model", resolve)
     monkeypatch.setattr(export, "run_passes", run)
-    folder = export.export_model(str(model_folders["t5"]), tmp_path / "out", passes="el", quiet=True,
-                                 precision=precision)
-    assert seen == [freed]
-    assert [p["name"] for p in Manifest.load(folder).data["passes"]] == ["el"]
+    return export.export_model(*args, **kwargs), seen

@@ -202,3 +202,62 @@ def test_the_lm_head_is_the_matmul_reaching_the_logits_through_adds_and_scales_o
     assert lm_heads(model, None) == set()
     chosen, counts = choose(model, logits="logits", keep_lm_head=True)
     assert "head" not in chosen and "inner" in chosen and counts["fp32: LM head"] == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: Conv1D Gemms rewritten first, a transposed weight
+def test_nbits_one_weight_at_a_time_writes_what_the_quantizer_writes(exported, tmp_path, family):
+    """``int8_nbits`` (the graph read without its weights, each converted and written alone) writes what ONNX
+    Runtime's ``MatMulNBitsQuantizer`` writes from the whole loaded graph: the same nodes, byte for byte, and the
+    same tensors; every large tensor in the graph's own data file."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from elx.exporter.precision.int8 import NBITS_ACCURACY, NBITS_BLOCK, _scores_output, choose, prepare
+    from elx.exporter.precision.int8_nbits import save, to_nbits
+
+    manifest = Manifest.load(exported(family))
+    for name in [*manifest.stages, manifest.step]:
+        path = manifest.graph_path(name)
+        whole = prepare(onnx.load(str(path)))
+        chosen, _ = choose(whole, logits=_scores_output(manifest, name))
+        others = [n.name for n in whole.graph.node if n.op_type == "MatMul" and n.name not in set(chosen)]
+        quantizer = MatMulNBitsQuantizer(whole, bits=8, block_size=NBITS_BLOCK, is_symmetric=True,
+                                         accuracy_level=NBITS_ACCURACY, nodes_to_exclude=others,
+                                         op_types_to_quantize=("MatMul",))
+        quantizer.process()
+        theirs = quantizer.model.model
+        lazy = onnx.load(str(path), load_external_data=False)
+        assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in lazy.graph.initializer)  # read from the file
+        to_nbits(prepare(lazy, path.parent), chosen, path.parent, NBITS_BLOCK, NBITS_ACCURACY)
+        assert save(lazy, path.parent, tmp_path / f"{name}.onnx") == [f"{name}.onnx.data"]
+        ours = onnx.load(str(tmp_path / f"{name}.onnx"))
+        assert [n.SerializeToString() for n in ours.graph.node] == [n.SerializeToString() for n in theirs.graph.node]
+        assert sum(n.op_type == "MatMulNBits" for n in ours.graph.node) == len(chosen) > 0
+
+        def tensors(model):
+            return {t.name: (tuple(t.dims), t.data_type, numpy_helper.to_array(t).tobytes())
+                    for t in model.graph.initializer}
+        assert tensors(ours) == tensors(theirs)
+        assert {(o.domain, o.version) for o in ours.opset_import} == {(o.domain, o.version) for o in theirs.opset_import}
+
+
+def test_nbits_packs_any_weight_shape_as_the_quantizer_does():
+    """Weights drawn at random, K a whole number of blocks or not (zero-padded): the packed bytes and scales are
+    ``DefaultWeightOnlyQuantizer``'s."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+
+    from elx.exporter.precision.int8_nbits import quantize
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.integers(1, 100), st.integers(1, 40), st.sampled_from([16, 32, 64]), st.integers(0, 2**32 - 1),
+           st.floats(1e-3, 1e3))
+    def check(rows, cols, block, seed, scale):
+        weight = (np.random.default_rng(seed).standard_normal((rows, cols)) * scale).astype(np.float32)
+        config = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, bits=8)
+        want_packed, want_scales, _ = DefaultWeightOnlyQuantizer(config).qbits_block_quant(weight)
+        packed, scales = quantize(weight, block)
+        assert packed.tobytes() == want_packed.tobytes() and packed.shape == want_packed.shape
+        assert scales.tobytes() == want_scales.tobytes() and scales.shape == want_scales.shape
+
+    check()

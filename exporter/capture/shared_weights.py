@@ -163,6 +163,24 @@ class _Reader:
             handle.close()
 
 
+def values(tensor: TensorProto, folder: Path | None):
+    """``tensor``'s values as an array, read from its data file (relative to ``folder``) when it is stored outside
+    its graph; ``tensor`` itself unchanged (``onnx.numpy_helper.to_array`` would load the bytes into it)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    if folder is None:
+        raise ValueError(f"{tensor.name} is stored outside the graph, and no folder was given to read it from")
+    reader = _Reader(Path(folder))
+    try:
+        data = reader.read(tensor)
+    finally:
+        reader.close()
+    return np.frombuffer(data, dtype=helper.tensor_dtype_to_np_dtype(tensor.data_type)).reshape(tuple(tensor.dims))
+
+
 def point_external(tensor: TensorProto, offset: int, length: int, location: str = WEIGHTS_FILE) -> None:
     """Make ``tensor`` read ``length`` bytes at ``offset`` of ``location`` (its own values dropped)."""
     for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):

@@ -100,12 +100,14 @@ def _attribute(node, name: str, default):
     return default if found is None else helper.get_attribute_value(found)
 
 
-def gemms_to_matmuls(model: onnx.ModelProto) -> int:
+def gemms_to_matmuls(model: onnx.ModelProto, folder=None) -> int:
     """Rewrite in place each ``Gemm`` on a constant fp32 weight (GPT-2's ``Conv1D`` exports as one) as a
     ``MatMul`` on that weight (transposed once here where ``transB``) followed by an ``Add`` of the bias, so
     that the precision rules, which read weight MatMuls, see it.  Only the plain form (alpha = beta = 1, A not
     transposed) is rewritten; the sum is the same, its rounding order in fp32 may differ by an ulp.  Returns
-    how many were rewritten."""
+    how many were rewritten.  A weight stored outside the graph is read from ``folder``."""
+    from elx.exporter.capture.shared_weights import values
+
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
     nodes, added, rewritten = [], [], 0
@@ -119,7 +121,7 @@ def gemms_to_matmuls(model: onnx.ModelProto) -> int:
         if _attribute(node, "transB", 0):
             name = f"{weight.name}/transposed"
             if name not in weights:
-                weights[name] = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), name)
+                weights[name] = numpy_helper.from_array(np.ascontiguousarray(values(weight, folder).T), name)
                 added.append(weights[name])
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
         out = node.output[0]

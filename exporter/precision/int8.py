@@ -41,7 +41,9 @@ real_smollm2_2026-11-27.md``, "MatMulNBits"): greedy batch 1 as fast (1.74-1.83 
 tokens), and HF fp32's greedy tokens for 46 steps against 1, beam 4 rows equal to HF's 2/4 against 0/4 (real
 weights' massive activations: one scale per tensor cannot resolve them, one per block of 32 can); beam 4 batch 4
 is 1.3x slower than dynamic quantization there.  Everything else below (what stays fp32, the per-layer rule) is
-the same for both kernels; ``REDUCE_RANGE`` is dynamic quantization's alone.
+the same for both kernels; ``REDUCE_RANGE`` is dynamic quantization's alone.  ``nbits`` graphs are converted one
+weight at a time, the graph read without its weights (``exporter/precision/int8_nbits.py``: what ONNX Runtime's
+``MatMulNBitsQuantizer`` writes, byte for byte, without a whole graph's fp32 and int8 weights in memory at once).
 
 **Saturation.**  On x86 CPUs without VNNI, MLAS's u8s8 kernel adds pairs of u8·s8 products in int16
 (``vpmaddubsw``), which saturates when both products are large; ``REDUCE_RANGE`` (7-bit weights) rules
@@ -79,6 +81,7 @@ from elx.exporter.memory import return_free_pages
 from elx.exporter.capture.onnx_export import save_model
 from elx.exporter.passes.rewrite import pass_file
 from elx.exporter.precision.fp16 import _exact_projections, boundaries, gemms_to_matmuls
+from elx.exporter.precision.int8_nbits import save as save_nbits
 
 SUFFIX = "int8"
 KEEP_LM_HEAD_FP32 = False  # measured: see the module doc
@@ -88,6 +91,7 @@ REDUCE_RANGE = True
 # dynamic quantization (per-tensor activations), faster there.
 KERNELS = ("dynamic", "nbits")
 NBITS_BLOCK = 32
+NBITS_ACCURACY = 4  # MatMulNBits' accuracy_level: activations quantized to int8 per block at run time
 
 
 METHODS = {
@@ -102,9 +106,12 @@ def kernel_for(manifest: Manifest) -> str:
     return "dynamic" if manifest.data.get("is_encoder_decoder", True) else "nbits"
 
 
-def fold_weight_transposes(model: onnx.ModelProto) -> int:
+def fold_weight_transposes(model: onnx.ModelProto, folder: Path | None = None) -> int:
     """Replace each ``Transpose`` of an initializer (a tied LM head: ``MatMul(x, Transpose(E))``) by the transposed
-    initializer, so that the MatMul reads a constant weight; returns how many were folded."""
+    initializer, so that the MatMul reads a constant weight; returns how many were folded (initializers stored
+    outside the graph are read from ``folder``)."""
+    from elx.exporter.capture.shared_weights import values
+
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
     kept, folded = [], 0
@@ -114,7 +121,7 @@ def fold_weight_transposes(model: onnx.ModelProto) -> int:
             kept.append(node)
             continue
         perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-        value = np.ascontiguousarray(np.transpose(numpy_helper.to_array(source), perm))
+        value = np.ascontiguousarray(np.transpose(values(source, folder), perm))
         graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
         folded += 1
     del graph.node[:]
@@ -227,28 +234,32 @@ def _quiet():
         root.setLevel(level)
 
 
-def prepare(model: onnx.ModelProto) -> onnx.ModelProto:
+def prepare(model: onnx.ModelProto, folder: Path | None = None) -> onnx.ModelProto:
     """Fold constant weight transposes and rewrite constant-weight Gemms (in place): every weight MatMul reads
-    its weight directly; nodes named uniquely (the quantizer picks them by name)."""
-    fold_weight_transposes(model)
-    gemms_to_matmuls(model)  # GPT-2's Conv1D: a Gemm on a constant weight
+    its weight directly; nodes named uniquely (the quantizer picks them by name).  A graph loaded without its
+    weights reads the few it transposes from ``folder``."""
+    fold_weight_transposes(model, folder)
+    gemms_to_matmuls(model, folder)  # GPT-2's Conv1D: a Gemm on a constant weight
     _name_nodes(model)
     return model
 
 
 def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | None = None,
             keep_lm_head: bool = KEEP_LM_HEAD_FP32, reduce_range: bool = REDUCE_RANGE, keep_layers=frozenset(),
-            only=None, kernel: str = "dynamic") -> tuple[onnx.ModelProto, dict]:
-    """``model`` (fp32, weights loaded) with the rule's MatMuls quantized; and the count per decision
-    (``keep_layers``, ``only``: see ``choose``; ``kernel``: one of ``KERNELS``)."""
+            only=None, kernel: str = "dynamic", folder: Path | None = None) -> tuple[onnx.ModelProto, dict]:
+    """``model`` (fp32) with the rule's MatMuls quantized; and the count per decision (``keep_layers``, ``only``:
+    see ``choose``; ``kernel``: one of ``KERNELS``).  ``dynamic`` takes a model with its weights loaded; ``nbits``
+    also one loaded without them, reading each from ``folder`` when it converts it (``int8_nbits.py``)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    prepare(model)
+    from elx.exporter.precision.int8_nbits import to_nbits
+
+    prepare(model, folder)
     chosen, counts = choose(model, exact_outputs, logits, keep_lm_head, keep_layers, only)
     if not chosen:
         return model, counts
     if kernel == "nbits":
-        return _to_nbits(model, chosen), counts
+        return to_nbits(model, chosen, folder, NBITS_BLOCK, NBITS_ACCURACY), counts
     with tempfile.TemporaryDirectory(prefix="elx-int8-") as work:
         source, target = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
         save_model(model, source)
@@ -258,32 +269,6 @@ def to_int8(model: onnx.ModelProto, exact_outputs=frozenset(), logits: str | Non
                              extra_options={"MatMulConstBOnly": True})
         quantized = onnx.load(str(target))  # its external data read in: the folder stores it (shared_weights.py)
     return quantized, counts
-
-
-def _to_nbits(model: onnx.ModelProto, chosen: list[str]) -> onnx.ModelProto:
-    """The ``chosen`` MatMuls as ``MatMulNBits``: 8-bit symmetric weights per block of ``NBITS_BLOCK`` along K,
-    int8 activations per block at run time (``accuracy_level=4``); the graph otherwise unchanged."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    chatty = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")  # an INFO line per MatMul
-    level, wanted = chatty.level, set(chosen)
-    chatty.setLevel(logging.ERROR)
-    try:
-        with _quiet():
-            # only the chosen MatMuls: every other MatMul excluded by name (``nodes_to_include`` alone did not
-            # restrict it: a one-layer conversion quantized 15 MatMuls instead of 7)
-            others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in wanted]
-            quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=NBITS_BLOCK, is_symmetric=True,
-                                             accuracy_level=4, nodes_to_exclude=others, op_types_to_quantize=("MatMul",))
-            quantizer.process()
-    finally:
-        chatty.setLevel(level)
-    quantized = quantizer.model.model
-    left = {n.name for n in quantized.graph.node if n.op_type == "MatMul"} & wanted
-    if left:  # a weight the quantizer did not take (K that is not a whole number of blocks is padded, not skipped)
-        raise ValueError(f"MatMulNBits left {len(left)} chosen MatMul(s) unquantized, e.g. {sorted(left)[0]}; "
-                         "report this model")
-    return quantized
 
 
 def _scores_output(manifest: Manifest, name: str) -> str | None:
@@ -306,11 +291,16 @@ def convert_folder(manifest: Manifest, target: Path, keep_lm_head: bool = KEEP_L
     for name in [*manifest.stages, manifest.step]:
         spec = after.graphs[name]
         logits = _scores_output(manifest, name)
-        model = onnx.load(str(Path(manifest.folder) / spec["file"]))
+        # nbits: the graph without its weights, each read when converted and written when saved (int8_nbits.py)
+        lazy = kernel == "nbits"
+        model = onnx.load(str(Path(manifest.folder) / spec["file"]), load_external_data=not lazy)
         model, counts[name] = to_int8(model, sides[name].exact_outputs, logits, keep_lm_head, reduce_range,
-                                      keep_layers, only, kernel)
+                                      keep_layers, only, kernel, Path(manifest.folder))
         file = pass_file(spec["file"], SUFFIX)
-        spec["external_data"] = save_model(model, target / file)
+        if lazy:
+            spec["external_data"] = save_nbits(model, Path(manifest.folder), target / file)
+        else:
+            spec["external_data"] = save_model(model, target / file)
         spec["file"] = file
         del model  # before the next graph is read: one graph's fp32 and int8 weights at a time
         return_free_pages()

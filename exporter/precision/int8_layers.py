@@ -31,6 +31,12 @@ step of any export; a cheaper measurement (one session per graph, the layer's we
 Real SmolLM2-135M (31 layers, 2026-11-29): 190 s, then 91 s once the LM head was found once per graph
 (``int8.lm_heads``) instead of by a walk of the graph per MatMul; of a layer's ~2.8 s, ~2 s is ONNX Runtime running
 the cases.
+
+**Memory.**  The int8 graphs' own tensors go to the same file as the prepared fp32 weights (equal bytes once: the
+prefill's and the step's int8 weights are the same), and both graphs are read without their weights, each tensor
+copied on its own (``PreparedWeights.move``): a variant's sessions map one file, and the pairs hold graph structure
+only.  Loaded whole, the two pairs of the real SmolLM2-135M held 536 MiB for the whole measurement (a removed
+tensor's bytes stay in its message); so, 61 MiB (``docs/measurements/export_speed_2026-11-29.md``, fifth session).
 """
 from __future__ import annotations
 
@@ -85,15 +91,29 @@ class PreparedWeights:
         self.handle = open(Path(work) / file, "w+b")
         self.store = ByteStore(self.handle)
 
-    def move(self, model: onnx.ModelProto) -> None:
-        """Every initializer of ``model`` holding ``MIN_BYTES`` or more of raw data moved to the file (in place)."""
-        from elx.exporter.capture.shared_weights import MIN_BYTES, point_external
+    def move(self, model: onnx.ModelProto, folder: Path | None = None) -> None:
+        """Every initializer of ``model`` holding ``MIN_BYTES`` or more of raw data, or stored outside the graph (read
+        from ``folder``, one tensor at a time), moved to the file (in place)."""
+        from onnx.external_data_helper import uses_external_data
 
-        for tensor in model.graph.initializer:
-            if tensor.HasField("raw_data") and len(tensor.raw_data) >= MIN_BYTES:
-                data = tensor.raw_data
+        from elx.exporter.capture.shared_weights import MIN_BYTES, _Reader, point_external
+
+        reader = _Reader(Path(folder)) if folder is not None else None
+        try:
+            for tensor in model.graph.initializer:
+                if uses_external_data(tensor):
+                    if reader is None:
+                        raise ValueError(f"{tensor.name} is stored outside the graph; no folder was given to read it")
+                    data = reader.read(tensor)
+                elif tensor.HasField("raw_data") and len(tensor.raw_data) >= MIN_BYTES:
+                    data = tensor.raw_data
+                else:
+                    continue
                 point_external(tensor, self.store.place(data), len(data), location=self.file)
                 del data
+        finally:
+            if reader is not None:
+                reader.close()
         self.handle.flush()
 
     def close(self) -> None:
@@ -110,22 +130,13 @@ class GraphPair:
         from elx.exporter.precision.fp16 import boundaries
         from elx.exporter.precision.int8 import _scores_output, prepare
 
-        self.fp32 = prepare(onnx.load(str(manifest.graph_path(name))))
-        self.work = None
-        if work is not None:  # the prepared weights written once; each variant refers to them (see the module doc)
-            self.work = Path(work)
-            # always external (``save_model`` keeps a graph under 2 GB whole: each variant was then a copy of the
-            # weights, serialized and written per layer, 13 s a layer on SmolLM2-135M), and in one file for every
-            # graph, equal tensors once (``PreparedWeights``)
-            own = store is None
-            store = store or PreparedWeights(self.work, f"{name}.fp32.weights.data")
-            store.move(self.fp32)
-            if own:
-                store.close()
-            # a fresh proto: a cleared field's bytes stay in the message's arena until the message goes
-            self.fp32 = onnx.load_model_from_string(self.fp32.SerializeToString())
-            return_free_pages()  # the loaded weights just freed (the next graph's are read next)
-        self.int8 = onnx.load(str(converted.graph_path(name)))
+        # with a work folder, both graphs are read without their weights: each tensor is copied to the work folder's
+        # file one at a time (``PreparedWeights.move``); loaded whole, the two graphs of the real SmolLM2-135M held
+        # 536 MiB through the whole measurement (their protos keep a removed tensor's bytes)
+        lazy = work is not None
+        source = Path(manifest.graph_path(name)).parent
+        self.fp32 = prepare(onnx.load(str(manifest.graph_path(name)), load_external_data=not lazy), source)
+        self.int8 = onnx.load(str(converted.graph_path(name)), load_external_data=not lazy)
         self.logits = _scores_output(manifest, name)
         self.exact = boundaries(manifest)[name].exact_outputs
         graph = self.fp32.graph
@@ -138,6 +149,21 @@ class GraphPair:
         for index in reversed(range(len(initializers))):
             if initializers[index].name in self.known:
                 del initializers[index]
+        self.work = None
+        if lazy:  # the prepared weights written once; each variant refers to them (see the module doc)
+            self.work = Path(work)
+            # always external (``save_model`` keeps a graph under 2 GB whole: each variant was then a copy of the
+            # weights, serialized and written per layer, 13 s a layer on SmolLM2-135M), and in one file for every
+            # graph, equal tensors once (``PreparedWeights``): the int8 graph's own tensors too
+            own = store is None
+            store = store or PreparedWeights(self.work, f"{name}.fp32.weights.data")
+            store.move(self.fp32, source)
+            store.move(self.int8, Path(converted.graph_path(name)).parent)
+            if own:
+                store.close()
+            # a fresh proto: a cleared field's bytes stay in the message's arena until the message goes
+            self.fp32 = onnx.load_model_from_string(self.fp32.SerializeToString())
+            self.int8 = onnx.load_model_from_string(self.int8.SerializeToString())
         self.int8_weights = {t.name: t for t in self.int8.graph.initializer}
         return_free_pages()
 

@@ -181,6 +181,20 @@ def values(tensor: TensorProto, folder: Path | None):
     return np.frombuffer(data, dtype=helper.tensor_dtype_to_np_dtype(tensor.data_type)).reshape(tuple(tensor.dims))
 
 
+def store_tensor(tensor: TensorProto, reader: "_Reader", store: ByteStore, location: str = WEIGHTS_FILE) -> bool:
+    """``tensor``'s bytes (read by ``reader`` when external) placed in ``store``, the file ``location`` names, when
+    ``MIN_BYTES`` or more, ``tensor`` pointed at them; a smaller external one is put back inside its graph.  One
+    tensor's bytes in memory at a time.  Returns whether it was stored."""
+    external = uses_external_data(tensor)
+    data = reader.read(tensor) if external else tensor.raw_data
+    if len(data) >= MIN_BYTES:
+        point_external(tensor, store.place(data), len(data), location=location)
+        return True
+    if external:
+        _inline(tensor, data)
+    return False
+
+
 def point_external(tensor: TensorProto, offset: int, length: int, location: str = WEIGHTS_FILE) -> None:
     """Make ``tensor`` read ``length`` bytes at ``offset`` of ``location`` (its own values dropped)."""
     for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
@@ -267,13 +281,7 @@ def store_weights_once(folder, manifest: Manifest) -> dict:
                         if external:
                             load_external_data_for_tensor(tensor, str(folder))
                         continue
-                    data = reader.read(tensor) if external else tensor.raw_data
-                    if len(data) >= MIN_BYTES:
-                        point_external(tensor, store.place(data), len(data))
-                        stored = True
-                    elif external:
-                        _inline(tensor, data)
-                    del data
+                    stored = store_tensor(tensor, reader, store) or stored
                 for sub in subgraphs(model.graph):  # If/Loop bodies keep their tensors inside the graph
                     for tensor in sub.initializer:
                         if uses_external_data(tensor):

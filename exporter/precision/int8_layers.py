@@ -96,21 +96,14 @@ class PreparedWeights:
         from ``folder``, one tensor at a time), moved to the file (in place)."""
         from onnx.external_data_helper import uses_external_data
 
-        from elx.exporter.capture.shared_weights import MIN_BYTES, _Reader, point_external
+        from elx.exporter.capture.shared_weights import _Reader, store_tensor
 
         reader = _Reader(Path(folder)) if folder is not None else None
         try:
             for tensor in model.graph.initializer:
-                if uses_external_data(tensor):
-                    if reader is None:
-                        raise ValueError(f"{tensor.name} is stored outside the graph; no folder was given to read it")
-                    data = reader.read(tensor)
-                elif tensor.HasField("raw_data") and len(tensor.raw_data) >= MIN_BYTES:
-                    data = tensor.raw_data
-                else:
-                    continue
-                point_external(tensor, self.store.place(data), len(data), location=self.file)
-                del data
+                if uses_external_data(tensor) and reader is None:
+                    raise ValueError(f"{tensor.name} is stored outside the graph; no folder was given to read it")
+                store_tensor(tensor, reader, self.store, self.file)
         finally:
             if reader is not None:
                 reader.close()

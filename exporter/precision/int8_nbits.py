@@ -93,7 +93,7 @@ def save(model: onnx.ModelProto, source: Path | None, path: Path) -> list[str]:
     """Write ``model`` to ``path``, every initializer of ``MIN_BYTES`` or more in ``<path name>.data`` beside it, read
     (from its own bytes or, when external, from ``source``) and written one tensor at a time; returns the data files
     written (as ``capture.onnx_export.save_model`` does)."""
-    from elx.exporter.capture.shared_weights import MIN_BYTES, ByteStore, _inline, _Reader, point_external
+    from elx.exporter.capture.shared_weights import MIN_BYTES, ByteStore, _Reader, store_tensor
 
     path = Path(path)
     data_file = path.name + ".data"
@@ -110,13 +110,7 @@ def save(model: onnx.ModelProto, source: Path | None, path: Path) -> list[str]:
                     if tensor.ByteSize() < MIN_BYTES or tensor.data_type == TensorProto.STRING:
                         continue
                     tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
-                data = reader.read(tensor) if external else tensor.raw_data
-                if len(data) >= MIN_BYTES:
-                    point_external(tensor, store.place(data), len(data), location=data_file)
-                    stored = True
-                elif external:
-                    _inline(tensor, data)
-                del data
+                stored = store_tensor(tensor, reader, store, data_file) or stored
     finally:
         if reader is not None:
             reader.close()

@@ -472,6 +472,7 @@ def cmd_generate_file(args) -> int:
             ray=args.ray, ray_actors=args.ray_actors, ray_ship=args.ray_ship, **options)
     except (KeyboardInterrupt, Terminated) as stop:
         signum = stop.signum if isinstance(stop, Terminated) else signal.SIGINT
+        _ignore_further_signals()
         print(f"elx: error: interrupted by {signal.Signals(signum).name}; the finished lines are in "
               f"{args.output_file}: rerun with --resume to continue", file=sys.stderr)
         return 128 + signum
@@ -799,7 +800,8 @@ def _termination_as_exception():
             _INSTALLED.difference_update(previous)
             sys.unraisablehook = hook
             for signum, handler in previous.items():
-                signal.signal(signum, handler)
+                if signal.getsignal(signum) is _raise_terminated:  # not one ignored since (_ignore_further_signals)
+                    signal.signal(signum, handler)
 
 
 def _redeliver_swallowed_signal(hook):
@@ -835,8 +837,32 @@ def _redeliver_swallowed_signal(hook):
     return redeliver
 
 
+# Set by ``main`` when it runs as the ``elx`` command (its own process), not when called in-process.
+_command_process = False
+
+
+def _ignore_further_signals() -> None:
+    """Once the ``elx`` command is ended by a signal, SIGINT, SIGTERM and SIGHUP are ignored until it exits.
+
+    A Ctrl-C swallowed by a finalizer and sent again (``_redeliver_swallowed_signal``), or the user's second
+    Ctrl-C, can otherwise land after the exit status is decided: raised in ``main`` (a traceback, then the
+    process ends by SIGINT), or after the interpreter's teardown has put SIGINT back to its default action,
+    which kills the process with no message at all (exit -2 instead of 130: seen twice in full test runs under
+    load, tests/test_reliability.py::test_interrupted_export_leaves_nothing[2]).  An ignored signal is also one
+    the teardown leaves ignored.  In-process callers (``run``/``main`` with ``argv``) keep their handlers.
+    """
+    if not _command_process:
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(signum, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread
+            pass
+
+
 def _interrupted(signum: int, reported: list | None = None) -> int:
     """The line and exit status of a command ended by ``signum``; said once per command (``reported``)."""
+    _ignore_further_signals()
     if reported is None or not reported:
         print(f"elx: error: interrupted by {signal.Signals(signum).name}; unfinished output was removed",
               file=sys.stderr)
@@ -876,9 +902,7 @@ def run(argv=None, parser=None) -> int:
         return _run(argv, parser or build_parser(), reported)
     except KeyboardInterrupt:
         # one landing after the command's own handler ran, while the handlers are put back: a Ctrl-C swallowed by a
-        # finalizer and sent again a moment later (``_redeliver_swallowed_signal``) can arrive then; seen once in a
-        # full test run under load (tests/test_reliability.py::test_interrupted_export_leaves_nothing[2]: the line
-        # printed, then the process ended by SIGINT instead of exiting 130)
+        # finalizer and sent again a moment later (``_redeliver_swallowed_signal``) can arrive then
         return _interrupted(signal.SIGINT, reported)
     except Terminated as stop:
         return _interrupted(stop.signum, reported)
@@ -920,6 +944,8 @@ _written_and_closed = False
 
 
 def main(argv=None) -> int:
+    global _command_process
+    _command_process = argv is None
     code = run(argv)
     if argv is None and _written_and_closed:
         sys.stdout.flush()

@@ -223,7 +223,7 @@ def _side_lines(progress: Progress):
     def report(side: str, done: int, total: int) -> None:
         if done == total:
             progress.say(f"{progress.title}: verify: {side}, {total} cases in {time.perf_counter() - since[0]:.1f} s "
-                         "(while the decoder's template traces)")
+                         "(while the step graph traces in a second process)")
             since[0] = time.perf_counter()
     return report
 

@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random HF models saved as local folders, and their exports (built once per session)."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,10 +12,15 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# the traced-template cache off: tests run the paths they name (a template traced here or in a second process),
-# and the same seeded models in several modules would otherwise share entries; tests/test_template_cache.py turns
-# it on in a folder of its own
-os.environ["ELX_TEMPLATE_CACHE"] = "0"
+# elx's caches (exporter/cache_root.py: traced graphs and templates, from_pretrained's exports) in a folder of the
+# session's own, the user's ~/.cache/elx untouched; subprocesses inherit it.  The traced-graph cache on: the same
+# seeded tiny models are exported by many modules, and a tiny model's export is mostly its trace (45-60 s on the
+# 2-core machines; 2.5-5 s from the cache, byte for byte the same graphs: tests/test_template_cache.py).  Tests of
+# the trace itself turn it off (tests/test_capture.py); tests/test_template_cache.py uses a folder of its own.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="elx-tests-cache-")
+atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+os.environ["ELX_CACHE_DIR"] = _SESSION_CACHE
+os.environ["ELX_TEMPLATE_CACHE"] = "1"
 
 # -- the CI slice ------------------------------------------------------------------------------------------
 # CI must stay under 40 minutes on the 2-core machine: it runs one case of each kind.  The cases below repeat

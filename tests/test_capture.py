@@ -29,6 +29,12 @@ from tests.conftest import LONG, make_model_folder
 LAYERS = 5
 
 
+@pytest.fixture(autouse=True)
+def _traced_here(monkeypatch):
+    """The template and whole-graph cache off: these tests run the trace (here or in a second process)."""
+    monkeypatch.setenv("ELX_TEMPLATE_CACHE", "0")
+
+
 # -- a canonical form of a graph ---------------------------------------------------------------------------------
 def _digest(*parts) -> bytes:
     h = hashlib.blake2b(digest_size=16)
@@ -228,6 +234,41 @@ def test_second_process_returns_its_template_or_why_not(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(not __import__("elx.exporter.capture.parallel", fromlist=["x"]).parallel_allowed(),
+                    reason="one core, or no fork")
+def test_a_small_model_traced_whole_has_its_step_graph_traced_by_the_second_process(tmp_path):
+    """A model traced whole (here 2 layers): the second process traces its decoder.onnx whole while this one goes
+    on; the graph is the one this process traces, byte for byte, and the child's files are gone."""
+    import torch
+
+    from elx.exporter.capture.onnx_export import decoder_spec, save_model, trace
+    from elx.exporter.capture.stitched import Capture
+    from elx.exporter.families.catalog import family_for_architecture
+    from tests.conftest import BUILDERS
+
+    torch.manual_seed(0)
+    model = BUILDERS["t5"]().eval()
+    family = family_for_architecture(type(model).__name__)
+
+    def make_spec(m):
+        return decoder_spec(m, family)[0]
+
+    for run in ("parallel", "here"):
+        (tmp_path / run).mkdir()
+    lines = []
+    capture = Capture(model, family, tmp_path / "parallel", report=lines.append)
+    try:
+        capture.prefetch(make_spec, tmp_path / "parallel" / "decoder.onnx")
+        assert "decoder.onnx: tracing it in a second process" in lines
+        save_model(trace(make_spec(model)), tmp_path / "here" / "decoder.onnx")  # meanwhile, here
+        capture.export(make_spec, tmp_path / "parallel" / "decoder.onnx")
+    finally:
+        capture.close()
+    assert capture.records["decoder.onnx"]["traced_in_parallel"] is True
+    assert any("(in a second process)" in line for line in lines), lines
+    files = {run: {p.name: p.read_bytes() for p in (tmp_path / run).iterdir()} for run in ("parallel", "here")}
+    assert files["parallel"] == files["here"] and "decoder.onnx" in files["here"]
+
 def test_a_failing_wait_job_stops_the_second_process(tmp_path):
     """``Capture.while_waiting`` runs once where the export would wait for the template; if it fails, the child is
     killed and its files removed (the export then fails with the job's own error)."""
@@ -265,7 +306,7 @@ def test_the_reference_computed_while_the_template_traces_is_the_later_one(llama
 
     import elx.exporter.export as export_module
 
-    marker = "(while the decoder's template traces)"
+    marker = "(while the step graph traces in a second process)"
     fixture_early = marker in llama5["log"]
     monkeypatch.setattr(export_module, "idle_cores", lambda: 1.0)  # this export's reference on one thread
     monkeypatch.setenv("ELX_CAPTURE", "stitch")

@@ -61,6 +61,54 @@ def test_a_second_export_takes_its_templates_from_the_cache_and_writes_the_same_
     assert second.data["verification"]["export"] == first.data["verification"]["export"]
 
 
+
+def test_a_shallow_models_graph_traced_whole_comes_from_the_cache_the_second_time(cache, tmp_path, monkeypatch):
+    """A model traced whole (3 layers or fewer per stack): its graph kept whole, keyed by all its tensors; the second
+    capture traces nothing and writes the same graph byte for byte (what the whole export then writes the same:
+    measured on T5, GPT-2 and Whisper, every graph and weights.data)."""
+    from elx.exporter.capture.onnx_export import export_encoder
+    from elx.exporter.capture.stitched import Capture
+    from elx.exporter.families.catalog import family_for_architecture
+
+    monkeypatch.setenv("ELX_CAPTURE_PARALLEL", "0")
+    torch.manual_seed(0)
+    model = BUILDERS["t5"]().eval()
+    family = family_for_architecture(type(model).__name__)
+    records, logs = [], []
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+        lines = []
+        capture = Capture(model, family, tmp_path / run, report=lines.append)
+        try:
+            export_encoder(model, family, tmp_path / run / "encoder.onnx", capture)
+        finally:
+            capture.close()
+        records.append(capture.records["encoder.onnx"])
+        logs.append("\n".join(lines))
+    assert len([e for e in cache.iterdir() if not e.name.startswith(".")]) == 1
+    assert records[0]["method"] == records[1]["method"] == "traced"
+    assert records[0]["from_cache"] is False and records[1]["from_cache"] is True
+    assert "encoder.onnx: traced whole by an earlier export, from the cache" in logs[1]
+    assert "from the cache" not in logs[0]
+    assert _files(tmp_path / "first") == _files(tmp_path / "second") != {}
+
+def test_a_whole_graphs_key_follows_every_tensor_and_a_large_model_is_not_kept(cache, monkeypatch):
+    from elx.exporter.capture.onnx_export import _encoder_spec
+    from elx.exporter.families.catalog import family_for_architecture
+
+    torch.manual_seed(0)
+    model = BUILDERS["t5"]().eval()
+    spec = _encoder_spec(model, family_for_architecture(type(model).__name__))
+    key = template_cache.whole_graph_key("encoder.onnx", spec, model)
+    assert key and key != template_cache.whole_graph_key("decoder.onnx", spec, model)
+    with torch.no_grad():
+        model.encoder.block[0].layer[1].DenseReluDense.wi.weight[0, 0] += 1e-3  # a layer's weight: in the graph
+    assert template_cache.whole_graph_key("encoder.onnx", spec, model) != key
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    monkeypatch.setenv("ELX_TEMPLATE_CACHE_GB", str(9 * size / 1e9))  # a tenth of it is less than the model
+    assert template_cache.model_digest(model) is None and template_cache.whole_graph_key("encoder.onnx", spec,
+                                                                                         model) is None
+
 def _template(seed: int = 0):
     from elx.exporter.capture.decoder_only import _prefill_spec
     from elx.exporter.capture.template import make_template

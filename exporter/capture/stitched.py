@@ -44,6 +44,7 @@ from elx.exporter.capture.stitch import NotStitchable, Stack, TooShallow, bind_w
 from elx.exporter.capture.template import TEMPLATE_LAYERS, make_template
 from elx.exporter.capture.weights import WeightsFile, bind
 from elx.exporter.capture.onnx_export import save_model, trace
+from elx.exporter.capture.parallel import TemplateProcess
 from elx.exporter.capture.shared_weights import WEIGHTS_FILE
 
 MODES = ("auto", "stitch", "trace")
@@ -72,8 +73,10 @@ class Capture:
         self._children = {}  # graph file -> TemplateProcess tracing its template
         self._cache_keys = {}  # graph file -> its template's key in ``exporter/capture/template_cache.py`` (None: off)
         self._cached = {}  # graph file -> (its template, its bindings or None) read from that cache by ``prefetch``
+        self._whole = {}  # graph file traced whole -> the second process tracing it, or its graph from the cache
         self._bound = {}  # graph file -> the bindings the cache kept for its template (``template_cache.load_bound``)
         self._tensors_digest = None  # ``template_cache.tensors_digest`` of the template
+        self._model_digest = None  # ``template_cache.model_digest`` of the model ("": too large to keep whole)
         # called once as ``while_waiting(still_tracing)``, where this process would otherwise wait for a second
         # process's template (the export runs the verification's PyTorch reference there); its time is taken from the
         # wait, not added to the export; ``still_tracing()`` says whether the second process is still at work
@@ -124,9 +127,10 @@ class Capture:
 
     def close(self) -> None:
         """Second processes stopped; weights not handed over written and closed (``hand_over_weights``)."""
-        for child in self._children.values():
-            child.stop()
-        self._children = {}
+        for child in [*self._children.values(), *self._whole.values()]:
+            if isinstance(child, TemplateProcess):
+                child.stop()
+        self._children, self._whole = {}, {}
         weights, self._weights = self._weights, None
         self._template = self._tensors = self.model = None  # the export frees HF's model later
         if weights is not None:
@@ -140,16 +144,18 @@ class Capture:
 
     # -- a template traced by a second process ------------------------------------------------------------
     def prefetch(self, make_spec, path: Path) -> None:
-        """Start tracing the template of the graph ``export(make_spec, path)`` will write, in a forked process,
-        while this one goes on with the graphs before it (``exporter/capture/parallel.py``).  Nothing happens
-        where it does not apply (whole-model tracing, no ``fork``, ``ELX_CAPTURE_PARALLEL=0``)."""
-        from elx.exporter.capture.parallel import TemplateProcess, parallel_allowed
+        """Start tracing the template of the graph ``export(make_spec, path)`` will write (or the graph itself, for
+        a small model traced whole), in a forked process, while this one goes on with the graphs before it
+        (``exporter/capture/parallel.py``).  Nothing happens where it does not apply (no ``fork``,
+        ``ELX_CAPTURE_PARALLEL=0``, a model traced whole larger than ``parallel.WHOLE_BYTES``, a cache hit)."""
+        from elx.exporter.capture.parallel import parallel_allowed
 
         path = Path(path)
-        if path.name in self._children or path.name in self._cached:
+        if path.name in self._children or path.name in self._cached or path.name in self._whole:
             return
         template = self._get_template()
         if template is None:
+            self._prefetch_whole(make_spec, path)
             return
         import torch
 
@@ -164,6 +170,29 @@ class Capture:
         self._children[path.name] = TemplateProcess.start(lambda: trace(make_spec(template.model)),
                                                           self.folder / f".template.{path.name}")
         self.report(f"{path.name}: tracing its {TEMPLATE_LAYERS}-layer template in a second process")
+
+    def _prefetch_whole(self, make_spec, path: Path) -> None:
+        """``prefetch`` for a graph traced whole: the second process traces the model itself, where the model is
+        small enough for its graph (every weight inside) to be written and read back (``parallel.WHOLE_BYTES``) and
+        the cache does not hold it already."""
+        from elx.exporter.capture.parallel import WHOLE_BYTES, parallel_allowed
+
+        if not parallel_allowed() or self._model_bytes() > WHOLE_BYTES:
+            return
+        import torch
+
+        with torch.random.fork_rng():  # the spec's example inputs draw from torch's generator: leave it as it was
+            key = self._whole_key(make_spec(self.model), path.name)
+        model = template_cache.load(key) if key else None
+        if model is not None:
+            self._whole[path.name] = model
+            return
+        self._whole[path.name] = TemplateProcess.start(lambda: trace(make_spec(self.model)),
+                                                       self.folder / f".whole.{path.name}")
+        self.report(f"{path.name}: tracing it in a second process")
+
+    def _model_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     # -- one graph --------------------------------------------------------------------------------------------
     def export(self, make_spec, path: Path) -> list[str]:
@@ -186,10 +215,69 @@ class Capture:
                 self.records[path.name]["seconds"] = round(time.perf_counter() - started, 1)
                 return [WEIGHTS_FILE]
         started = time.perf_counter()
-        written = save_model(trace(real), path)
+        model, how = self._traced_whole(real, path.name)
+        written = save_model(model, path)
+        del model
         why = self.records.get(path.name, {}).get("why", self._refusal)
-        self.records[path.name] = {"method": "traced", "why": why, "seconds": round(time.perf_counter() - started, 1)}
+        self.records[path.name] = {"method": "traced", "why": why, "seconds": round(time.perf_counter() - started, 1),
+                                   **how}
         return written
+
+    def _whole_key(self, spec, name: str) -> str | None:
+        """Graph ``name``'s key in the cache of whole graphs (``template_cache.whole_graph_key``); None where the
+        cache is off or the model too large for it."""
+        if not template_cache.enabled():
+            return None
+        try:
+            if self._model_digest is None:
+                self._model_digest = template_cache.model_digest(self.model) or ""
+            if self._model_digest:
+                return template_cache.whole_graph_key(name, spec, self.model, self._model_digest)
+        except Exception as err:  # noqa: BLE001 - a tensor whose bytes cannot be read: trace, as without a cache
+            self._model_digest = ""
+            self.report(f"{name}: no cache for this model's graphs ({type(err).__name__}: {str(err)[:120]})")
+        return None
+
+    def _traced_whole(self, spec, name: str) -> tuple[onnx.ModelProto, dict]:
+        """Graph ``name`` traced whole: the graph an earlier export traced from the same model and code (the
+        template cache keeps whole graphs of small models: ``template_cache.whole_graph_key``), the second
+        process's (``prefetch``), or traced here; and how (the manifest's ``capture`` record).  A traced one is
+        kept in the cache."""
+        key = self._whole_key(spec, name)
+        prefetched = self._whole.pop(name, None)
+        child = prefetched if isinstance(prefetched, TemplateProcess) else None
+        model = prefetched if isinstance(prefetched, onnx.ModelProto) else None
+        if model is None and child is None and key:
+            model = template_cache.load(key)
+        if model is not None:
+            self.report(f"{name}: traced whole by an earlier export, from the cache ({template_cache.cache_dir()})")
+            return model, {"from_cache": True}
+        in_parallel = False
+        if child is not None:
+            self._wait_for(child)
+            model, why = child.result()
+            if model is None:
+                self.report(f"{name}: the second process gave no graph ({why}); tracing it here")
+            else:
+                in_parallel = True
+                self.report(f"{name}: traced in {child.seconds:.1f} s (in a second process)")
+        if model is None:
+            model = trace(spec)
+        if key:
+            why = template_cache.store(key, model)
+            if why:
+                self.report(f"{name}: its graph not kept in the cache ({why})")
+        return model, {"from_cache": False, "traced_in_parallel": in_parallel}
+
+    def _wait_for(self, child) -> None:
+        """Run ``while_waiting`` (once per export) where this process would otherwise wait for ``child``."""
+        if self.while_waiting is not None and child.running():
+            work, self.while_waiting = self.while_waiting, None
+            try:
+                work(child.running)
+            except BaseException:
+                child.stop()
+                raise
 
     def _cache_key(self, spec, name: str) -> str | None:
         if name not in self._cache_keys:
@@ -228,13 +316,7 @@ class Capture:
     def _trace_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, str]:
         child = self._children.pop(name, None)
         if child is not None:
-            if self.while_waiting is not None and child.running():
-                work, self.while_waiting = self.while_waiting, None
-                try:
-                    work(child.running)
-                except BaseException:
-                    child.stop()
-                    raise
+            self._wait_for(child)
             model, why = child.result()
             if model is not None:
                 self.report(f"{name}: traced a {TEMPLATE_LAYERS}-layer template in {child.seconds:.1f} s "

@@ -12,7 +12,9 @@ on: the elx source (the bytes of every module of ``elx``, ``elx.exporter``, ``el
 torch, transformers, onnx and onnxscript, the graph's file name, the template model's class, config and attention
 implementation, the wrapper's class, input and output names, example shapes and dtypes and dynamic axes, and the
 bytes of every tensor the template takes from the model (embeddings, head, norms, buffers: its layers' tensors are
-synthetic, drawn from a fixed seed).  A hit gives the graph the trace gave, byte for byte, and the export goes on
+synthetic, drawn from a fixed seed).  A graph traced whole (a model of 3 layers or fewer per stack, or one the
+stitcher refuses) is kept the same way, keyed by the bytes of all the model's tensors, where they take at most a
+tenth of the cache (``whole_graph_key``): the distilled and tiny checkpoints whose export is mostly the trace.  A hit gives the graph the trace gave, byte for byte, and the export goes on
 exactly as after a trace (stitching, the verification against PyTorch in full).  Beside it, the template's
 bindings (which initializer holds which model tensor: ``exporter/capture/weights.py``'s ``bind``, a function of
 what the key covers) once an export has computed them: a hit with bindings reads only the template's unbound
@@ -100,43 +102,75 @@ def _describe(value) -> str:
     return repr(value)
 
 
-def tensors_digest(template) -> str:
-    """The names, shapes and dtypes of the template's tensors and the bytes of those it takes from the model (its
-    layers' are synthetic, drawn from a fixed seed): computed once per export, shared by its graphs' keys."""
+def _named_tensors(model) -> list:
+    return sorted([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)],
+                  key=lambda item: item[0])
+
+
+def _digest_tensors(model, synthetic=None) -> str:
+    """The names, shapes and dtypes of ``model``'s tensors and the bytes of each (once per storage), except those
+    whose names ``synthetic`` matches."""
     import torch
 
-    from elx.exporter.capture.template import STACK
-
-    model = template.model
     digest, seen = hashlib.sha256(), set()
-    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    for tensor_name, tensor in sorted(tensors, key=lambda item: item[0]):
+    for tensor_name, tensor in _named_tensors(model):
         digest.update(f"{tensor_name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        if STACK.match(tensor_name) or id(tensor) in seen:  # synthetic (seeded), or bytes already taken
+        if (synthetic is not None and synthetic.match(tensor_name)) or id(tensor) in seen:
             continue
         seen.add(id(tensor))
         digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 
-def template_key(name: str, spec, template, tensors: str | None = None) -> str:
-    """The cache key of graph ``name``'s template traced from ``spec`` (the module docstring says what it covers);
-    ``tensors``: ``tensors_digest(template)`` where the caller already has it."""
+def tensors_digest(template) -> str:
+    """The names, shapes and dtypes of the template's tensors and the bytes of those it takes from the model (its
+    layers' are synthetic, drawn from a fixed seed): computed once per export, shared by its graphs' keys."""
+    from elx.exporter.capture.template import STACK
+
+    return _digest_tensors(template.model, synthetic=STACK)
+
+
+def _graph_key(name: str, spec, model, tensors: str) -> str:
     from importlib.metadata import version
 
     import torch
     import transformers
 
-    model = template.model
     digest = hashlib.sha256()
     for part in (source_digest(), torch.__version__, transformers.__version__, onnx.__version__,
                  version("onnxscript"), name, type(model).__qualname__, model.config.to_json_string(),
                  str(model.config._attn_implementation), type(spec.module).__qualname__, repr(spec.input_names),
-                 repr(spec.output_names), _describe(spec.args), repr(spec.dynamic_shapes),
-                 tensors or tensors_digest(template)):
+                 repr(spec.output_names), _describe(spec.args), repr(spec.dynamic_shapes), tensors):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:40]
+
+
+def template_key(name: str, spec, template, tensors: str | None = None) -> str:
+    """The cache key of graph ``name``'s template traced from ``spec`` (the module docstring says what it covers);
+    ``tensors``: ``tensors_digest(template)`` where the caller already has it."""
+    return _graph_key(name, spec, template.model, tensors or tensors_digest(template))
+
+
+def whole_graph_limit() -> float:
+    """The largest model (bytes of its tensors) whose whole traced graph is kept: a tenth of the cache."""
+    return _limit_bytes() / 10
+
+
+def whole_graph_key(name: str, spec, model, tensors: str | None = None) -> str | None:
+    """The cache key of graph ``name`` of ``model`` traced whole from ``spec`` (a model of 3 layers or fewer per
+    stack, or one the stitcher refuses): as a template's, with every tensor's bytes in it; ``tensors``:
+    ``model_digest(model)`` where the caller already has it.  None for a model larger than ``whole_graph_limit``."""
+    if tensors is None:
+        tensors = model_digest(model)
+    return None if tensors is None else _graph_key("whole:" + name, spec, model, tensors)
+
+
+def model_digest(model) -> str | None:
+    """Every tensor of ``model`` in a digest (computed once per export); None where it is larger than
+    ``whole_graph_limit`` (a large graph is not kept whole: its weights would take the cache's room)."""
+    size = sum(t.numel() * t.element_size() for _, t in _named_tensors(model))
+    return None if size > whole_graph_limit() else _digest_tensors(model)
 
 
 def load(key: str) -> onnx.ModelProto | None:

@@ -177,22 +177,20 @@ class Capture:
         the cache does not hold it already."""
         from elx.exporter.capture.parallel import WHOLE_BYTES, parallel_allowed
 
-        if not parallel_allowed() or self._model_bytes() > WHOLE_BYTES:
+        if not parallel_allowed() or template_cache.tensor_bytes(self.model) > WHOLE_BYTES:
             return
-        import torch
+        if template_cache.enabled():
+            import torch
 
-        with torch.random.fork_rng():  # the spec's example inputs draw from torch's generator: leave it as it was
-            key = self._whole_key(make_spec(self.model), path.name)
-        model = template_cache.load(key) if key else None
-        if model is not None:
-            self._whole[path.name] = model
-            return
+            with torch.random.fork_rng():  # the spec's example inputs draw from torch's generator: leave it as it was
+                key = self._whole_key(make_spec(self.model), path.name)
+            model = template_cache.load(key) if key else None
+            if model is not None:
+                self._whole[path.name] = model
+                return
         self._whole[path.name] = TemplateProcess.start(lambda: trace(make_spec(self.model)),
                                                        self.folder / f".whole.{path.name}")
         self.report(f"{path.name}: tracing it in a second process")
-
-    def _model_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     # -- one graph --------------------------------------------------------------------------------------------
     def export(self, make_spec, path: Path) -> list[str]:

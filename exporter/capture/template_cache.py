@@ -166,11 +166,15 @@ def whole_graph_key(name: str, spec, model, tensors: str | None = None) -> str |
     return None if tensors is None else _graph_key("whole:" + name, spec, model, tensors)
 
 
+def tensor_bytes(model) -> int:
+    """The bytes of ``model``'s parameters and buffers (a tied tensor counted once per name)."""
+    return sum(t.numel() * t.element_size() for _, t in _named_tensors(model))
+
+
 def model_digest(model) -> str | None:
     """Every tensor of ``model`` in a digest (computed once per export); None where it is larger than
     ``whole_graph_limit`` (a large graph is not kept whole: its weights would take the cache's room)."""
-    size = sum(t.numel() * t.element_size() for _, t in _named_tensors(model))
-    return None if size > whole_graph_limit() else _digest_tensors(model)
+    return None if tensor_bytes(model) > whole_graph_limit() else _digest_tensors(model)
 
 
 def load(key: str) -> onnx.ModelProto | None:

@@ -23,6 +23,7 @@ from torch.export import Dim
 from elx.exporter.capture.attention import elx_attention
 from elx.exporter.families.catalog import Family
 from elx.exporter.capture.last_position import select_before_head
+from elx.exporter.capture.one_pass import aten_in_one_trace, enabled as one_pass_enabled
 from elx.exporter.capture.wrappers import CrossKVGraph, DecoderGraph, EncoderGraph
 
 OPSET = 18
@@ -63,12 +64,13 @@ def trace(spec: GraphSpec) -> onnx.ModelProto:
     """Trace ``spec`` with the dynamo exporter, optimize it (onnxscript) and pick the last position before the
     LM head: the graph as every export writes it, its weights inside."""
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    module = spec.module
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), elx_attention(module.hf_model, module.family):
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, tuple(spec.args), dynamo=True, opset_version=OPSET,
-                                    input_names=spec.input_names, output_names=spec.output_names,
-                                    dynamic_shapes=spec.dynamic_shapes, verbose=False, optimize=True)
+    try:
+        with aten_in_one_trace():  # exporter/capture/one_pass.py: one trace of the model instead of two
+            program = _onnx_program(spec)
+    except Exception:
+        if not one_pass_enabled():
+            raise
+        program = _onnx_program(spec)  # the standard two passes, whose error (if any) is the one to report
     # optimize=True runs onnxscript's optimizer once inside the export; a second ``program.optimize()`` changed no
     # byte of any graph (checked by serializing before and after: the real SmolLM2's templates and every family of
     # tests/conftest.py's BUILDERS) and cost 0.1-0.2 s a graph
@@ -77,6 +79,36 @@ def trace(spec: GraphSpec) -> onnx.ModelProto:
     forget_rewriter_state()
     select_before_head(model)  # exporter/capture/last_position.py: the last position is picked before the LM head
     return model
+
+
+@contextlib.contextmanager
+def _without_stack_traces():
+    """FX does not record the Python stack of each node it traces (torch.onnx writes it into every ONNX node as
+    ``pkg.torch.onnx.stack_trace``).  Formatting a stack per node was a third of a small graph's trace (tiny T5
+    decoder, two traces each way on the AMD EPYC VM: 20.6 -> 13.4 s; tiny Llama prefill 12.7 -> 10.6 s) and the
+    stacks a third of the graph's bytes, paths of this machine's files among them.  The module path of each node
+    (``namespace``, ``pkg.torch.onnx.name_scopes``: what the stitcher and int8's per-layer rule read) stays."""
+    import torch.fx.config as fx_config
+
+    before = getattr(fx_config, "do_not_emit_stack_traces", None)
+    if before is None:  # a torch without the setting
+        yield
+        return
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
+
+
+def _onnx_program(spec: GraphSpec):
+    module = spec.module
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _without_stack_traces(), \
+            elx_attention(module.hf_model, module.family):
+        warnings.simplefilter("ignore")
+        return torch.onnx.export(module, tuple(spec.args), dynamo=True, opset_version=OPSET,
+                                 input_names=spec.input_names, output_names=spec.output_names,
+                                 dynamic_shapes=spec.dynamic_shapes, verbose=False, optimize=True)
 
 
 def forget_rewriter_state() -> None:

@@ -23,7 +23,6 @@ from torch.export import Dim
 from elx.exporter.capture.attention import elx_attention
 from elx.exporter.families.catalog import Family
 from elx.exporter.capture.last_position import select_before_head
-from elx.exporter.capture.one_pass import aten_in_one_trace, enabled as one_pass_enabled
 from elx.exporter.capture.wrappers import CrossKVGraph, DecoderGraph, EncoderGraph
 
 OPSET = 18
@@ -64,13 +63,7 @@ def trace(spec: GraphSpec) -> onnx.ModelProto:
     """Trace ``spec`` with the dynamo exporter, optimize it (onnxscript) and pick the last position before the
     LM head: the graph as every export writes it, its weights inside."""
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    try:
-        with aten_in_one_trace():  # exporter/capture/one_pass.py: one trace of the model instead of two
-            program = _onnx_program(spec)
-    except Exception:
-        if not one_pass_enabled():
-            raise
-        program = _onnx_program(spec)  # the standard two passes, whose error (if any) is the one to report
+    program = _onnx_program(spec)
     # optimize=True runs onnxscript's optimizer once inside the export; a second ``program.optimize()`` changed no
     # byte of any graph (checked by serializing before and after: the real SmolLM2's templates and every family of
     # tests/conftest.py's BUILDERS) and cost 0.1-0.2 s a graph

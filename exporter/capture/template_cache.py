@@ -10,8 +10,7 @@ re-export after an error.  The template does not change between them.
 ``$ELX_CACHE_DIR/templates/<key>/`` (default ``~/.cache/elx/templates``), keyed by everything its trace depends
 on: the elx source (the bytes of every module of ``elx``, ``elx.exporter``, ``elx.runners``), the versions of
 torch, transformers, onnx and onnxscript, the graph's file name, the template model's class, config and attention
-implementation, the wrapper's class, input and output names, example shapes and dtypes and dynamic axes, how it is
-traced (``exporter/capture/one_pass.py``: one pass or torch.onnx's two), and the
+implementation, the wrapper's class, input and output names, example shapes and dtypes and dynamic axes, and the
 bytes of every tensor the template takes from the model (embeddings, head, norms, buffers: its layers' tensors are
 synthetic, drawn from a fixed seed).  A graph traced whole (a model of 3 layers or fewer per stack, or one the
 stitcher refuses) is kept the same way, keyed by the bytes of all the model's tensors, where they take at most a
@@ -38,8 +37,6 @@ import time
 from pathlib import Path
 
 import onnx
-
-from elx.exporter.capture import one_pass
 
 ENTRY = "template.onnx"
 BINDINGS = "bindings.json"
@@ -143,8 +140,7 @@ def _graph_key(name: str, spec, model, tensors: str) -> str:
     for part in (source_digest(), torch.__version__, transformers.__version__, onnx.__version__,
                  version("onnxscript"), name, type(model).__qualname__, model.config.to_json_string(),
                  str(model.config._attn_implementation), type(spec.module).__qualname__, repr(spec.input_names),
-                 repr(spec.output_names), _describe(spec.args), repr(spec.dynamic_shapes), tensors,
-                 f"one_pass={one_pass.enabled()}"):
+                 repr(spec.output_names), _describe(spec.args), repr(spec.dynamic_shapes), tensors):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:40]

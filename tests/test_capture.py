@@ -240,6 +240,39 @@ def test_second_process_returns_its_template_or_why_not(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_child_never_tears_down_the_parents_garbage(tmp_path, monkeypatch):
+    """Unreachable objects the parent had not collected yet are the child's too; its garbage collector must not
+    destroy them.  An ONNX Runtime session that has run, in a reference cycle: its destructor in the child waits
+    forever on thread-pool state whose threads were not forked (found in the suite: after a test that left such
+    sessions behind, every export's second process hung until ``STALL_SECONDS`` and the export traced again)."""
+    import gc
+
+    import onnxruntime as ort
+
+    import elx.exporter.capture.parallel as parallel
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    for _ in range(3):
+        session = ort.InferenceSession(_tiny_graph().SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session.run(None, {"x": np.ones(400, np.float32)})
+        cycle = [session]
+        cycle.append(cycle)  # garbage only the cyclic collector frees
+    del session, cycle
+    gc.disable()  # the cycles stay garbage until the child's own collection
+    try:
+        def collecting():
+            gc.enable()
+            gc.collect()
+            return _tiny_graph()
+
+        monkeypatch.setattr(parallel, "STALL_SECONDS", 10.0)
+        model, why = parallel.TemplateProcess.start(collecting, tmp_path / ".template.g.onnx").result()
+    finally:
+        gc.enable()
+    assert why == "" and model is not None
+
+
 @pytest.mark.skipif(not __import__("elx.exporter.capture.parallel", fromlist=["x"]).parallel_allowed(),
                     reason="one core, or no fork")
 def test_a_small_model_traced_whole_has_its_step_graph_traced_by_the_second_process(tmp_path):

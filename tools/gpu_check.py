@@ -268,12 +268,12 @@ def bench_has_precision() -> bool:
     return "--precision" in done.stdout
 
 
-def bench_runs(env: dict, out: Path, work: Path, batches, fp16_flag: bool) -> list[dict]:
+def bench_runs(env: dict, out: Path, work: Path, batches, fp16_flag: bool, precisions=PRECISIONS) -> list[dict]:
     """One ``elx bench`` per backend, precision and batch size; unsupported ones carry ``unsupported``."""
     backends = ["ort"] + (["tensorrt"] if env.get("tensorrt") or env.get("tensorrt_rtx") else [])
     runs = []
     for backend in backends:
-        for precision in PRECISIONS:
+        for precision in precisions:
             # the exports of a precision are shared by the backends; engines are built into them on the first
             # TensorRT run, sized for its batch: the largest batch goes first
             order = sorted(batches, reverse=True) if backend == "tensorrt" else batches
@@ -479,6 +479,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="output folder (default gpu_check_results/<UTC timestamp>)")
     ap.add_argument("--only", default=",".join(STEPS), help=f"steps to do, comma-separated: {', '.join(STEPS)}")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="bench batch sizes (default 1,8,32,128)")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS), help="bench precisions (default fp32,fp16)")
     ap.add_argument("--bench-work", help="where the bench's exports are cached (default OUT/bench_work)")
     ap.add_argument("--tests", nargs="+", default=[str(REPO / "tests")], help="test folders or files to select from")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed to each command (default 3600)")
@@ -517,7 +518,8 @@ def main(argv=None) -> int:
         result["search"] = search_commands()
     if "bench" in steps:
         result["bench"] = bench_runs(env, out, Path(args.bench_work).resolve() if args.bench_work
-                                     else out / "bench_work", batches, bench_has_precision())
+                                     else out / "bench_work", batches, bench_has_precision(),
+                                     [p for p in args.precisions.split(",") if p in PRECISIONS])
     print_plan(result)
     if dry:  # never over a real run's results in the same folder
         write_results(out, result, "dry_run" if previous_results(out) else "")

@@ -8,6 +8,9 @@ the two templates took 12-21 s and 20-31 s one after the other.
 ``fork`` shares the model with the child (copy-on-write: the template's tensors are read, never written),
 so the child needs no pickling and no second import.  What makes it safe:
 
+* the child leaves alone every object it inherits (``gc.freeze``): the parent's garbage not yet collected (an
+  ONNX Runtime session in a reference cycle, say) is never destroyed there, where its destructor would wait on
+  threads that were not forked (seen in the test suite: every second process hung until ``STALL_SECONDS``);
 * the child runs PyTorch on one thread (no OpenMP parallel region, whose pool a forked child must not reuse),
   writes nothing to the terminal, and leaves with ``os._exit`` (no atexit handler, no staged-folder cleanup:
   that is the parent's);
@@ -36,6 +39,7 @@ counted as the child's.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import time
@@ -91,6 +95,10 @@ class TemplateProcess:
         parent, started = os.getpid(), time.perf_counter()
         pid = os.fork()
         if pid == 0:  # the child: never returns
+            # every object inherited from the parent, its uncollected garbage included, out of the collector's
+            # reach: a parent's dead ONNX Runtime session torn down here waits forever (or crashes) on thread-pool
+            # state whose threads were not forked
+            gc.freeze()
             code = 1
             try:
                 _die_with_parent(parent)

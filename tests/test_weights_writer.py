@@ -76,11 +76,14 @@ def test_a_failed_write_is_raised_by_close_and_the_rest_is_not_written(tmp_path,
 
     monkeypatch.setattr(weights_writer.BackgroundWriter, "_pwrite", full)
     weights = WeightsFile(tmp_path)
-    for i in range(4):
-        array = np.full((64, 32), i, dtype=np.float32)
-        weights.bound(_initializer(f"w{i}", array.T.copy()), Binding(f"w{i}", TRANSPOSE), torch.from_numpy(array))
     with pytest.raises(OSError, match="No space left"):
-        weights.close()
+        try:  # where the thread failed before the last placement, that placement says so (then close again)
+            for i in range(4):
+                array = np.full((64, 32), i, dtype=np.float32)
+                weights.bound(_initializer(f"w{i}", array.T.copy()), Binding(f"w{i}", TRANSPOSE),
+                              torch.from_numpy(array))
+        finally:
+            weights.close()
     assert len(calls) == 1 and weights.handle.closed and not weights.writer.thread.is_alive()
     weights.close()  # again: nothing left to do
 

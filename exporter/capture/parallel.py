@@ -10,7 +10,8 @@ so the child needs no pickling and no second import.  What makes it safe:
 
 * the child leaves alone every object it inherits (``gc.freeze``): the parent's garbage not yet collected (an
   ONNX Runtime session in a reference cycle, say) is never destroyed there, where its destructor would wait on
-  threads that were not forked (seen in the test suite: every second process hung until ``STALL_SECONDS``);
+  threads that were not forked (seen in the test suite: after such a test, each template child hung until
+  ``STALL_SECONDS``);
 * the child runs PyTorch on one thread (no OpenMP parallel region, whose pool a forked child must not reuse),
   writes nothing to the terminal, and leaves with ``os._exit`` (no atexit handler, no staged-folder cleanup:
   that is the parent's);

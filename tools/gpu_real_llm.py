@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                 continue
             chosen = chats[: min(len(chats), 4)] if size == 1 else chats
             batches = [generator.encoder_inputs(messages=chosen[i: i + size]) for i in range(0, len(chosen), size)]
-            rows = identical = fragile = failures = same_as_hf_cpu = 0
+            rows = identical = fragile = failures = 0
             details = []
             for inputs in batches:  # untimed: warm-up and the tokens compared
                 theirs = hf(inputs, options, model)
@@ -124,11 +124,11 @@ def main(argv=None) -> int:
                         continue
                     if cpu_rows is None:
                         cpu_rows = hf(inputs, options, reference) if cuda else theirs
-                    hf_cpu_agrees = strip(cpu_rows[r], pad) == a
-                    same_as_hf_cpu += int(strip(cpu_rows[r], pad) == b)
+                    on_cpu = strip(cpu_rows[r], pad)
+                    hf_cpu_agrees = on_cpu == a
                     at = first_difference(a, b)
                     detail = {"row": r, "first_difference": at - prompt_len, "hf_cuda_equals_hf_cpu": hf_cpu_agrees,
-                              "elx_equals_hf_cpu": strip(cpu_rows[r], pad) == b}
+                              "elx_equals_hf_cpu": on_cpu == b}
                     if setting == "greedy" and at < len(a):
                         left = int(inputs["attention_mask"][r].argmax())  # left padding: the first real token
                         detail["hf_margin"] = margin(a, left, at)

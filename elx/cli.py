@@ -248,6 +248,8 @@ PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each v
              "slim (K-only self cache; refuses ill-conditioned layers), slim=skip-bad (leave those layers as they are), "
              "slim-cross, slim-cross=skip-bad (K-only cross cache; not with el), el-self (self cache holds the attention input X; "
              "not with slim), el-self=fp64 (its score product accumulated in float64), "
+             "fused-attention (decoder-only, with --prompt-cache per-beam: each layer's attention in the step graph "
+             "as ONNX Runtime's GroupQueryAttention kernel, CPU fp32), "
              "unpad (the position-wise layers of a padded input batch run on its real tokens only), "
              "ngram=N (log-softmax and N-gram blocking in the graph); e.g. --pass el,el-self,ngram=3")
 
@@ -287,7 +289,7 @@ def _progress(args) -> str:
 
 def cmd_export(args) -> int:
     check_export(args.model, args.random_init, args.passes, args.output, args.force,  # before any heavy import
-                 args.prompt_cache)
+                 args.prompt_cache, args.precision)
     from elx.exporter.export import export_model
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,

@@ -13,19 +13,24 @@ BENCH_PRECISIONS = ("fp32", "fp16", "int8")  # what may follow '@' in a bench pa
 
 
 def check_export(model: str, random_init: bool, passes: str | None, output, force: bool,
-                 prompt_cache: str | None = None) -> None:
+                 prompt_cache: str | None = None, precision: str | None = None) -> None:
     """``elx export``: the passes (names, arguments, combinations), the model (a folder, a preset, a cached hub id;
     a supported architecture) and whether the passes and ``--prompt-cache`` apply to it, and the output folder."""
     from elx.exporter.atomic import check_output
     from elx.exporter.families.catalog import family_for_architecture
     from elx.exporter.source.locate import locate_model
     from elx.exporter.passes import check_model_kind, parse_passes
+    from elx.exporter.passes.catalog import precision_refusal
 
     requests = parse_passes(passes)
+    refusal = precision_refusal([r.name for r in requests], precision)
+    if refusal:
+        raise ElxError(refusal)
     where = locate_model(model, random_init)
     family = family_for_architecture(where.architecture())
     check_model_kind(requests, family.name, family.is_encoder_decoder, stated_head_counts(where.config()))
     check_prompt_cache([prompt_cache] if prompt_cache is not None else [], family)
+    check_pass_layout([r.name for r in requests], [prompt_cache], family)
     check_output(output, force)
 
 
@@ -86,6 +91,7 @@ def check_bench_model(model: str | None, random_init: bool, pass_sets: list[str]
     for request in requests:
         check_model_kind(request, family.name, family.is_encoder_decoder, heads)
     check_prompt_cache([form for form in prompt_caches if form is not None], family)
+    check_pass_layout([r.name for request in requests for r in request], prompt_caches, family)
 
 
 def _pass_set_key(pass_set: str) -> tuple:
@@ -105,6 +111,19 @@ def check_prompt_cache(forms: list[str], family) -> None:
     if forms and family.is_encoder_decoder:
         raise ElxError(f"--prompt-cache applies to decoder-only models; {family.name} is encoder-decoder (its "
                        "cross-attention cache is always shared by the beams); drop the option")
+
+
+def check_pass_layout(names: list[str], forms, family) -> None:
+    """Passes that need one cache per row (``--pass fused-attention``) with every ``--prompt-cache`` form asked
+    (None: the default, shared) of a decoder-only model."""
+    from elx.exporter.passes.catalog import prompt_cache_refusal
+
+    if family.is_encoder_decoder:
+        return  # the passes' own refusal of the model kind says why
+    for form in forms or [None]:
+        reason = prompt_cache_refusal(names, form)
+        if reason:
+            raise ElxError(reason)
 
 
 def check_export_folder(folder) -> None:

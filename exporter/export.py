@@ -24,6 +24,7 @@ from elx.exporter.capture.decoder_only import PROMPT_CACHE_FORMS, export_decoder
 from elx.exporter.capture.onnx_export import (decoder_spec, describe_decoder, export_cross_kv, export_decoder,
                                              export_encoder)
 from elx.exporter.passes import check_model_kind, check_not_applied, parse_passes
+from elx.exporter.passes.catalog import precision_refusal, prompt_cache_refusal
 from elx.exporter.precision.fp16_export import check_precision, fp16_checks, refuse_fp16
 from elx.exporter.progress import WEIGHTS, Progress, pass_lines
 from elx.exporter.memory import check_export_memory, free_weights, release_memory
@@ -330,6 +331,9 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
     nothing (``exporter/progress.py``; None: a bar when stderr is a terminal); ``quiet`` says nothing."""
     requests = parse_passes(passes)  # validate before any heavy work
     check_precision(precision)
+    refusal = precision_refusal([r.name for r in requests], precision)
+    if refusal:
+        raise ElxError(refusal)
     if prompt_cache is not None and prompt_cache not in PROMPT_CACHE_FORMS:
         raise ElxError(f"unknown --prompt-cache {prompt_cache!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
     output = check_output(output, force)
@@ -342,6 +346,9 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 check_model_kind(requests, loaded.family.name, loaded.family.is_encoder_decoder,
                                  loaded.family.dims(loaded.model.config))
                 form = _check_decoder_only_options(loaded.family, prompt_cache)
+                refusal = form and prompt_cache_refusal([r.name for r in requests], form)
+                if refusal:
+                    raise ElxError(refusal)
                 note = ", seeded random weights (--random-init)" if loaded.source["random_init"] else ""
                 stage.detail = f"{type(loaded.model).__name__}, family {loaded.family.name}{note}"
             data = base_manifest(loaded.model, loaded.family, loaded.source)

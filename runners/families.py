@@ -247,6 +247,18 @@ class RopeDecoderOnlyRules(DecoderOnlyRules):
     attend to every earlier position, so a longer run is refused (one line naming the config key)."""
 
     def check_positions(self, manifest, inputs, width, max_length):
+        table = next((p.get("rotary_positions") for p in manifest.data.get("passes", [])
+                      if p.get("name") == "fused-attention"), None)
+        if table:  # --pass fused-attention with RoPE in the kernel: its cos/sin tables end there
+            from elx.runners.inputs.prompt import sequence_positions
+
+            mask = inputs.get("attention_mask", np.ones_like(inputs["input_ids"]))
+            needed = int(sequence_positions(mask, max_length - 1).max()) + 1
+            if needed > int(table):
+                raise ElxError(f"this run needs {needed} positions (prompt of {width} tokens + up to "
+                               f"{max_length - width} new tokens) but the export's fused attention holds RoPE tables "
+                               f"for {table} (max_position_embeddings); shorten the prompt or lower max_new_tokens / "
+                               "max_length")
         window = manifest.dims.get("sliding_window")
         if window is not None and max_length - 1 > int(window):
             raise ElxError(f"this run feeds up to {max_length - 1} tokens (prompt of {width} + new tokens) but the "

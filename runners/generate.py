@@ -38,6 +38,10 @@ BACKENDS = ("ort", "ort-io", "tensorrt")
 def make_backend(manifest: Manifest, backend: str = "ort", device: str = "cpu", device_id: int = 0,
                  threads: int | None = None) -> Backend:
     """The named backend on ``device``: ``ort`` (host arrays; on cuda it binds device buffers), ``ort-io``, ``tensorrt``."""
+    if (device != "cpu" or backend == "tensorrt") and "fused-attention" in manifest.pass_names():
+        raise ElxError(f"{manifest.folder} was exported with --pass fused-attention, whose ONNX Runtime "
+                       "GroupQueryAttention kernel runs on the CPU in fp32 (ONNX Runtime's CUDA kernel takes fp16 only, "
+                       "TensorRT has none); run it on the CPU, or export without that pass for the GPU")
     if backend == "ort" and device == "cpu":
         from elx.runners.backends.ort import OrtBackend
 

@@ -47,6 +47,12 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         ([*export, "--model", gpt2, "--pass", "ngram=3"], "does not apply to gpt2"),
         ([*export, "--model", llama, "--pass", "slim"], "GQA/MQA"),  # config.json states 2 kv heads for 4
         ([*export, "--model", llama, "--pass", "el-self"], "RoPE"),
+        ([*export, "--model", llama, "--pass", "fused-attention"], "needs one cache per row"),  # shared: the default
+        ([*export, "--model", llama, "--prompt-cache", "per-beam", "--pass", "fused-attention", "--precision", "fp16"],
+         "not converted to fp16"),
+        ([*export, "--model", llama, "--prompt-cache", "per-beam", "--pass", "slim,fused-attention"],
+         "cannot be combined"),
+        ([*export, "--model", "t5-tiny", "--random-init", "--pass", "fused-attention"], "encoder-decoder graphs"),
         ([*export, "--model", "whisper-tiny", "--random-init", "--pass", "unpad"], "never padded"),
         ([*export, "--model", gpt2, "--pass", "unpad"], "Gemm on flattened"),
         ([*export, "--model", "t5-tiny", "--random-init", "--precision", "fp8"], "--precision"),
@@ -81,6 +87,8 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         (["bench", "--quick", "--pass-sets", "", "--work", out], "names no pass set"),
         (["bench", "--quick", "--pass-sets", "|||", "--work", out], "names no pass set"),
         (["bench", "--model", llama, "--pass-sets", "baseline|slim", "--work", out], "GQA/MQA"),
+        (["bench", "--model", llama, "--pass-sets", "baseline|fused-attention", "--prompt-cache", "shared|per-beam",
+          "--work", out], "needs one cache per row"),
         (["bench", "--quick", "--pass-sets", "baseline|none", "--work", out], "twice"),
         (["bench", "--quick", "--prompt-cache", "shared|per-beam", "--work", out], "applies to decoder-only"),
         (["bench", "--model", llama, "--pass-sets", "baseline", "--prompt-cache", "shared|foo", "--work", out], "unknown form 'foo'"),

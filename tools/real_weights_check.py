@@ -2,6 +2,7 @@
 
     python3 tools/real_weights_check.py EXPORT_DIR --texts FILE [--prompts 24] [--words 60] [--batch-size 4]
                                          [--settings greedy,beam,ngram,penalty,sample] [--json OUT.json]
+                                         [--batches 3,5] [--details]
 
 FILE holds one text per line (e.g. gensim's ``test/test_data/lee_background.cor``: 300 news articles).  Each
 prompt is a chat turn, "Summarize this news story in one sentence: <the first WORDS words>", rendered by the
@@ -15,6 +16,10 @@ Settings (each over every batch):
 * ``penalty``: greedy with ``repetition_penalty`` 1.3;
 * ``sample``: seeded sampling (temperature 0.7, top_k 50, top_p 0.9): HF seeded by ``torch.manual_seed``,
   elx by ``seed=`` (the same draws when PyTorch is installed).
+
+``--batches`` runs only those batches (1-based, with the settings they have in a whole run: beam's beam count
+follows the batch's index), to look again at one batch of a long run; ``--details`` prints each batch's compare
+report (each row's first divergence, HF's stability verdict and margin, the per-step logits differences).
 
 Greedy/beam settings go through ``elx.exporter.verification.compare.compare_loaded``: tokens per row, HF's stability rule
 for differing rows (fragile rows reported, not counted), the teacher-forced logits difference; beam settings
@@ -70,13 +75,15 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--batches", default=None, help="1-based batch numbers to run (default: all)")
+    parser.add_argument("--details", action="store_true", help="print each batch's compare report")
     args = parser.parse_args(argv)
 
     import torch
     from transformers import AutoTokenizer
 
     import elx
-    from elx.exporter.verification.compare import compare_loaded
+    from elx.exporter.verification.compare import compare_loaded, format_report
     from elx.exporter.source.load import reload_model
     from elx.exporter.verification.stability import HfVariants
 
@@ -95,12 +102,19 @@ def main(argv=None) -> int:
                 return 1
     variants = HfVariants(model)
     batches = [chats[i: i + args.batch_size] for i in range(0, len(chats), args.batch_size)]
+    chosen = (set(range(len(batches))) if args.batches is None else
+              {int(b) - 1 for b in args.batches.replace(",", " ").split()})
+    if not chosen or not chosen <= set(range(len(batches))):
+        print(f"--batches: numbers from 1 to {len(batches)} ({len(chats)} prompts in batches of {args.batch_size})")
+        return 2
     results, failed = [], False
     for setting in args.settings.split(","):
         started = time.perf_counter()
         rows = identical = fragile = failures = scored = scores_equal = 0
         worst_logits, worst_score = 0.0, 0.0
         for b, batch in enumerate(batches):
+            if b not in chosen:
+                continue
             # a line per batch: an int8 export's differing rows each run HF's stability probes (minutes a batch)
             print(f"real_weights_check: {setting}: batch {b + 1} of {len(batches)} "
                   f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
@@ -121,6 +135,9 @@ def main(argv=None) -> int:
             print(f"real_weights_check: {setting}: batch {b + 1}: {sum(r.identical for r in report.rows)} of "
                   f"{len(report.rows)} rows identical, {len(report.fragile)} fragile, {len(report.failures)} failures "
                   f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+            if args.details:
+                print(f"batch {b + 1} (prompts {b * args.batch_size + 1}-{b * args.batch_size + len(batch)}), "
+                      f"{options}:\n{format_report(report, generator.manifest.pass_names())}", flush=True)
             rows += len(report.rows)
             identical += sum(r.identical for r in report.rows)
             fragile += len(report.fragile)

@@ -141,7 +141,34 @@ NGRAM = PassSpec("ngram", "ngram", 90, _ngram_size,  # last: it consumes the fin
                                                         "counts the prompt's n-grams for decoder-only models; their "
                                                         "n-gram blocking runs in the search"}))
 
+FUSED_ATTENTION = PassSpec(
+    "fused-attention", "fused_attention", 70, _no_argument("fused-attention"),
+    conflicts={"slim": "both rewrite the step graph's attention and its key cache",
+               "el-self": "both rewrite the step graph's attention and its cache"},
+    refuses=_refuses_kind({"encoder-decoder": "it fuses a decoder-only step graph's self-attention over one cache "
+                                              "per row (--prompt-cache per-beam); encoder-decoder graphs are not "
+                                              "supported"}))
 UNPAD = PassSpec("unpad", "unpad", 80, _no_argument("unpad"),  # after the passes that match projections by structure
                  refuses=_unpad_refuses)
 
-PASSES = {spec.name: spec for spec in (EL, SLIM_CROSS, SLIM, EL_SELF, UNPAD, NGRAM)}
+PASSES = {spec.name: spec for spec in (EL, SLIM_CROSS, SLIM, EL_SELF, FUSED_ATTENTION, UNPAD, NGRAM)}
+PER_BEAM = {"fused-attention"}  # passes that need a decoder-only export's one cache per row (--prompt-cache per-beam)
+
+
+def prompt_cache_refusal(names, form: str | None) -> str | None:
+    """Why passes ``names`` cannot run on a decoder-only export whose prompt cache is ``form`` (None: the default,
+    shared), or None."""
+    needs = [name for name in names if name in PER_BEAM]
+    if needs and (form or "shared") != "per-beam":
+        return (f"pass {needs[0]} needs one cache per row (--prompt-cache per-beam): the default shared prompt cache "
+                f"keeps the prompt's keys apart from the generated ones, which its fused kernel cannot take; add "
+                f"--prompt-cache per-beam")
+    return None
+
+
+def precision_refusal(names, precision: str | None) -> str | None:
+    """Why passes ``names`` cannot be converted to ``precision``, or None."""
+    if precision == "fp16" and "fused-attention" in names:
+        return ("--pass fused-attention runs ONNX Runtime's GroupQueryAttention in fp32 on the CPU; it is not converted "
+                "to fp16: drop one of them (--precision int8 combines with it)")
+    return None

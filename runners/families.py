@@ -247,8 +247,8 @@ class RopeDecoderOnlyRules(DecoderOnlyRules):
     attend to every earlier position, so a longer run is refused (one line naming the config key)."""
 
     def check_positions(self, manifest, inputs, width, max_length):
-        table = next((p.get("rotary_positions") for p in manifest.data.get("passes", [])
-                      if p.get("name") == "fused-attention"), None)
+        passes = getattr(manifest, "data", {}).get("passes", [])  # (a manifest's dims alone: no pass)
+        table = next((p.get("rotary_positions") for p in passes if p.get("name") == "fused-attention"), None)
         if table:  # --pass fused-attention with RoPE in the kernel: its cos/sin tables end there
             from elx.runners.inputs.prompt import sequence_positions
 

@@ -449,3 +449,14 @@ def test_opt_export_and_generation(tmp_path):
                      no_repeat_ngram_size=2, max_new_tokens=8)
     _check(report)
     assert any(r.hf_tokens[0] == 1 for r in report.rows)  # OPT's own pad token (1) on the left
+
+
+def test_fused_attention_refuses_gpt2_in_one_line(gpt2, tmp_path):
+    """GPT-2's step graph merges the heads straight into the 2-D rows its Conv1D Gemm reads: no [rows, 1, heads·d]
+    tensor for the kernel's output, so ``--pass fused-attention`` refuses it and writes nothing (it wrote a graph
+    ONNX Runtime could not load before the pass looked for that tensor)."""
+    from elx.exporter.export import apply_passes
+
+    with pytest.raises(ElxError, match="heads are not merged back") as info:
+        apply_passes(gpt2["per-beam"], tmp_path / "out", "fused-attention", quiet=True)
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()

@@ -249,7 +249,8 @@ PASS_HELP = ("graph passes, comma-separated, applied in a fixed order and each v
              "slim-cross, slim-cross=skip-bad (K-only cross cache; not with el), el-self (self cache holds the attention input X; "
              "not with slim), el-self=fp64 (its score product accumulated in float64), "
              "fused-attention (decoder-only, with --prompt-cache per-beam: each layer's attention in the step graph "
-             "as ONNX Runtime's GroupQueryAttention kernel, CPU fp32), "
+             "as ONNX Runtime's GroupQueryAttention kernel, CPU fp32, the cache appended in place), "
+             "fused-norm (each RMSNorm and the residual Add before it as one ONNX Runtime kernel; Llama family, T5), "
              "unpad (the position-wise layers of a padded input batch run on its real tokens only), "
              "ngram=N (log-softmax and N-gram blocking in the graph); e.g. --pass el,el-self,ngram=3")
 

@@ -79,7 +79,8 @@ _CACHE_ENTRY = {
     "properties": {"input": {"type": "string", "description": "a step input's name"},
                    "output": {"type": "string", "description": "a step output's name"},
                    "dtype": _TENSOR["properties"]["dtype"], "shape": _SHAPE, "seq_axis": _int(),
-                   "init": {"type": "string", "description": "a stage output '<graph>:<output>'"}},
+                   "init": {"type": "string", "description": "a stage output '<graph>:<output>'"},
+                   "in_place": {"type": "boolean", "description": "true or false"}},
 }
 _GENERATION = {  # generation_config values the runners read (runners/options.py places every field), as HF types them
     "type": "object", "description": "an object of generation options",

@@ -108,10 +108,18 @@ class Model:
                 raise ElxError("this decoder graph reads the token history (n-gram blocking); pass it")
             feeds[plan.history_input] = np.ascontiguousarray(history, dtype=np.int64)
         outputs = [self._scores, *(slot.output for slot in plan.cache)]
-        on_host = () if device and self.backend.device_tensors else (self._scores,)
-        scores, *presents = self.backend.run(plan.step.name, feeds, outputs, host_outputs=on_host)
-        return scores, DecoderCache({slot.input: v for slot, v in zip(plan.cache, presents)}, cache.rows,
-                                    cache.length + count)
+        length = cache.length + count
+        in_place = {s.output: s.input for s in plan.cache if s.in_place} if self.backend.in_place_cache else {}
+        if in_place:
+            for slot in plan.cache:
+                if slot.in_place:
+                    feeds[slot.input] = room_for(cache.arrays[slot.input], slot.seq_axis, length)
+            scores, *presents = self.backend.run_in_place(plan.step.name, feeds, outputs, in_place)
+            presents = [filled(v, slot.seq_axis, length) if slot.in_place else v for slot, v in zip(plan.cache, presents)]
+        else:
+            on_host = () if device and self.backend.device_tensors else (self._scores,)
+            scores, *presents = self.backend.run(plan.step.name, feeds, outputs, host_outputs=on_host)
+        return scores, DecoderCache({slot.input: v for slot, v in zip(plan.cache, presents)}, cache.rows, length)
 
     def _first_step(self, count: int, state: EncoderState, cache: DecoderCache) -> tuple[np.ndarray, DecoderCache]:
         """The prompt's step, computed by the prefill stage at batch B: its scores and initial cache, per row.
@@ -166,6 +174,40 @@ class Model:
 
     def cache_bytes(self, cache: DecoderCache) -> int:
         return sum(self.backend.nbytes(v) for v in cache.arrays.values())
+
+
+class CacheBuffer(np.ndarray):
+    """A host buffer holding a cache entry with room after it (``CacheSlot.in_place``); the cache is the view of its
+    first ``written`` positions along the sequence axis."""
+
+    written: int = 0
+
+
+def room_for(value: np.ndarray, axis: int, length: int) -> np.ndarray:
+    """The buffer to feed for cache ``value`` when the step fills it to ``length`` positions along ``axis``: the
+    buffer ``value`` is a view of, where that view is all the buffer holds so far (no other step has written past it:
+    a cache stepped from twice must not see the second step's positions) and has room; else a new one, 1.5x the length
+    (amortized: the whole cache is copied about log₁.₅ of the run's length times instead of every step)."""
+    base = value.base
+    if isinstance(base, CacheBuffer) and base.written == value.shape[axis] and base.shape[axis] >= length and \
+            value.strides == base.strides and value.shape[:axis] == base.shape[:axis]:  # its prefix: from ``filled``
+        return base
+    shape = list(value.shape)
+    shape[axis] = length + max(length // 2, 32)
+    buffer = np.empty(shape, dtype=value.dtype).view(CacheBuffer)  # past the cache: never read (seqlens bound it)
+    buffer[_prefix(axis, value.shape[axis])] = value
+    buffer.written = value.shape[axis]
+    return buffer
+
+
+def filled(buffer: CacheBuffer, axis: int, length: int) -> np.ndarray:
+    """The cache a step left in ``buffer``: its first ``length`` positions (a view)."""
+    buffer.written = length
+    return buffer[_prefix(axis, length)]
+
+
+def _prefix(axis: int, length: int) -> tuple:
+    return (slice(None),) * axis + (slice(0, length),)
 
 
 def _resolve(source: str, available: dict, graph: str):

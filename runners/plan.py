@@ -68,6 +68,10 @@ class CacheSlot:
     shape: tuple  # symbolic: "rows" for the row axis, ints for fixed sizes
     seq_axis: int
     init: str | None = None  # a stage output (batch B) copied to every row at the first step; None: empty
+    # the step writes its new positions into the buffer it reads this entry from (ONNX Runtime's GroupQueryAttention
+    # with past and present bound to one buffer, ``--pass fused-attention``): a backend that can bind them may feed a
+    # longer buffer (spare room after the cache) and read the present back in it (``runners/model.py``)
+    in_place: bool = False
 
     def empty_shape(self, rows: int) -> list[int]:
         return [rows if d == "rows" else (0 if i == self.seq_axis else int(d)) for i, d in enumerate(self.shape)]
@@ -103,7 +107,7 @@ class RunPlan:
             raise ElxError(f"{_where(manifest)}: the step graph has no single {STEP_TOKENS} input; re-run 'elx export'")
         history = by_source.get(STEP_HISTORY, [None])[0]
         cache = tuple(CacheSlot(e["input"], e["output"], e.get("dtype", "float32"), tuple(e["shape"]), int(e["seq_axis"]),
-                                e.get("init")) for e in manifest.cache_entries)
+                                e.get("init"), bool(e.get("in_place", False))) for e in manifest.cache_entries)
         outputs = {f"{s.name}:{o}" for s in stages for o in s.outputs}
         first_scores = manifest.data.get("first_step_scores")
         for source in [first_scores, *(slot.init for slot in cache)]:

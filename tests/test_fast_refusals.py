@@ -53,6 +53,8 @@ def refusals(folders: dict) -> list[tuple[list[str], str]]:
         ([*export, "--model", llama, "--prompt-cache", "per-beam", "--pass", "slim,fused-attention"],
          "cannot be combined"),
         ([*export, "--model", "t5-tiny", "--random-init", "--pass", "fused-attention"], "encoder-decoder graphs"),
+        ([*export, "--model", gpt2, "--pass", "fused-norm"], "does not use"),  # LayerNorm
+        ([*export, "--model", llama, "--pass", "fused-norm", "--precision", "fp16"], "fp32 RMSNorms"),
         ([*export, "--model", "whisper-tiny", "--random-init", "--pass", "unpad"], "never padded"),
         ([*export, "--model", gpt2, "--pass", "unpad"], "Gemm on flattened"),
         ([*export, "--model", "t5-tiny", "--random-init", "--precision", "fp8"], "--precision"),

@@ -69,6 +69,10 @@ def test_one_kernel_per_layer_and_the_verification_recorded(which, request):
     assert (record["num_heads"], record["kv_num_heads"]) == (manifest.dims["num_heads"], manifest.dims["num_kv_heads"])
     assert record["step_nodes"]["after"] < record["step_nodes"]["before"]
     assert record["rotary_positions"] == (128 if rotary else None) and manifest.dims["max_position_embeddings"] == 128
+    # q, k and v as one projection where the kernel reads them unrotated (RoPE in the kernel); rotated, three
+    assert record["packed_qkv"] == (layers if rotary else 0)
+    _, traced = _ops(request.getfixturevalue("llama16") if rotary else request.getfixturevalue("qwen2_exports")["per-beam"])
+    assert ops.count("MatMul") == traced.count("MatMul") - 2 * layers - (2 * layers if rotary else 0)
     assert 0 < record["max_abs_logits_diff"] <= record["tolerance"]
     prefill = onnx.load(str(manifest.graph_path("prefill")), load_external_data=False)
     assert "GroupQueryAttention" not in {n.op_type for n in prefill.graph.node}  # the prompt's graph as traced
@@ -82,6 +86,76 @@ def test_generation_is_hf_generate(which, options, request):
     report = compare(request.getfixturevalue(which), batch_size=3, input_length=9, seed=4, **options)
     assert report.all_identical, [(r.hf_tokens, r.elx_tokens) for r in report.rows if not r.identical]
     assert report.max_logits_diff <= report.atol
+
+
+def _steps(folder, in_place: bool, tokens=(11, 12, 13)):
+    """The prompt's step and one step per token of ``tokens`` on a left-padded batch of 2, the caches in place or
+    not: (each step's scores, the caches after each step)."""
+    from elx.runners.generate import Generator
+
+    model = Generator.from_folder(folder).model
+    model.backend.in_place_cache = in_place
+    ids = np.array([[0, 5, 6, 7], [4, 5, 6, 7]], dtype=np.int64)
+    state = model.encode({"input_ids": ids, "attention_mask": np.array([[0, 1, 1, 1], [1, 1, 1, 1]])})
+    scores, cache = model.step(ids, state, model.empty_cache(2))
+    steps = [(scores, cache)]
+    for token in tokens:
+        scores, cache = model.step(np.full((2, 1), token, dtype=np.int64), state, cache)
+        steps.append((scores, {k: np.array(v) for k, v in cache.arrays.items()}, cache))
+    return model, state, steps
+
+
+@pytest.mark.parametrize("which", ["fused", "llama_fused"])
+def test_the_cache_runs_in_place_bit_for_bit(which, request):
+    """The rewritten graph reads the past length from the mask only, so each past input and its present are bound to
+    one buffer and the kernel appends there (no copy of the whole cache each step): the same scores and caches, bit
+    for bit, as the plain run; one buffer kept across steps; a cache stepped from twice keeps its own positions."""
+    from elx.runners.model import CacheBuffer
+
+    folder = request.getfixturevalue(which)
+    manifest = Manifest.load(folder)
+    assert all(entry["in_place"] for entry in manifest.cache_entries)
+    assert next(p for p in manifest.passes if p["name"] == "fused-attention")["in_place_cache"] is True
+    graph = onnx.load(str(manifest.graph_path(manifest.step)), load_external_data=False).graph
+    pasts = {entry["input"] for entry in manifest.cache_entries}
+    assert {n.op_type for n in graph.node if set(n.input) & pasts} == {"GroupQueryAttention"}
+    model, state, ours = _steps(folder, True)
+    _, _, plain = _steps(folder, False)
+    for (a, *_), (b, *_) in zip(ours, plain):
+        assert np.array_equal(a, b)
+    for (_, a, _), (_, b, _) in zip(ours[1:], plain[1:]):
+        assert all(np.array_equal(a[k], b[k]) for k in b)
+    bases = [{id(v.base) for v in step[2].arrays.values()} for step in ours[1:]]
+    assert all(isinstance(v.base, CacheBuffer) for v in ours[-1][2].arrays.values())
+    assert bases[1] == bases[2]  # the same buffers from the second step on (the first re-homes the prompt's cache)
+    # stepping again from the second step's cache (a branch): the third step's cache must keep its positions
+    before = {k: np.array(v) for k, v in ours[-1][2].arrays.items()}
+    again, _ = model.step(np.full((2, 1), 99, dtype=np.int64), state, ours[2][2])
+    assert all(np.array_equal(before[k], v) for k, v in ours[-1][2].arrays.items())
+    assert not np.array_equal(again, ours[3][0])
+
+
+def test_int8_quantizes_the_packed_projections_by_layer(llama_fused, llama16, tmp_path):
+    """int8 after the pass: its packed q/k/v weight (a Concat of the three) is folded and quantized like any weight
+    MatMul, and each MatMul keeps its layer through the rewrite (the per-layer rule tells layers by the exporter's
+    node metadata, which onnx-graphsurgeon drops: ``exporter/passes/rewrite.py`` keeps it)."""
+    from elx.exporter.precision.int8 import convert_folder
+    from elx.exporter.precision.int8_layers import measured_layers
+
+    fused, traced = Manifest.load(llama_fused), Manifest.load(llama16)
+    assert measured_layers(fused) == measured_layers(traced) and len(measured_layers(fused)) > 2
+    graph = onnx.load(str(fused.graph_path(fused.step)), load_external_data=False).graph
+    scopes = {n.name: next((p.value for p in n.metadata_props if p.key == "namespace"), "") for n in graph.node
+              if n.op_type == "MatMul"}
+    assert all(scopes.values()), scopes  # each its module path (the exporter's), through the rewrite
+    assert all("q_proj" in scope for name, scope in scopes.items() if "qkv" in name)  # packed: the q projection's
+    layers = fused.dims["num_decoder_layers"]
+    ops = {}
+    for name, manifest in (("fused", fused), ("traced", traced)):
+        converted = convert_folder(manifest, tmp_path / name)
+        ops[name] = [n.op_type for n in onnx.load(str(converted.graph_path(converted.step))).graph.node]
+    assert ops["fused"].count("MatMul") == ops["traced"].count("MatMul") - 2 * layers  # q·Kᵀ and p·V: in the kernel
+    assert ops["fused"].count("MatMulNBits") == ops["traced"].count("MatMulNBits") - 2 * layers  # q, k, v: one
 
 
 @pytest.mark.parametrize("wrong", ["scale", "rotary"])

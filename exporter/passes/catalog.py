@@ -148,10 +148,21 @@ FUSED_ATTENTION = PassSpec(
     refuses=_refuses_kind({"encoder-decoder": "it fuses a decoder-only step graph's self-attention over one cache "
                                               "per row (--prompt-cache per-beam); encoder-decoder graphs are not "
                                               "supported"}))
+RMS_NORM_FAMILIES = ("t5", "llama", "mistral", "qwen2", "qwen3", "phi3")  # Gemma's g is (1 + w): computed, not matched
+
+
+def _fused_norm_refuses(family: str, kind: str, dims: dict | None) -> str | None:
+    if family in RMS_NORM_FAMILIES:
+        return None
+    return (f"it fuses RMSNorm, which {family} does not use (its LayerNorms are one ONNX LayerNormalization node each "
+            f"already); it applies to {', '.join(RMS_NORM_FAMILIES)}")
+
+
+FUSED_NORM = PassSpec("fused-norm", "fused_norm", 85, _no_argument("fused-norm"), refuses=_fused_norm_refuses)
 UNPAD = PassSpec("unpad", "unpad", 80, _no_argument("unpad"),  # after the passes that match projections by structure
                  refuses=_unpad_refuses)
 
-PASSES = {spec.name: spec for spec in (EL, SLIM_CROSS, SLIM, EL_SELF, FUSED_ATTENTION, UNPAD, NGRAM)}
+PASSES = {spec.name: spec for spec in (EL, SLIM_CROSS, SLIM, EL_SELF, FUSED_ATTENTION, UNPAD, FUSED_NORM, NGRAM)}
 PER_BEAM = {"fused-attention"}  # passes that need a decoder-only export's one cache per row (--prompt-cache per-beam)
 
 
@@ -171,4 +182,7 @@ def precision_refusal(names, precision: str | None) -> str | None:
     if precision == "fp16" and "fused-attention" in names:
         return ("--pass fused-attention runs ONNX Runtime's GroupQueryAttention in fp32 on the CPU; it is not converted "
                 "to fp16: drop one of them (--precision int8 combines with it)")
+    if precision == "fp16" and "fused-norm" in names:
+        return ("--pass fused-norm matches fp32 RMSNorms; an fp16 export computes them in fp32 between two Casts, a "
+                "form it does not rewrite: drop one of them (--precision int8 combines with it)")
     return None

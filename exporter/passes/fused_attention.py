@@ -42,12 +42,24 @@ tolerance (recorded).  On this kernel's numbers: the real SmolLM2-135M-Instruct'
 ONNX Runtime's weights prepacked and once mapped (the same graph, two GEMM paths), differs by 1.0-1.6e-3 on the
 verification's random-cache cases; the fused graph differs from the traced one by 2-6e-4 there.
 
-**Measured** (real SmolLM2-135M-Instruct, this 2-core VM, ``docs/measurements/real_smollm2_2026-11-30.md``): the
-step graph 1,712 -> 806 nodes after ONNX Runtime's own fusions (GenAI's: 309), one step (64-token prompt, 96
-generated, 2 threads) 43.3 -> 39.6 ms (GenAI's 36.2), greedy batch 1 end to end 1.16x the default (shared-prompt)
-export, 0.88x GenAI; tokens = HF ``generate`` (greedy 1/1, beam 4 batch 4 4/4).  Why the rest of the gap: GenAI's
-RMSNorms are one ``SkipSimplifiedLayerNormalization`` each and its Q/K/V and gate/up projections packed; this pass
-fuses attention only.
+**Packed q/k/v**: where q, k and v reach the kernel as three projections of one x (RoPE in the kernel, or none),
+they become one product x·[W_q W_k W_v] (+ [b_q b_k b_v]) fed as the kernel's packed input; the weights are
+concatenated by a graph node ONNX Runtime folds at load (the weights file is unchanged; an int8 conversion folds it
+before quantizing, and the packed MatMul keeps the q projection's layer for int8's per-layer rule).
+
+**The cache in place**: the kernel's lengths (``seqlens_k``, the total length) and every other read of a past input's
+shape (the traced graph sizes its mask from it) are computed from the attention mask, so nothing but the kernel reads
+the caches (``_lengths_from_mask``) and the manifest marks them ``in_place``.  The CPU runtime then binds each past
+input and its present output to one buffer with room after the cache (``runners/model.py`` ``room_for``,
+``runners/backends/ort.py`` ``run_in_place``): the kernel appends the new token inside it, instead of zeroing a new
+present and copying the whole past into it every step (30 layers x 2 x the cache, ~17 MB a step at 190 positions on
+SmolLM2-135M).  Bit for bit the plain run (``tests/test_fused_attention.py``).
+
+**Measured** (real SmolLM2-135M-Instruct, this 2-core VM, ``docs/measurements/real_smollm2_2026-11-30.md``): the pass
+as first written (kernel only): one step 43.3 -> 39.6 ms, greedy batch 1 0.88x GenAI.  With the cache in place,
+packed q/k/v and ``--pass fused-norm``: the step graph 323 nodes after ONNX Runtime's fusions (GenAI's 309), greedy
+batch 1 level with GenAI (0.95-1.08x in four alternating runs), beam 4 batch 4 1.58x GenAI; tokens = HF ``generate``
+(greedy 1/1, beam 4 batch 4 4/4).
 """
 from __future__ import annotations
 
@@ -62,8 +74,8 @@ from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
 from elx.exporter.passes import catalog
-from elx.exporter.passes.rewrite import SHAPE_OPS, Builder, commit, constant_value, load_graph, pass_file, \
-    producer, refuse_twice, save_graph
+from elx.exporter.passes.rewrite import SHAPE_OPS, Builder, commit, constant_shape, constant_value, \
+    inherit_metadata, load_graph, pass_file, producer, refuse_twice, save_graph
 
 SPEC = catalog.FUSED_ATTENTION
 NAME, parse_argument = SPEC.name, SPEC.parse
@@ -259,6 +271,37 @@ def _per_token(builder: Builder, tensor, hint: str):
                       dtype=np.float32)
 
 
+def _projection(tensor):
+    """(x, W, b or None, the MatMul) where ``tensor`` = x·W (+ b) with constant W [in, out] (and b [out]), else None."""
+    node, bias = producer(tensor), None
+    if node is not None and node.op == "Add":
+        biases = [i for i in (0, 1) if len(constant_shape(node.inputs[i]) or ()) == 1]
+        if not biases:
+            return None
+        bias, node = node.inputs[biases[0]], producer(node.inputs[1 - biases[0]])
+    if node is None or node.op != "MatMul" or len(constant_shape(node.inputs[1]) or ()) != 2:
+        return None
+    return node.inputs[0], node.inputs[1], bias, node
+
+
+def _pack(builder: Builder, q, k, v):
+    """x·[W_q W_k W_v] (+ [b_q b_k b_v]): the kernel's packed q/k/v input, where q, k and v are three projections of
+    one x as it reads them (RoPE in the kernel, or none), else None.  The weights are concatenated by a graph node
+    (ONNX Runtime folds it once at load: the weights file is unchanged); each output column is the same dot product
+    over the same inputs as before (bit for bit on SmolLM2-135M's step graph)."""
+    parts = [_projection(t) for t in (q, k, v)]
+    if any(p is None for p in parts) or any(p[0] is not parts[0][0] for p in parts) or \
+            len({p[2] is None for p in parts}) != 1:
+        return None
+    weight = builder.op("Concat", [p[1] for p in parts], "qkv_weight", dtype=np.float32, axis=1)
+    packed = builder.op("MatMul", [parts[0][0], weight], "qkv", dtype=np.float32)
+    inherit_metadata(builder.graph, packed.inputs[0].name, parts[0][3])  # its layer, for int8's per-layer rule
+    if parts[0][2] is not None:
+        bias = builder.op("Concat", [p[2] for p in parts], "qkv_bias", dtype=np.float32, axis=0)
+        packed = builder.op("Add", [packed, bias], "qkv_biased", dtype=np.float32)
+    return packed
+
+
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies that do not depend on the run's length
 
 
@@ -293,15 +336,50 @@ def rotary_tables(graph: gs.Graph, cos, sin, positions: int, head_dim: int):
     return tables
 
 
-def rewrite_graph(graph: gs.Graph, heads: int, kv_heads: int, rotary_positions: int | None = None) -> tuple:
+def _lengths_from_mask(graph: gs.Graph, builder: Builder, cores: list, rows, past64) -> bool:
+    """Every other read of a past input's shape (the traced graph sizes its mask from it) replaced by the same shape
+    computed from the attention mask ([rows, kv_heads, mask length - 1, d]), so that nothing but the kernel reads
+    the caches.  Returns whether that holds (then the runtime may run the cache in place, ``IN_PLACE``)."""
+    pasts = {t.name: t for core in cores for t in (core.past_k, core.past_v)}
+    for tensor in pasts.values():
+        shape = getattr(tensor, "shape", None)
+        if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in (shape[1], shape[3])):
+            return False
+    for tensor in pasts.values():
+        for node in list(tensor.outputs):
+            if node.op == OP:
+                continue
+            if node.op != "Shape":
+                return False
+            shape = tensor.shape
+            full = builder.op("Concat", [rows, builder.const("heads", np.array([shape[1]], np.int64)), past64,
+                                         builder.const("head_size", np.array([shape[3]], np.int64))],
+                              "cache_shape", dtype=np.int64, axis=0)
+            start, end = int(node.attrs.get("start", 0)), node.attrs.get("end")
+            out = node.outputs[0]
+            node.inputs.clear()
+            node.outputs.clear()
+            builder.graph.nodes.append(gs.Node(
+                "Slice", builder._name("cache_shape_part"),
+                inputs=[full, builder.const("start", np.array([start], np.int64)),
+                        builder.const("end", np.array([4 if end is None else int(end)], np.int64))], outputs=[out]))
+    return True
+
+
+def rewrite_graph(graph: gs.Graph, heads: int, kv_heads: int, rotary_positions: int | None = None,
+                  mask_name: str = "attention_mask") -> tuple:
     """Every attention core of the step graph replaced by the kernel.  ``rotary_positions``: RoPE moves into the
-    kernel too (its tables for that many positions) where every layer's has the form it computes.  Returns (one
-    record per layer, the positions the rotary tables hold or None)."""
+    kernel too (its tables for that many positions) where every layer's has the form it computes.  ``mask_name``:
+    the step's attention mask input [rows, past + 1].  Returns (one record per layer, the positions the rotary tables
+    hold or None, whether the caches may run in place)."""
     inputs, outputs = {t.name for t in graph.inputs}, {t.name for t in graph.outputs}
     softmaxes = [node for node in graph.nodes if node.op == "Softmax"]
     if not softmaxes:
         raise ElxError(f"pass {NAME}: the step graph has no attention (no Softmax); nothing was written")
     cores = [find_core(node, inputs, outputs) for node in softmaxes]
+    mask_input = next((t for t in graph.inputs if t.name == mask_name), None)
+    if mask_input is None:
+        raise ElxError(f"pass {NAME}: the step graph has no attention mask input {mask_name!r}; nothing was written")
     tables = None
     if rotary_positions and all(core.rotary is not None for core in cores) and \
             len({(id(c.rotary[2]), id(c.rotary[3])) for c in cores}) == 1:
@@ -309,15 +387,21 @@ def rewrite_graph(graph: gs.Graph, heads: int, kv_heads: int, rotary_positions: 
         if isinstance(head_dim, int) and head_dim % 16 == 0:  # the kernel's rotary takes heads of 16k only
             tables = rotary_tables(graph, cores[0].rotary[2], cores[0].rotary[3], rotary_positions, head_dim)
     builder = Builder(graph, NAME)
-    # the kernel's lengths, once: every cached position is a key (seqlens_k = past length for every row)
-    shape = builder.op("Shape", [cores[0].past_k], "past_shape", dtype=np.int64)
-    past = builder.op("Gather", [shape, builder.const("seq_axis", np.array(2, np.int64))], "past_length",
-                      dtype=np.int64, axis=0)
-    rows = builder.op("Gather", [shape, builder.const("row_axis", np.array([0], np.int64))], "rows", dtype=np.int64,
-                      axis=0)
-    past32 = builder.op("Cast", [past], "past_length_int32", dtype=np.int32, to=onnx.TensorProto.INT32)
+    # the kernel's lengths, once, from the attention mask [rows, past + 1]: every cached position is a key
+    # (seqlens_k = past length for every row).  The cache's own shape is read nowhere (``_lengths_from_mask``), so
+    # the runtime may bind each past input and its present output to one longer buffer (``IN_PLACE``)
+    shape = builder.op("Shape", [mask_input], "mask_shape", dtype=np.int64)
+    rows = builder.op("Slice", [shape, builder.const("zero", np.array([0], np.int64)),
+                                builder.const("one", np.array([1], np.int64))], "rows", dtype=np.int64)
+    total64 = builder.op("Slice", [shape, builder.const("one", np.array([1], np.int64)),
+                                   builder.const("two", np.array([2], np.int64))], "total_length_1d", dtype=np.int64)
+    past64 = builder.op("Sub", [total64, builder.const("one", np.array([1], np.int64))], "past_length_1d",
+                        dtype=np.int64)
+    total32 = builder.op("Cast", [total64], "total_length_int32_1d", dtype=np.int32, to=onnx.TensorProto.INT32)
+    total = builder.op("Squeeze", [total32, builder.const("axis", np.array([0], np.int64))], "total_length",
+                       dtype=np.int32)
+    past32 = builder.op("Cast", [past64], "past_length_int32", dtype=np.int32, to=onnx.TensorProto.INT32)
     seqlens = builder.op("Expand", [past32, rows], "seqlens_k", dtype=np.int32)
-    total = builder.op("Add", [past32, builder.const("one", np.array(1, np.int32))], "total_length", dtype=np.int32)
     empty = gs.Variable.empty()
     rotary = [empty, empty, empty]
     if tables is not None:
@@ -327,6 +411,9 @@ def rewrite_graph(graph: gs.Graph, heads: int, kv_heads: int, rotary_positions: 
     for core in cores:
         q, k = (core.rotary[0], core.rotary[1]) if tables is not None else (core.q, core.k)
         q, k, v = (_packed(x) or _per_token(builder, x, hint) for x, hint in ((q, "query"), (k, "key"), (core.v, "value")))
+        packed = _pack(builder, q, k, v)
+        if packed is not None:  # the kernel's packed input: one projection instead of three
+            q, k, v = packed, empty, empty
         for node in core.nodes:
             node.outputs.clear()  # orphaned: cleanup drops them (RoPE's nodes too, once nothing reads them)
             node.inputs.clear()
@@ -338,10 +425,11 @@ def rewrite_graph(graph: gs.Graph, heads: int, kv_heads: int, rotary_positions: 
             inputs=[q, k, v, core.past_k, core.past_v, seqlens, total, *rotary, core.mask],
             outputs=[core.output, core.present_k, core.present_v]))
         records.append({"present": [core.present_k.name, core.present_v.name], "scale": core.scale,
-                        "replaced_nodes": len(core.nodes)})
+                        "replaced_nodes": len(core.nodes), "packed_qkv": packed is not None})
+    in_place = _lengths_from_mask(graph, builder, cores, rows, past64)
     if not any(d.domain == DOMAIN for d in (graph.import_domains or [])):
         graph.import_domains = list(graph.import_domains or []) + [onnx.helper.make_opsetid(DOMAIN, 1)]
-    return records, (rotary_positions if tables is not None else None)
+    return records, (rotary_positions if tables is not None else None), in_place
 
 
 def refuse_layout(manifest: Manifest) -> None:
@@ -366,10 +454,20 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
     graph = load_graph(manifest, manifest.step)
     nodes_before = len(graph.nodes)
     static = dims.get("rope_type") in STATIC_ROPE and dims.get("rotary_dim") == dims.get("d_kv")
-    layers, positions = rewrite_graph(graph, heads, kv_heads, dims.get("max_position_embeddings") if static else None)
+    mask = next((name for name, spec in step["inputs"].items() if spec.get("from") == "step:attention_mask"), None)
+    if mask is None:
+        raise ElxError(f"pass {NAME}: the step graph reads no attention mask (step:attention_mask); nothing was written")
+    layers, positions, in_place = rewrite_graph(graph, heads, kv_heads,
+                                                dims.get("max_position_embeddings") if static else None, mask)
+    if in_place:  # the runtime may feed each past with a longer buffer and read the present back in it
+        fused = {name for record in layers for name in record["present"]}
+        for entry in manifest.cache_entries:
+            if entry["output"] in fused:
+                entry["in_place"] = True
     file = pass_file(step["file"], NAME)
     step["external_data"] = save_graph(graph, folder, file)
     step["file"] = file
     report = commit(folder, before, manifest, f"pass {NAME}")
     return {"name": NAME, "op": f"{DOMAIN}.{OP}", "layers": len(layers), "num_heads": heads, "kv_num_heads": kv_heads,
-            "rotary_positions": positions, "step_nodes": {"before": nodes_before, "after": len(graph.nodes)}, **report}
+            "packed_qkv": sum(record["packed_qkv"] for record in layers),
+            "rotary_positions": positions, "in_place_cache": in_place, "step_nodes": {"before": nodes_before, "after": len(graph.nodes)}, **report}

@@ -41,9 +41,13 @@ class _StoredValues(gs.ir.tensor.LazyValues):
 
 
 def load_graph(manifest: Manifest, name: str) -> gs.Graph:
-    """The graph ``name`` of ``manifest`` with its weights left on disk until read (``_StoredValues``)."""
+    """The graph ``name`` of ``manifest`` with its weights left on disk until read (``_StoredValues``), and its nodes'
+    metadata kept aside (``node_metadata``: onnx-graphsurgeon drops it; ``save_graph`` writes it back)."""
     path = manifest.graph_path(name)
-    graph = gs.import_onnx(onnx.load(str(path), load_external_data=False))
+    model = onnx.load(str(path), load_external_data=False)
+    metadata = {node.name: list(node.metadata_props) for node in model.graph.node if node.name and node.metadata_props}
+    graph = gs.import_onnx(model)
+    graph.node_metadata = metadata
     for each in (graph, *graph.subgraphs(recursive=True)):
         for tensor in each.tensors().values():
             values = getattr(tensor, "_values", None)
@@ -59,6 +63,7 @@ def save_graph(graph: gs.Graph, folder: Path, file: str) -> list[str]:
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     model = gs.export_onnx(graph)
     model.ir_version = min(model.ir_version, 10)  # readable by older runtimes and polygraphy
+    restore_metadata(model, getattr(graph, "node_metadata", {}))
     for each in (model.graph, *subgraphs(model.graph)):
         for tensor in each.initializer:  # a weight read in (now bytes in the graph) keeps its import's flag
             if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.HasField("raw_data"):
@@ -66,6 +71,27 @@ def save_graph(graph: gs.Graph, folder: Path, file: str) -> list[str]:
                 del tensor.external_data[:]
     written = save_model(model, Path(folder) / file)
     return written + [f for f in external_files(model) if f not in written]
+
+
+def node_metadata(graph: gs.Graph) -> dict:
+    """Node name → its metadata entries (the exporter's module path, ``pkg.torch.onnx.name_scopes``, that int8's
+    per-layer rule reads to tell which layer a MatMul belongs to: ``exporter/precision/int8.py`` ``layer_of``)."""
+    if not hasattr(graph, "node_metadata"):
+        graph.node_metadata = {}
+    return graph.node_metadata
+
+
+def inherit_metadata(graph: gs.Graph, node_name: str, source: gs.Node) -> None:
+    """Node ``node_name`` (a pass's new node) belongs where ``source`` does (e.g. a packed projection: its layer)."""
+    metadata = node_metadata(graph)
+    if source.name in metadata:
+        metadata[node_name] = metadata[source.name]
+
+
+def restore_metadata(model: onnx.ModelProto, metadata: dict) -> None:
+    for node in model.graph.node:
+        if node.name in metadata and not node.metadata_props:
+            node.metadata_props.extend(metadata[node.name])
 
 
 def producer(tensor) -> gs.Node | None:

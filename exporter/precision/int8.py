@@ -133,6 +133,33 @@ def fold_weight_transposes(model: onnx.ModelProto, folder: Path | None = None) -
     return folded
 
 
+def fold_weight_concats(model: onnx.ModelProto, folder: Path | None = None) -> int:
+    """Replace each ``Concat`` of 2-D fp32 initializers (``--pass fused-attention``'s packed q/k/v weights, which ONNX
+    Runtime would fold at load) by the concatenated initializer, so that the MatMul reading it is a weight MatMul
+    the rule quantizes; returns how many were folded (weights stored outside the graph are read from ``folder``)."""
+    from elx.exporter.capture.shared_weights import values
+
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    kept, folded = [], 0
+    for node in graph.node:
+        sources = [weights.get(name) for name in node.input] if node.op_type == "Concat" else [None]
+        if any(s is None or s.data_type != TensorProto.FLOAT or len(s.dims) != 2 for s in sources):
+            kept.append(node)
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        value = np.concatenate([values(s, folder) for s in sources], axis=axis)
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), node.output[0]))
+        folded += 1
+    if folded:
+        del graph.node[:]
+        graph.node.extend(kept)
+        used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+        for tensor in [t for t in graph.initializer if t.name not in used]:
+            graph.initializer.remove(tensor)
+    return folded
+
+
 def lm_heads(model: onnx.ModelProto, logits: str | None) -> set[str]:
     """The outputs of the MatMuls whose result reaches the logits through no other MatMul (only a bias add or a
     scale, at most four of them): walked back once from ``logits`` (one pass over the graph, not one per MatMul:
@@ -235,10 +262,11 @@ def _quiet():
 
 
 def prepare(model: onnx.ModelProto, folder: Path | None = None) -> onnx.ModelProto:
-    """Fold constant weight transposes and rewrite constant-weight Gemms (in place): every weight MatMul reads
+    """Fold constant weight transposes and concatenations and rewrite constant-weight Gemms (in place): every weight MatMul reads
     its weight directly; nodes named uniquely (the quantizer picks them by name).  A graph loaded without its
     weights reads the few it transposes from ``folder``."""
     fold_weight_transposes(model, folder)
+    fold_weight_concats(model, folder)
     gemms_to_matmuls(model, folder)  # GPT-2's Conv1D: a Gemm on a constant weight
     _name_nodes(model)
     return model

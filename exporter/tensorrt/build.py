@@ -290,6 +290,9 @@ def build_engine(folder, *, precision: str = "fp32", max_batch_size: int = 8, ma
     if "fused-attention" in manifest.pass_names():
         raise ElxError("TensorRT has no layer for --pass fused-attention's ONNX Runtime GroupQueryAttention nodes; build "
                        "engines from an export without that pass")
+    if "fused-norm" in manifest.pass_names():
+        raise ElxError("TensorRT has no layer for --pass fused-norm's ONNX Runtime (Skip)SimplifiedLayerNormalization "
+                       "nodes; build engines from an export without that pass")
     if precision not in PRECISIONS:
         raise ElxError(f"unknown precision {precision!r}; choose fp32 or fp16")
     if ngram not in NGRAM_MODES:

@@ -30,11 +30,19 @@ class Backend(ABC):
     # whether ``as_tensor`` hands the values ``run`` returns to PyTorch on their device, without a copy: the
     # searches then run their vocabulary-wide part there (``runners/search/device.py``)
     device_tensors: bool = False
+    # whether ``run_in_place`` can bind a cache input and its output to one buffer (cache entries marked ``in_place``)
+    in_place_cache: bool = False
 
     @abstractmethod
     def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
         """Run manifest graph ``graph`` on ``feeds`` (device values or host numpy arrays); return ``outputs``
         in order, those named in ``host_outputs`` as host numpy arrays, the others as device values."""
+
+    def run_in_place(self, graph: str, feeds: dict, outputs: list[str], in_place: dict) -> list:
+        """``run`` with each output named in ``in_place`` (output → input name) written into the buffer fed as that
+        input (the graph's kernel writes the new positions there): returns ``outputs`` in order, those the fed buffers
+        themselves, the others as host arrays.  Only where ``in_place_cache``."""
+        raise NotImplementedError(f"backend {self.name} does not run caches in place")
 
     @abstractmethod
     def to_device(self, array: np.ndarray):

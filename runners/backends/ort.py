@@ -14,6 +14,10 @@ from elx.runners.manifest import Manifest
 from elx.runners.inputs.validation import check_threads
 
 
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+                "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
+
 def session_options(threads: int | None = None, prepack: bool = True):
     """``prepack=False``: MatMul weights are not repacked into a per-session copy (what lets sessions share
     ``runners/backends/ort_mapped.py``'s one mapping of the weights, as the export's verification does; greedy
@@ -81,16 +85,66 @@ def load_sessions(manifest: Manifest, providers: list, threads: int | None = Non
 
 class OrtBackend(Backend):
     name, device = "ort", "cpu"
+    in_place_cache = True
 
     def __init__(self, manifest: Manifest, threads: int | None = None, prepack: bool = True):
         """``prepack=False``: the sessions share one mapping of the weights (``runners/backends/ort_mapped.py``)."""
         mapped = None if prepack else MappedWeights()
         self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, mapped)
         self.mapped = mapped  # set after the sessions, so dropped after them: they read its arrays
+        self._bindings = {}  # graph → (its IOBinding, what each name is bound to): run_in_place
+        self._output_shapes = {g: {o.name: o.shape for o in s.get_outputs()} for g, s in self.sessions.items()}
+        self._output_types = {g: {o.name: _NUMPY_TYPES.get(o.type, np.float32) for o in s.get_outputs()}
+                              for g, s in self.sessions.items()}
 
     def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
         with allocation_failures(graph):
             return self.sessions[graph].run(outputs, feeds)
+
+    def run_in_place(self, graph: str, feeds: dict, outputs: list[str], in_place: dict) -> list:
+        """Each buffer of ``in_place`` bound as both its input and its output (IOBinding on host memory: ONNX Runtime's
+        GroupQueryAttention then appends the new positions inside it instead of copying the whole cache into a new
+        present each step).  One binding per graph, kept: a buffer is bound again only when it changed (a new one
+        with room, or a beam reorder's copy), so a step binds its few small inputs and one scores array."""
+        session = self.sessions[graph]
+        if graph not in self._bindings:
+            self._bindings[graph] = (session.io_binding(), {})
+        binding, bound = self._bindings[graph]
+        sources = set(in_place.values())
+        alive = []  # the small inputs' arrays, bound by address: alive until the run ends
+        for name, value in feeds.items():
+            if name in sources:  # held in ``bound`` while bound: its address stays valid
+                if bound.get(name) is not value:
+                    binding.bind_input(name, "cpu", 0, value.dtype, list(value.shape), value.ctypes.data)
+                    bound[name] = value
+            else:
+                value = np.ascontiguousarray(value)
+                alive.append(value)
+                binding.bind_input(name, "cpu", 0, value.dtype, list(value.shape), value.ctypes.data)
+        rows = feeds[next(iter(in_place.values()))].shape[0]  # a cache: one per row (state feeds are per input)
+        results = []
+        for name in outputs:
+            if name in in_place:
+                value = feeds[in_place[name]]
+                if bound.get(("output", name)) is value:
+                    results.append(value)
+                    continue
+                bound[("output", name)] = value
+            else:
+                value = np.empty(self._output_shape(graph, name, rows), dtype=self._output_types[graph][name])
+            binding.bind_output(name, "cpu", 0, value.dtype, list(value.shape), value.ctypes.data)
+            results.append(value)
+        with allocation_failures(graph):
+            session.run_with_iobinding(binding)
+        return results
+
+    def _output_shape(self, graph: str, name: str, rows: int) -> list[int]:
+        """An output's shape with its row axis ``rows`` (scores [rows, vocab]); other symbolic sizes are refused."""
+        shape = self._output_shapes[graph][name]
+        if any(not isinstance(d, int) and d != "rows" for d in shape):
+            raise ElxError(f"the {graph} graph's output {name} has sizes {shape} besides its rows; it cannot run with "
+                           "its cache in place: re-run 'elx export'")
+        return [rows if d == "rows" else d for d in shape]
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array)

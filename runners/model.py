@@ -173,7 +173,9 @@ class Model:
         return sum(self.backend.nbytes(v) for v in state.feeds.values())
 
     def cache_bytes(self, cache: DecoderCache) -> int:
-        return sum(self.backend.nbytes(v) for v in cache.arrays.values())
+        """The cache's bytes; an entry appended in place counts its whole buffer (the room after it too)."""
+        return sum(v.base.nbytes if isinstance(getattr(v, "base", None), CacheBuffer) else self.backend.nbytes(v)
+                   for v in cache.arrays.values())
 
 
 class CacheBuffer(np.ndarray):

@@ -135,6 +135,23 @@ def test_the_cache_runs_in_place_bit_for_bit(which, request):
     assert not np.array_equal(again, ours[3][0])
 
 
+def test_the_memory_bound_holds_the_buffers(fused):
+    """The memory check's bound on the cache (``self_cache_bound``: 2.5x for entries in place) holds the buffers the
+    search keeps (each counted whole, its room too), measured at every step of a beam search."""
+    from elx.runners.generate import Generator
+    from elx.runners.inputs.validation import self_cache_bound
+
+    generator = Generator.from_folder(fused)
+    rows = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+    out = generator.generate(input_ids=rows, num_beams=4, max_new_tokens=40, min_new_tokens=40, track_memory=True)
+    prompt = out.raw_sequences.shape[1] - 40
+    bound = self_cache_bound(generator.manifest, 2, 4, prompt, prompt + 40)
+    live = max(step["cache_bytes"] for step in out.memory)
+    plain = 8 * (prompt + 40) * sum(int(np.prod([d for i, d in enumerate(e["shape"]) if i not in (0, e["seq_axis"])]))
+                                    * 4 for e in generator.manifest.cache_entries)
+    assert plain < live <= bound  # the room is counted (more than the cache alone) and within the bound
+
+
 def test_int8_quantizes_the_packed_projections_by_layer(llama_fused, llama16, tmp_path):
     """int8 after the pass: its packed q/k/v weight (a Concat of the three) is folded and quantized like any weight
     MatMul, and each MatMul keeps its layer through the rewrite (the per-layer rule tells layers by the exporter's

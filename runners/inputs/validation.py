@@ -328,18 +328,20 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
 def self_cache_bound(manifest, batch: int, beams: int, prompt_len: int, length: int) -> int:
     """The self-attention cache of a search at ``length`` positions, twice where a step's past and present coexist:
     every entry of the manifest's cache layout, for ``batch`` x ``beams`` rows; a prompt the export keeps once per
-    input (``cache.prompt`` beam-shared: GPT-2's shared prompt) once per input."""
-    per_position = 0
+    input (``cache.prompt`` beam-shared: GPT-2's shared prompt) once per input.  An entry the runtime appends in place
+    (``in_place``: ``runners/model.py``) lives in a buffer 1.5x its length, copied into the next when full: 2.5x."""
+    per_position = 0  # bytes per position, doubled (2.5x for entries in place)
     for entry in manifest.cache_entries:
         shape, seq_axis = entry.get("shape") or [], entry.get("seq_axis")
         dims = [d for axis, d in enumerate(shape) if axis not in (0, seq_axis)]
         if not all(_is_int(d) for d in dims):
             return 0  # a layout this estimate does not know: no bound from it
-        per_position += int(np.prod(dims, dtype=np.int64)) * _ITEMSIZE.get(entry.get("dtype"), 4)
+        copies = 5 if entry.get("in_place") else 4  # in halves
+        per_position += int(np.prod(dims, dtype=np.int64)) * _ITEMSIZE.get(entry.get("dtype"), 4) * copies // 2
     prompt = manifest.data.get("cache", {}).get("prompt")
     if isinstance(prompt, dict) and prompt.get("kind") == "beam-shared":
-        return per_position * (batch * prompt_len + 2 * batch * beams * (length - prompt_len))
-    return per_position * 2 * batch * beams * length
+        return per_position * (batch * prompt_len + 2 * batch * beams * (length - prompt_len)) // 2
+    return per_position * batch * beams * length
 
 
 def encoder_bytes(manifest, inputs: dict) -> int:

@@ -74,8 +74,8 @@ from elx.runners.errors import ElxError
 from elx.runners.manifest import Manifest
 
 from elx.exporter.passes import catalog
-from elx.exporter.passes.rewrite import SHAPE_OPS, Builder, commit, constant_shape, constant_value, \
-    inherit_metadata, load_graph, pass_file, producer, refuse_twice, save_graph
+from elx.exporter.passes.rewrite import SHAPE_OPS, Builder, commit, constant_shape, \
+    inherit_metadata, load_graph, pass_file, producer, refuse_twice, save_graph, scalar_value
 
 SPEC = catalog.FUSED_ATTENTION
 NAME, parse_argument = SPEC.name, SPEC.parse
@@ -122,17 +122,12 @@ def _down(tensor):
     return tensor, path
 
 
-def _scalar(tensor) -> float | None:
-    value = constant_value(tensor)
-    return float(np.asarray(value).reshape(())) if value is not None and value.size == 1 else None
-
-
 def _is_scores(tensor) -> bool:
     """``tensor`` is a product of queries and keys (through shape-only nodes and a scaling by a constant)."""
     tensor, _ = _up(tensor)
     node = producer(tensor)
     if node is not None and node.op == "Mul":
-        scaled = [i for i in (0, 1) if _scalar(node.inputs[i]) is not None]
+        scaled = [i for i in (0, 1) if scalar_value(node.inputs[i]) is not None]
         if not scaled:
             return False
         node = producer(_up(node.inputs[1 - scaled[0]])[0])
@@ -211,8 +206,8 @@ def find_core(softmax: gs.Node, inputs: set, outputs: set) -> Core:
     nodes = [softmax, *above, add, *path]
     node, scale = producer(tensor), 1.0
     if node.op == "Mul":
-        i = next(i for i in (0, 1) if _scalar(node.inputs[i]) is not None)
-        scale = _scalar(node.inputs[i])
+        i = next(i for i in (0, 1) if scalar_value(node.inputs[i]) is not None)
+        scale = scalar_value(node.inputs[i])
         nodes.append(node)
         tensor, path = _up(node.inputs[1 - i])
         nodes += path

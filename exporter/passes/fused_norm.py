@@ -40,16 +40,11 @@ from elx.runners.manifest import Manifest
 
 from elx.exporter.passes import catalog
 from elx.exporter.passes.rewrite import commit, constant_value, load_graph, pass_file, producer, refuse_twice, \
-    save_graph
+    save_graph, scalar_value
 
 SPEC = catalog.FUSED_NORM
 NAME, parse_argument = SPEC.name, SPEC.parse
 DOMAIN = "com.microsoft"
-
-
-def _scalar(tensor) -> float | None:
-    value = constant_value(tensor)
-    return float(np.asarray(value).reshape(())) if value is not None and value.size == 1 else None
 
 
 def _next(tensor, op: str) -> gs.Node | None:
@@ -70,7 +65,7 @@ def _last_axis_only(mean: gs.Node, rank: int | None) -> bool:
 
 def find_norm(power: gs.Node):
     """The RMSNorm starting at ``power`` (see the module doc): (x, ε, g, y, its nodes), else None."""
-    if _scalar(power.inputs[1]) != 2.0:
+    if scalar_value(power.inputs[1]) != 2.0:
         return None
     x = power.inputs[0]
     mean = _next(power.outputs[0], "ReduceMean")
@@ -80,7 +75,7 @@ def find_norm(power: gs.Node):
     add = _next(mean.outputs[0], "Add")
     if add is None:
         return None
-    epsilon = next((_scalar(t) for t in add.inputs if _scalar(t) is not None), None)
+    epsilon = next((scalar_value(t) for t in add.inputs if scalar_value(t) is not None), None)
     root = _next(add.outputs[0], "Sqrt")
     inverse = _next(root.outputs[0], "Reciprocal") if root is not None else None
     scaled = _next(inverse.outputs[0], "Mul") if inverse is not None else None
@@ -90,8 +85,8 @@ def find_norm(power: gs.Node):
     if weighted is None:
         return None
     gain = next(t for t in weighted.inputs if t is not scaled.outputs[0])
-    gain_shape = constant_value(gain)
-    if gain_shape is None or gain_shape.ndim != 1:
+    gain_value = constant_value(gain)
+    if gain_value is None or gain_value.ndim != 1:
         return None
     return x, epsilon, gain, weighted.outputs[0], [power, mean, add, root, inverse, scaled, weighted]
 

@@ -143,6 +143,12 @@ def constant_value(tensor) -> np.ndarray | None:
     return None
 
 
+def scalar_value(tensor) -> float | None:
+    """A one-element constant's value as a float, else None."""
+    value = constant_value(tensor)
+    return float(np.asarray(value).reshape(())) if value is not None and value.size == 1 else None
+
+
 def linear_before(tensor) -> tuple[np.ndarray, np.ndarray | None]:
     """``tensor`` = x·W (+ b) with constant W [in, out] and b [out]: return (W, b), else fail."""
     bias = None

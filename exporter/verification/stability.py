@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elx.exporter.families.catalog import hf_attention_applies
-from elx.exporter.verification.hf_reference import hf_generate, search_backend
+from elx.exporter.verification.hf_reference import cached_search_applies, hf_generate, search_backend
 
 HF_VARIANTS = ("eager-fp32", "sdpa-fp32", "fp64")  # HF configurations whose agreement rule 1 asks for
 SEEDS = 3  # seeded perturbations per amplitude
@@ -186,14 +186,16 @@ def check_rows(generator, variants: HfVariants, inputs: dict, hf: np.ndarray, hf
 
 def _perturb(generator, variants, inputs, hf_options, settings, found: dict, epsilon: float, fill: int) -> None:
     """Rule 3 and the margin: elx's search on HF's float64 logits, unperturbed (against HF's float64 ``generate``
-    without a cache, which computes the same logits), then on the ladder."""
+    computing the same logits: on HF's cache for decoder-only models, ``HfDecoderOnlyCachedBackend``; without a
+    cache for encoder-decoder ones), then on the ladder."""
     from elx.runners.generate import Generator
 
     model = variants.get("fp64")
-    hf64 = hf_generate(model, inputs, dict(hf_options, use_cache=False))
+    cached = cached_search_applies(generator.manifest)
+    hf64 = hf_generate(model, inputs, dict(hf_options, use_cache=cached))
 
     def run(amplitude: float, seed: int) -> np.ndarray:
-        backend = search_backend(model, generator.manifest, (amplitude, seed) if amplitude else None)
+        backend = search_backend(model, generator.manifest, (amplitude, seed) if amplitude else None, cached=cached)
         return Generator(backend).generate(inputs, settings=settings).sequences
 
     reference = run(0.0, 0)

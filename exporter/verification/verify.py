@@ -527,11 +527,19 @@ def verify_rewrite(before: Manifest, after: Manifest, shapes=None, seed: int = 0
                    no_repeat_ngram_size: int = 0, reference: RuntimeSide | None = None, sides=None) -> dict:
     """The graphs after a pass against the graphs before it (``reference`` reuses loaded sessions; ``sides``, a
     ``CandidateSides``, loads ``after``'s once for all the seeds it is verified at).  The bar is at least the
-    export's own (``logits_tolerance(before)``: on a deep model, widened by fp32's measured error)."""
-    reference = reference or RuntimeSide(before)
+    export's own (``logits_tolerance(before)``: on a deep model, widened by fp32's measured error).
+
+    Without a loaded ``reference`` (and no ``past_from``, which rewrites each case's past as it runs), ``before``'s
+    results are recorded and its sessions released before ``after``'s load (``RecordedSide``): the two sets of
+    sessions side by side were the peak of an export with passes (the real SmolLM2-135M with
+    ``--pass fused-attention,fused-norm``: above the export's memory bound)."""
+    shapes = shapes or default_shapes(before)
+    if reference is None:
+        reference = RuntimeSide(before)
+        if past_from is None:
+            reference = RecordedSide(reference, before, shapes, [seed])
     side = sides(after) if sides is not None else RuntimeSide(after, no_repeat_ngram_size)
-    return measure(reference, side, before, shapes or default_shapes(before), seed, past_from, expect,
-                   floor=logits_tolerance(before))
+    return measure(reference, side, before, shapes, seed, past_from, expect, floor=logits_tolerance(before))
 
 
 class CandidateSides:

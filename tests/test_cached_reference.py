@@ -69,3 +69,32 @@ def test_cached_logits_and_a_cache_stepped_twice(model):
     swapped = cached.reorder(start, np.array([1, 0]))
     assert torch.equal(swapped.arrays["past"].layers[0].keys[0], start.arrays["past"].layers[0].keys[1])
     assert cached.cache_bytes(start) > start.arrays["history"].nbytes
+
+
+def test_compare_runs_the_rule_on_the_cache(exported, model_folders, monkeypatch):
+    """``compare``'s stability rule on a decoder-only export's differing rows goes through the cached reference: an
+    export that decided ties otherwise (here: elx's search on HF's float64 logits with large seeded noise) has rows
+    that differ; for each, elx's search on the unperturbed float64 cache reproduces HF's cached float64 ``generate``
+    (rule 3's first half), and the margin ladder ran."""
+    import elx.exporter.verification.hf_reference as hf_reference
+    from elx.exporter.verification.compare import compare_loaded
+    from elx.exporter.verification.stability import HfVariants
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folders["llama"]).eval()
+    generator = Generator.from_folder(exported("llama"), threads=1)
+    fp64 = HfVariants(model).get("fp64")
+    generator.generate = lambda *args, **kwargs: Generator(
+        hf_reference.search_backend(fp64, generator.manifest, (2.0, 0))).generate(*args, **kwargs)  # uncached
+    steps = []
+    real_step = hf_reference.HfDecoderOnlyCachedBackend.step
+    monkeypatch.setattr(hf_reference.HfDecoderOnlyCachedBackend, "step",
+                        lambda self, *a, **k: steps.append(1) or real_step(self, *a, **k))
+    report = compare_loaded(generator, model, batch_size=3, input_length=6, seed=1, num_beams=2, max_new_tokens=6,
+                            variants=HfVariants(model))
+    moved = [r for r in report.rows if not r.identical]
+    assert moved, "noise of ±2 moved no row"
+    assert steps, "the rule's float64 searches did not run on HF's cache"
+    for row in moved:
+        assert row.stability.search_agrees is True
+        assert row.stability.margin is not None or row.stability.margin_bound is not None

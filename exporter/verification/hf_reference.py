@@ -211,14 +211,9 @@ class DecoderOnlySearchBackend(HfDecoderOnlyLogitsBackend):
     for_run = SearchBackend.for_run
 
 
-class DecoderOnlyCachedSearchBackend(HfDecoderOnlyCachedBackend):
-    """``HfDecoderOnlyCachedBackend`` with a manifest, so that ``Generator`` runs on it."""
-
-    def __init__(self, model, manifest: Manifest, perturbation: tuple[float, int] | None = None):
-        super().__init__(model, perturbation)
-        self.manifest = manifest
-
-    for_run = SearchBackend.for_run
+class DecoderOnlyCachedSearchBackend(HfDecoderOnlyCachedBackend, DecoderOnlySearchBackend):
+    """``HfDecoderOnlyCachedBackend``'s steps with ``DecoderOnlySearchBackend``'s manifest, so that ``Generator`` runs
+    on it."""
 
 
 def search_backend(model, manifest: Manifest, perturbation: tuple[float, int] | None = None, cached: bool = False):

@@ -197,9 +197,12 @@ class Generator:
         text = self.text if settings.stop_strings and args.tokenizer is None else None
         hooks = search_hooks(settings, args, text, int(prompt.shape[0]), self._stop_strings)
         model = for_search_path(model, processors, hooks)  # a device search keeps a prompt's scores there
-        state = model.encode(inputs)
         search = greedy_search if settings.num_beams == 1 else beam_search
-        result = search(model, state, settings, processors, track_memory=track_memory, prompt=prompt, hooks=hooks)
+        try:
+            result = search(model, model.encode(inputs), settings, processors, track_memory=track_memory,
+                            prompt=prompt, hooks=hooks)
+        finally:  # the run's caches are the search's: nothing of them stays bound to the backend
+            self.model.backend.release_run()
         sequences = self.rules.output_sequences(result.sequences, settings)
         text_out = self.text.decode(sequences) if decode and self.text is not None and messages is None else None
         if decode and messages is not None:  # the replies: a decoder-only row begins with its prompt

@@ -67,6 +67,32 @@ def test_the_export_records_fp32s_own_error_and_each_cases_bar(ill_conditioned):
     assert logits_tolerance(manifest) == pytest.approx(record["atol"])  # passes and compare get the widened bar
 
 
+def test_fp32s_error_is_the_largest_over_its_evaluations(ill_conditioned):
+    """One fp32 evaluation is one draw of its rounding: each case's recorded e is the largest error against fp64 over
+    PyTorch's fp32 evaluations of the same function (sdpa and eager attention, the cases batched and alone),
+    measured here one by one.  On the real SmolLM2-135M the batched sdpa draw alone set a bar that refused correct
+    graphs (``exporter/verification/fp32_noise.py``)."""
+    from elx.exporter.verification.fp32_noise import Float64Side, attention_as, in_float64
+    from elx.exporter.verification.verify import DecoderOnlyTorchSide, RecordedSide, default_shapes
+
+    model, manifest = ill_conditioned
+    shapes = default_shapes(manifest)
+    side = DecoderOnlyTorchSide(model, manifest)
+    with in_float64(model):
+        fp64 = RecordedSide(Float64Side(side), manifest, shapes, [0], together=True)
+    draws = []
+    for attention in ("sdpa", "eager"):
+        for together in (True, False):
+            with attention_as(model, attention):
+                found = measure(fp64, RecordedSide(side, manifest, shapes, [0], together=together), manifest, shapes, 0)
+            draws.append([e["max_abs_logits_diff"] for e in found["shapes"]])
+    assert model.config._attn_implementation == "sdpa"  # put back
+    worst = np.max(draws, axis=0)
+    assert (worst > np.array(draws[0]) * 1.05).any()  # the draws differ: the first alone would set other bars
+    recorded = [c["fp32_vs_fp64"] for c in manifest.data["verification"]["tolerance"]["fp32_noise"]["cases"]]
+    np.testing.assert_allclose(recorded, worst, rtol=1e-6)
+
+
 @pytest.mark.parametrize("weight", ["o_proj", "down_proj", *(pytest.param(w, marks=pytest.mark.skipif(
     not LONG, reason="CI runs o_proj and down_proj; set ELX_LONG_TESTS=1"))
     for w in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))])

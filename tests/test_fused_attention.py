@@ -152,6 +152,39 @@ def test_the_memory_bound_holds_the_buffers(fused):
     assert plain < live <= bound  # the room is counted (more than the cache alone) and within the bound
 
 
+def test_nothing_of_a_run_stays_bound_after_generate(fused):
+    """The backend binds each cache buffer to its graph for the steps of a run; once ``generate`` returns (or
+    fails), none of them is alive: a beam search's caches were held until the next run (the int8 export's recorded
+    agreement peaked there, beside HF's model)."""
+    import gc
+    import weakref
+
+    from elx.runners.generate import Generator
+    from elx.runners.model import CacheBuffer
+
+    generator = Generator.from_folder(fused)
+    seen = []
+    run_in_place = generator.model.backend.run_in_place
+
+    def spy(graph, feeds, outputs, in_place):
+        seen.extend(weakref.ref(feeds[name]) for name in in_place.values() if isinstance(feeds[name], CacheBuffer))
+        if len(seen) > 40:
+            raise RuntimeError("a failing step")
+        return run_in_place(graph, feeds, outputs, in_place)
+
+    def alive():
+        gc.collect()
+        return sum(ref() is not None for ref in seen)
+
+    generator.model.backend.run_in_place = spy
+    generator.generate(input_ids=[[5, 6, 7, 8, 9]], num_beams=4, max_new_tokens=3)
+    assert seen and alive() == 0  # the run bound buffers, and none is left
+    seen.clear()
+    with pytest.raises(RuntimeError, match="a failing step"):
+        generator.generate(input_ids=[[5, 6, 7, 8, 9]], num_beams=4, max_new_tokens=30, min_new_tokens=30)
+    assert alive() == 0
+
+
 def test_int8_quantizes_the_packed_projections_by_layer(llama_fused, llama16, tmp_path):
     """int8 after the pass: its packed q/k/v weight (a Concat of the three) is folded and quantized like any weight
     MatMul, and each MatMul keeps its layer through the rewrite (the per-layer rule tells layers by the exporter's

@@ -8,9 +8,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from elx.runners.generate import Generator, Model, make_backend
+from elx.runners.backends.ort import OrtBackend
+from elx.runners.generate import Generator, Model
 from elx.runners.manifest import Manifest
 
+from elx.exporter.memory import release_memory
 from elx.exporter.verification.compare import compare_loaded
 from elx.exporter.passes.rewrite import drop_unused_files
 from elx.exporter.precision.int8 import LM_HEAD, convert_folder
@@ -65,11 +67,15 @@ def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:
     """``verification.int8`` for the int8 export ``manifest`` describes (see the module doc)."""
     draw = dict(draw or DRAW)
     random_inputs = random_inputs_error(torch_model, manifest)
-    generator = Generator(Model(manifest, make_backend(manifest, "ort", "cpu", 0, None)))
+    release_memory()  # each part's freed memory back before the next allocates (the export's peak is here)
+    # the packed kernels the runtime uses (unpacked, MatMulNBits computes otherwise: other recorded figures), without
+    # the arena (a few runs of several shapes, held beside HF's model: the export's peak)
+    generator = Generator(Model(manifest, OrtBackend(manifest, arena=False)))
     searches = {}
     for name, beams in SEARCHES.items():
         report = compare_loaded(generator, torch_model, batch_size=draw["batch_size"],
                                 input_length=draw["input_length"], seed=draw["seed"], atol=math.inf,
                                 num_beams=beams, max_new_tokens=draw["max_new_tokens"])
         searches[name] = {"num_beams": beams, **summarize(report)}
+        release_memory()
     return {"draw": draw, "random_inputs": random_inputs, "searches": searches}

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from elx.runners.search.ngram_reference import block_ngrams
+from elx.exporter.memory import release_memory, return_free_pages
 from elx.exporter.source.load import reload_model
 
 from elx.runners.generate import Generator
@@ -270,7 +271,10 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
         inputs = random_inputs(generator.manifest, batch_size, input_length, np.random.default_rng(seed))
     check_encoder_inputs(generator.manifest, inputs)  # before HF sees them (torch fails with a traceback)
     hf = _hf_generate(model, inputs, hf_options)  # the compared runs double as warm-ups ...
+    release_memory()  # each run's freed memory back before the next allocates (exporter/memory.py; the int8
+    # export's recorded agreement, two searches of each side beside HF's model, peaked above its bound without)
     out = generator.generate(inputs, settings=settings)
+    release_memory()
     hf_seconds = elx_seconds = None
     if timed:  # ... of one timed warm run each
         hf_seconds = _seconds(lambda: _hf_generate(model, inputs, hf_options))
@@ -288,6 +292,7 @@ def compare_loaded(generator: Generator, model, batch_size: int = 4, input_lengt
         from elx.exporter.verification.compare_decoder_only import decoder_only_teacher_forced
 
         diffs, top1, encoder_diff = decoder_only_teacher_forced(generator, model, inputs, forced, per_item)
+    return_free_pages()
     fill = rules.output_fill(settings)
     rows = []
     for r in range(hf.shape[0]):

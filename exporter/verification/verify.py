@@ -333,6 +333,8 @@ class RecordedSide:
     released before a candidate loads.  Holding both sides held four copies of a decoder-only model's weights
     (prefill and step, before and after): 27 GB at SmolLM2-1.7B, past this machine's 23 GB."""
 
+    spread = None  # PyTorch fp32's side (``torch_references``): its error per case, the largest over its evaluations
+
     def __init__(self, side, manifest: Manifest, shapes, seeds, report=None, together: bool = False, threads=None):
         """``together``: every case in one call of ``side.run_together`` (the float64 reference, ``torch_references``);
         ``threads()``, if given, says how many threads PyTorch takes for the next case (``export.ReferenceThreads``)."""
@@ -491,7 +493,37 @@ def torch_references(model, manifest: Manifest, shapes=None, seed: int = 0, repo
         # a time
         with in_float64(model, threads):
             fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], threads=threads)
+    fp32.spread = fp32_spread(model, torch_side, fp64, fp32, manifest, shapes, seed, together, threads)
     return fp32, fp64
+
+
+def fp32_spread(model, torch_side, fp64, fp32, manifest: Manifest, shapes, seed: int, together: bool,
+                threads=None) -> list[float] | None:
+    """Per case, the largest error against ``fp64`` of PyTorch's fp32 forward over the evaluations that differ from
+    the reference only in rounding: the attention kernel (sdpa and eager, where the model takes both) and, for a
+    decoder-only model, the cases batched and alone (other GEMM shapes).  One fp32 evaluation is one draw of its
+    rounding: on the real SmolLM2-135M's amplifying case (batch 2 x beams 3) eight such evaluations erred from
+    8.3e-5 to 3.7e-4 on one machine (9.0e-4 on another), and the one the export happened to run set a bar that
+    refused correct graphs (``exporter/verification/fp32_noise.py``).  None where the first draw's bars are all below
+    ``SPREAD_RELEVANT`` of the magnitude rule (the tests' tiny Llama, GPT-2 and T5: 0.005-0.05 of it)."""
+    from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE, SPREAD_RELEVANT, attention_as, other_attention, \
+        per_layer_threads
+
+    first = measure(fp64, fp32, manifest, shapes, seed)
+    worst = [e["max_abs_logits_diff"] for e in first["shapes"]]
+    if not NOISE_MULTIPLE * max(worst, default=0.0) >= SPREAD_RELEVANT * first["tolerance"]:
+        return None  # fp32's error is far below the magnitude rule: no draw of it can set a bar
+    evaluations = [(None, False)] if together else []
+    alternative = other_attention(model)
+    if alternative is not None:
+        evaluations += [(alternative, True), (alternative, False)] if together else [(alternative, False)]
+    for attention, batched in evaluations:
+        with attention_as(model, attention), per_layer_threads(model, threads if batched else None):
+            side = RecordedSide(torch_side, manifest, shapes, [seed], together=batched, threads=threads)
+        found = measure(fp64, side, manifest, shapes, seed)["shapes"]
+        worst = [max(a, b["max_abs_logits_diff"]) for a, b in zip(worst, found)]
+        del side
+    return worst
 
 
 def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release_model=None, report=None,
@@ -513,6 +545,9 @@ def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release
     graphs = RecordedSide(RuntimeSide(manifest), manifest, shapes, [seed],
                           _side_progress(report, "graphs"))  # sessions released
     noise = measure(fp64, fp32, manifest, shapes, seed)
+    for entry, worst in zip(noise["shapes"], getattr(fp32, "spread", None) or ()):  # several draws of fp32's rounding
+        entry["max_abs_logits_diff"] = max(entry["max_abs_logits_diff"], worst)
+    noise["max_abs_logits_diff"] = max((e["max_abs_logits_diff"] for e in noise["shapes"]), default=0.0)
     against_fp64 = measure(fp64, graphs, manifest, shapes, seed)
     report = measure(fp32, graphs, manifest, shapes, seed, bars=case_bars(noise, noise["tolerance"]))
     for entry, e, g in zip(report["shapes"], noise["shapes"], against_fp64["shapes"]):

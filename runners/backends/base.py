@@ -44,6 +44,9 @@ class Backend(ABC):
         themselves, the others as host arrays.  Only where ``in_place_cache``."""
         raise NotImplementedError(f"backend {self.name} does not run caches in place")
 
+    def release_run(self) -> None:
+        """Let go of whatever a generation left bound to the backend (called when each ``generate`` ends)."""
+
     @abstractmethod
     def to_device(self, array: np.ndarray):
         """A device value holding ``array``."""

@@ -18,10 +18,12 @@ _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "ten
                 "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
 
-def session_options(threads: int | None = None, prepack: bool = True):
+def session_options(threads: int | None = None, prepack: bool = True, arena: bool = True):
     """``prepack=False``: MatMul weights are not repacked into a per-session copy (what lets sessions share
     ``runners/backends/ort_mapped.py``'s one mapping of the weights, as the export's verification does; greedy
-    decoding is 1.4x slower without the packing, measured on the real SmolLM2-135M, so the runtime keeps it)."""
+    decoding is 1.4x slower without the packing, measured on the real SmolLM2-135M, so the runtime keeps it), and
+    no arena.  ``arena=False``: no arena, the packing kept (a generator loaded for a few measured runs: the int8
+    export's recorded agreement)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -40,7 +42,8 @@ def session_options(threads: int | None = None, prepack: bool = True):
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
-        # and no arena: it grows by powers of two and keeps its largest size, so a verification's cases of several
+    if not (prepack and arena):
+        # no arena: it grows by powers of two and keeps its largest size, so a verification's cases of several
         # shapes held up to twice their largest run (whisper-base's 30 s cases: the export's peak)
         options.enable_cpu_mem_arena = False
     return options
@@ -60,7 +63,8 @@ def allocation_failures(graph: str):
                        "the lengths") from None
 
 
-def load_sessions(manifest: Manifest, providers: list, threads: int | None = None, mapped: MappedWeights | None = None) -> dict:
+def load_sessions(manifest: Manifest, providers: list, threads: int | None = None, mapped: MappedWeights | None = None,
+                  arena: bool = True) -> dict:
     """An InferenceSession per graph the manifest runs (stages and step); one-line error when unloadable.
     ``mapped`` (which the caller keeps alive as long as the sessions): prepacking off and the weights read
     from its one mapping of each data file (``runners/backends/ort_mapped.py``)."""
@@ -71,7 +75,7 @@ def load_sessions(manifest: Manifest, providers: list, threads: int | None = Non
     for name in [*manifest.stages, manifest.step]:
         path = manifest.graph_path(name)
         try:
-            options = session_options(threads, prepack=mapped is None)
+            options = session_options(threads, prepack=mapped is None, arena=arena)
             if mapped is not None:
                 mapped.add_to(options, path)
             sessions[name] = ort.InferenceSession(str(path), options, providers=providers)
@@ -87,10 +91,11 @@ class OrtBackend(Backend):
     name, device = "ort", "cpu"
     in_place_cache = True
 
-    def __init__(self, manifest: Manifest, threads: int | None = None, prepack: bool = True):
-        """``prepack=False``: the sessions share one mapping of the weights (``runners/backends/ort_mapped.py``)."""
+    def __init__(self, manifest: Manifest, threads: int | None = None, prepack: bool = True, arena: bool = True):
+        """``prepack=False``: the sessions share one mapping of the weights (``runners/backends/ort_mapped.py``);
+        ``arena=False``: no CPU arena (``session_options``)."""
         mapped = None if prepack else MappedWeights()
-        self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, mapped)
+        self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, mapped, arena)
         self.mapped = mapped  # set after the sessions, so dropped after them: they read its arrays
         self._bindings = {}  # graph → (its IOBinding, what each name is bound to): run_in_place
         self._output_shapes = {g: {o.name: o.shape for o in s.get_outputs()} for g, s in self.sessions.items()}
@@ -137,6 +142,11 @@ class OrtBackend(Backend):
         with allocation_failures(graph):
             session.run_with_iobinding(binding)
         return results
+
+    def release_run(self) -> None:
+        """Let go of what ``run_in_place`` bound: the last run's cache buffers (a beam search's: 30 layers x 2 x rows
+        x its capacity) are held by the kept bindings until the next run otherwise."""
+        self._bindings.clear()
 
     def _output_shape(self, graph: str, name: str, rows: int) -> list[int]:
         """An output's shape with its row axis ``rows`` (scores [rows, vocab]); other symbolic sizes are refused."""

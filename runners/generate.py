@@ -201,8 +201,11 @@ class Generator:
         try:
             result = search(model, model.encode(inputs), settings, processors, track_memory=track_memory,
                             prompt=prompt, hooks=hooks)
-        finally:  # the run's caches are the search's: nothing of them stays bound to the backend
-            self.model.backend.release_run()
+        finally:  # the run's caches are the search's: nothing of them stays bound to the backend (a model-like
+            # object without a backend, e.g. the verification's HF search backends, holds nothing to release)
+            release = getattr(self.model, "release_run", None)
+            if release is not None:
+                release()
         sequences = self.rules.output_sequences(result.sequences, settings)
         text_out = self.text.decode(sequences) if decode and self.text is not None and messages is None else None
         if decode and messages is not None:  # the replies: a decoder-only row begins with its prompt

@@ -39,6 +39,10 @@ class Model:
         self.device_scores = False  # a decoder-only prompt's first scores stay on the device (``on_device``)
 
     # -- per run -----------------------------------------------------------------------------
+    def release_run(self) -> None:
+        """Let go of what the backend holds of the last run (``Backend.release_run``)."""
+        self.backend.release_run()
+
     def for_run(self, no_repeat_ngram_size: int | None) -> "Model":
         """This model reading the step output a run with ``no_repeat_ngram_size`` needs (see the module doc)."""
         view = copy.copy(self)

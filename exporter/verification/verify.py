@@ -522,7 +522,6 @@ def fp32_spread(model, torch_side, fp64, fp32, manifest: Manifest, shapes, seed:
             side = RecordedSide(torch_side, manifest, shapes, [seed], together=batched, threads=threads)
         found = measure(fp64, side, manifest, shapes, seed)["shapes"]
         worst = [max(a, b["max_abs_logits_diff"]) for a, b in zip(worst, found)]
-        del side
     return worst
 
 
@@ -545,7 +544,7 @@ def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release
     graphs = RecordedSide(RuntimeSide(manifest), manifest, shapes, [seed],
                           _side_progress(report, "graphs"))  # sessions released
     noise = measure(fp64, fp32, manifest, shapes, seed)
-    for entry, worst in zip(noise["shapes"], getattr(fp32, "spread", None) or ()):  # several draws of fp32's rounding
+    for entry, worst in zip(noise["shapes"], fp32.spread or ()):  # several draws of fp32's rounding
         entry["max_abs_logits_diff"] = max(entry["max_abs_logits_diff"], worst)
     noise["max_abs_logits_diff"] = max((e["max_abs_logits_diff"] for e in noise["shapes"]), default=0.0)
     against_fp64 = measure(fp64, graphs, manifest, shapes, seed)

@@ -185,6 +185,46 @@ def test_nothing_of_a_run_stays_bound_after_generate(fused):
     assert alive() == 0
 
 
+def test_one_resident_session_gives_the_same_tokens_and_holds_one_session(fused):
+    """``OrtBackend(one_session=True)`` (the int8 export's recorded agreement, beside HF's model: each session holds
+    its own packed weights) loads a graph's session when it runs and drops the other first: greedy and beam
+    searches give the tokens and scores of the usual backend, and no dropped session stays alive (not through a
+    kept binding either)."""
+    import gc
+    import weakref
+
+    from elx.runners.backends.ort import OneResident, OrtBackend
+    from elx.runners.generate import Generator, Model
+
+    manifest = Manifest.load(fused)
+    usual = Generator(Model(manifest, OrtBackend(manifest)))
+    lean = Generator(Model(manifest, OrtBackend(manifest, one_session=True)))
+    sessions = lean.model.backend.sessions
+    assert isinstance(sessions, OneResident) and sessions.resident == manifest.step  # the last loaded at start
+    loaded, alive_at_load = [], []
+    load = sessions._load
+
+    def spy(name):
+        gc.collect()
+        alive_at_load.append(sum(ref() is not None for _, ref in loaded))  # the one it replaces: gone already
+        session = load(name)
+        loaded.append((name, weakref.ref(session)))
+        return session
+
+    sessions._load = spy
+    lean.model.backend.release_run = lambda: None  # bindings kept between runs: switching must drop them itself
+    for options in (dict(max_new_tokens=6), dict(num_beams=3, num_return_sequences=2, max_new_tokens=5)):
+        a = usual.generate(input_ids=[[5, 6, 7, 8, 9], [3, 4, 5, 6, 7]], decode=False, output_scores=True, **options)
+        b = lean.generate(input_ids=[[5, 6, 7, 8, 9], [3, 4, 5, 6, 7]], decode=False, output_scores=True, **options)
+        np.testing.assert_array_equal(a.sequences, b.sequences)
+        if a.sequences_scores is not None:
+            np.testing.assert_array_equal(a.sequences_scores, b.sequences_scores)
+    gc.collect()
+    assert [name for name, _ in loaded] == [manifest.stages[0], manifest.step] * 2  # a prefill, then its steps
+    assert alive_at_load == [0, 0, 0, 0]
+    assert sum(ref() is not None for _, ref in loaded) == 1 and loaded[-1][1]() is sessions[manifest.step]
+
+
 def test_int8_quantizes_the_packed_projections_by_layer(llama_fused, llama16, tmp_path):
     """int8 after the pass: its packed q/k/v weight (a Concat of the three) is folded and quantized like any weight
     MatMul, and each MatMul keeps its layer through the rewrite (the per-layer rule tells layers by the exporter's

@@ -113,6 +113,34 @@ def test_int8_record_is_reproduced_by_compare_on_its_draw(int8_export):
         assert "int8 agreement on the recorded draw" in text and text.endswith("PASS")
 
 
+def test_int8_records_the_error_of_the_kernels_the_runtime_runs(exported, model_folders, tmp_path):
+    """The recorded random-inputs error of a decoder-only int8 export is measured on the sessions the runtime loads
+    (prepacked): ONNX Runtime's MatMulNBits computes with int8 activations there (accuracy level 4) and with fp32
+    ones unpacked, as the verification's mapped sessions run (the real SmolLM2-135M: 1.68 against 0.97)."""
+    from transformers import AutoModelForCausalLM
+
+    from elx.exporter.precision.decoder_only import torch_side
+    from elx.exporter.precision.int8 import convert_folder, kernel_for
+    from elx.exporter.precision.int8_check import random_inputs_error
+    from elx.exporter.precision.int8_export import record
+    from elx.exporter.verification.verify import RuntimeSide, default_shapes, measure
+    from elx.runners.backends.ort import OrtBackend
+    from elx.runners.generate import Model
+
+    fp32 = Manifest.load(exported("llama"))
+    assert kernel_for(fp32) == "nbits"
+    int8 = convert_folder(fp32, tmp_path / "int8")
+    int8.save(tmp_path / "int8")
+    model = AutoModelForCausalLM.from_pretrained(model_folders["llama"]).eval()
+    runtime = RuntimeSide(int8, prefill=True)
+    runtime.model = Model(int8, OrtBackend(int8)).for_run(0)  # the backend the runtime's generator loads
+    runs = measure(torch_side(model, int8), runtime, int8, default_shapes(int8))["max_abs_logits_diff"]
+    unpacked = random_inputs_error(model, int8)["max_abs_logits_diff"]
+    assert random_inputs_error(model, int8, packed=True)["max_abs_logits_diff"] == runs != unpacked
+    assert record(model, int8, dict(batch_size=2, input_length=8, max_new_tokens=3, seed=0))[
+        "random_inputs"]["max_abs_logits_diff"] == runs
+
+
 def test_int8_compare_fails_a_damaged_export(int8_export, tmp_path):
     """An LM head whose int8 weights are garbled: the logits leave the recorded bound and the tokens the record."""
     folder = tmp_path / "damaged"

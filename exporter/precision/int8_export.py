@@ -66,11 +66,12 @@ def _every_few_layers(progress, stage):
 def record(torch_model, manifest: Manifest, draw: dict | None = None) -> dict:
     """``verification.int8`` for the int8 export ``manifest`` describes (see the module doc)."""
     draw = dict(draw or DRAW)
-    random_inputs = random_inputs_error(torch_model, manifest)
+    random_inputs = random_inputs_error(torch_model, manifest, packed=True)  # the kernels the runtime runs
     release_memory()  # each part's freed memory back before the next allocates (the export's peak is here)
     # the packed kernels the runtime uses (unpacked, MatMulNBits computes otherwise: other recorded figures), without
-    # the arena (a few runs of several shapes, held beside HF's model: the export's peak)
-    generator = Generator(Model(manifest, OrtBackend(manifest, arena=False)))
+    # the arena (a few runs of several shapes, held beside HF's model: the export's peak), one session in memory at
+    # a time (each holds its own packed copy of the int8 weights)
+    generator = Generator(Model(manifest, OrtBackend(manifest, arena=False, one_session=True)))
     searches = {}
     for name, beams in SEARCHES.items():
         report = compare_loaded(generator, torch_model, batch_size=draw["batch_size"],

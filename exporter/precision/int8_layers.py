@@ -26,7 +26,12 @@ keeps that full conversion when no layer is out of line (``measure_and_convert``
 written once, always as external data, and each variant is a graph referring to them (a graph under 2 GB saved
 whole made every variant a 645 MB copy, serialized and written per layer: 13 of SmolLM2-135M's ~20 s a layer).
 PyTorch's side runs once (``RecordedSide``) for all layers.  A layer then costs two ONNX Runtime sessions (their
-weights mapped, not prepacked: ``runners/backends/ort_mapped.py``) and the graphs' five cases.  Still the slowest
+weights mapped, not prepacked: ``runners/backends/ort_mapped.py``) and the graphs' five cases.  Unpacked,
+``MatMulNBits`` computes with fp32 activations, the runtime's prepacked sessions with int8 ones (accuracy level 4),
+so these errors are the weights' rounding without the activations' (the whole real SmolLM2-135M: 0.97 unpacked,
+1.68 packed); prepacked variants would hold a packed copy of every fp32 weight of the variant per session (2 x the
+model beside HF's), so the rule ranks layers by their weights' rounding, and the record (``int8_export.record``)
+measures the runtime's own kernels.  Still the slowest
 step of any export; a cheaper measurement (one session per graph, the layer's weights swapped) is not done.
 Real SmolLM2-135M (31 layers, 2026-11-29): 190 s, then 91 s once the LM head was found once per graph
 (``int8.lm_heads``) instead of by a walk of the graph per MatMul; of a layer's ~2.8 s, ~2 s is ONNX Runtime running

@@ -63,55 +63,108 @@ def allocation_failures(graph: str):
                        "the lengths") from None
 
 
-def load_sessions(manifest: Manifest, providers: list, threads: int | None = None, mapped: MappedWeights | None = None,
-                  arena: bool = True) -> dict:
-    """An InferenceSession per graph the manifest runs (stages and step); one-line error when unloadable.
-    ``mapped`` (which the caller keeps alive as long as the sessions): prepacking off and the weights read
-    from its one mapping of each data file (``runners/backends/ort_mapped.py``)."""
+def load_session(manifest: Manifest, name: str, providers: list, threads: int | None = None,
+                 mapped: MappedWeights | None = None, arena: bool = True):
+    """The InferenceSession of the manifest's graph ``name``; one-line error when unloadable.  ``mapped`` (which
+    the caller keeps alive as long as the session): prepacking off and the weights read from its one mapping of
+    each data file (``runners/backends/ort_mapped.py``)."""
     import onnxruntime as ort
 
+    path = manifest.graph_path(name)
+    try:
+        options = session_options(threads, prepack=mapped is None, arena=arena)
+        if mapped is not None:
+            mapped.add_to(options, path)
+        session = ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as err:  # ORT raises several types for unreadable graphs
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ElxError(f"ONNX Runtime cannot load {path} ({first}); re-run 'elx export' for this folder")
+    manifest.check_graph_io(name, {i.name: i.type for i in session.get_inputs()},
+                            {o.name: o.type for o in session.get_outputs()})
+    return session
+
+
+def load_sessions(manifest: Manifest, providers: list, threads: int | None = None, mapped: MappedWeights | None = None,
+                  arena: bool = True) -> dict:
+    """An InferenceSession per graph the manifest runs (stages and step): ``load_session`` of each."""
     check_threads(threads)  # before ONNX Runtime starts any: it starts as many as asked, per session
-    sessions = {}
-    for name in [*manifest.stages, manifest.step]:
-        path = manifest.graph_path(name)
-        try:
-            options = session_options(threads, prepack=mapped is None, arena=arena)
-            if mapped is not None:
-                mapped.add_to(options, path)
-            sessions[name] = ort.InferenceSession(str(path), options, providers=providers)
-        except Exception as err:  # ORT raises several types for unreadable graphs
-            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise ElxError(f"ONNX Runtime cannot load {path} ({first}); re-run 'elx export' for this folder")
-        manifest.check_graph_io(name, {i.name: i.type for i in sessions[name].get_inputs()},
-                                {o.name: o.type for o in sessions[name].get_outputs()})
-    return sessions
+    return {name: load_session(manifest, name, providers, threads, mapped, arena)
+            for name in [*manifest.stages, manifest.step]}
+
+
+class OneResident:
+    """The sessions of ``load_sessions``, loaded as a graph runs and one in memory at a time: asking for another
+    graph's drops the resident one first.  For a generator run a few times where memory is what counts (the int8
+    export's recorded agreement: its prefill and step sessions each hold a prepacked copy of the int8 weights,
+    ~190 MiB each on the real SmolLM2-135M, beside HF's model); each switch loads a session again (a search loads
+    its prefill, then its step)."""
+
+    def __init__(self, load, names: list[str]):
+        self._load, self._names = load, list(names)
+        self.resident, self._session = None, None
+
+    def __getitem__(self, name: str):
+        if name not in self._names:
+            raise KeyError(name)
+        if name != self.resident:
+            self.resident, self._session = None, None  # released before the next one loads
+            self._session, self.resident = self._load(name), name
+        return self._session
+
+    def __contains__(self, name) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def items(self):
+        return ((name, self[name]) for name in self._names)
 
 
 class OrtBackend(Backend):
     name, device = "ort", "cpu"
     in_place_cache = True
 
-    def __init__(self, manifest: Manifest, threads: int | None = None, prepack: bool = True, arena: bool = True):
+    def __init__(self, manifest: Manifest, threads: int | None = None, prepack: bool = True, arena: bool = True,
+                 one_session: bool = False):
         """``prepack=False``: the sessions share one mapping of the weights (``runners/backends/ort_mapped.py``);
-        ``arena=False``: no CPU arena (``session_options``)."""
+        ``arena=False``: no CPU arena (``session_options``); ``one_session``: one session in memory at a time
+        (``OneResident``)."""
         mapped = None if prepack else MappedWeights()
-        self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, mapped, arena)
+        if one_session:
+            check_threads(threads)
+            self.sessions = OneResident(
+                lambda name: load_session(manifest, name, ["CPUExecutionProvider"], threads, mapped, arena),
+                [*manifest.stages, manifest.step])
+        else:
+            self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, mapped, arena)
         self.mapped = mapped  # set after the sessions, so dropped after them: they read its arrays
         self._bindings = {}  # graph → (its IOBinding, what each name is bound to): run_in_place
-        self._output_shapes = {g: {o.name: o.shape for o in s.get_outputs()} for g, s in self.sessions.items()}
-        self._output_types = {g: {o.name: _NUMPY_TYPES.get(o.type, np.float32) for o in s.get_outputs()}
-                              for g, s in self.sessions.items()}
+        self._output_shapes, self._output_types = {}, {}
+        for g, session in self.sessions.items():  # (one at a time: each loaded once here, the step's kept)
+            self._output_shapes[g] = {o.name: o.shape for o in session.get_outputs()}
+            self._output_types[g] = {o.name: _NUMPY_TYPES.get(o.type, np.float32) for o in session.get_outputs()}
 
     def run(self, graph: str, feeds: dict, outputs: list[str], host_outputs: Collection[str] = ()) -> list:
         with allocation_failures(graph):
-            return self.sessions[graph].run(outputs, feeds)
+            return self._session(graph).run(outputs, feeds)
+
+    def _session(self, graph: str):
+        """``graph``'s session; with one resident at a time (``OneResident``), the kept bindings of the one it
+        replaces go first (a binding holds its session)."""
+        if isinstance(self.sessions, OneResident) and self.sessions.resident != graph:
+            self._bindings.clear()
+        return self.sessions[graph]
 
     def run_in_place(self, graph: str, feeds: dict, outputs: list[str], in_place: dict) -> list:
         """Each buffer of ``in_place`` bound as both its input and its output (IOBinding on host memory: ONNX Runtime's
         GroupQueryAttention then appends the new positions inside it instead of copying the whole cache into a new
         present each step).  One binding per graph, kept: a buffer is bound again only when it changed (a new one
         with room, or a beam reorder's copy), so a step binds its few small inputs and one scores array."""
-        session = self.sessions[graph]
+        session = self._session(graph)
         if graph not in self._bindings:
             self._bindings[graph] = (session.io_binding(), {})
         binding, bound = self._bindings[graph]

@@ -31,7 +31,14 @@ weights mapped, not prepacked: ``runners/backends/ort_mapped.py``) and the graph
 so these errors are the weights' rounding without the activations' (the whole real SmolLM2-135M: 0.97 unpacked,
 1.68 packed); prepacked variants would hold a packed copy of every fp32 weight of the variant per session (2 x the
 model beside HF's), so the rule ranks layers by their weights' rounding, and the record (``int8_export.record``)
-measures the runtime's own kernels.  Still the slowest
+measures the runtime's own kernels.  The decision differs by kernel: on the real SmolLM2-135M (2026-11-30,
+``/work/notes/s13/layers_packed.py``) unpacked, layers.11 is 4.8x the median (0.596 / 0.124) and stays fp32;
+packed, every layer's error is 1.1-4.0x its unpacked one, the median 0.300, layers.11 at 2.1x it, and none is out of
+line.  A rule on the runtime's kernels without the memory is the next step: a variant whose fp32 MatMul weights are
+also listed as graph inputs (overridable initializers, which ONNX Runtime neither folds nor prepacks), its sessions
+prepacking on over the shared mapping, ran the whole int8 export's five cases at 1.713 (fully packed 1.676,
+unpacked 0.968), its sessions +81 MiB (``/work/notes/s13/mapped_packed.py``); graphs without the layer must then
+stay unpacked (another prepack flag per session).  Still the slowest
 step of any export; a cheaper measurement (one session per graph, the layer's weights swapped) is not done.
 Real SmolLM2-135M (31 layers, 2026-11-29): 190 s, then 91 s once the LM head was found once per graph
 (``int8.lm_heads``) instead of by a walk of the graph per MatMul; of a layer's ~2.8 s, ~2 s is ONNX Runtime running

@@ -282,8 +282,8 @@ def test_per_layer_rule_keeps_an_out_of_line_layer(exported, model_folders, monk
 
     measure = precision_int8_check.random_inputs_error
 
-    def louder(torch_model, manifest, reference=None):
-        found = measure(torch_model, manifest, reference)
+    def louder(torch_model, manifest, reference=None, **kernels):
+        found = measure(torch_model, manifest, reference, **kernels)
         if Path(manifest.folder).name == "layers.1":  # the conversion with only layers.1 on int8 weights
             found["max_abs_logits_diff"] *= 100
         return found

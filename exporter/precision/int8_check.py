@@ -65,15 +65,18 @@ def summarize(report) -> dict:
             "first_divergence": [r.first_divergence for r in rows if not r.identical]}
 
 
-def random_inputs_error(torch_model, manifest: Manifest, reference=None, packed: bool = False) -> dict:
+def random_inputs_error(torch_model, manifest: Manifest, reference=None, packed: bool = False,
+                        packed_graphs=()) -> dict:
     """The teacher-forced logits error of ``manifest``'s graphs against PyTorch fp32 on the seeded random cases
     (prefix-filled caches; ``reference``: the PyTorch side, when the caller has built it; ``packed``: on the
-    prepacked sessions the runtime runs, ``RuntimeSide``)."""
+    prepacked sessions the runtime runs; ``packed_graphs``: those graphs prepacked over the shared mapping,
+    ``RuntimeSide``)."""
     from elx.exporter.precision.decoder_only import torch_side
     from elx.exporter.verification.verify import RuntimeSide, default_shapes, measure
 
     reference = reference or torch_side(torch_model, manifest)
-    found = measure(reference, RuntimeSide(manifest, prefill=True, packed=packed), manifest, default_shapes(manifest))
+    side = RuntimeSide(manifest, prefill=True, packed=packed, packed_graphs=packed_graphs)
+    found = measure(reference, side, manifest, default_shapes(manifest))
     found.pop("tolerance", None)  # the fp32 tolerance does not apply here
     found["relative_diff"] = found["max_abs_logits_diff"] / max(found["max_abs_reference"], 1e-30)
     return found

@@ -26,19 +26,19 @@ keeps that full conversion when no layer is out of line (``measure_and_convert``
 written once, always as external data, and each variant is a graph referring to them (a graph under 2 GB saved
 whole made every variant a 645 MB copy, serialized and written per layer: 13 of SmolLM2-135M's ~20 s a layer).
 PyTorch's side runs once (``RecordedSide``) for all layers.  A layer then costs two ONNX Runtime sessions (their
-weights mapped, not prepacked: ``runners/backends/ort_mapped.py``) and the graphs' five cases.  Unpacked,
-``MatMulNBits`` computes with fp32 activations, the runtime's prepacked sessions with int8 ones (accuracy level 4),
-so these errors are the weights' rounding without the activations' (the whole real SmolLM2-135M: 0.97 unpacked,
-1.68 packed); prepacked variants would hold a packed copy of every fp32 weight of the variant per session (2 x the
-model beside HF's), so the rule ranks layers by their weights' rounding, and the record (``int8_export.record``)
-measures the runtime's own kernels.  The decision differs by kernel: on the real SmolLM2-135M (2026-11-30,
-``/work/notes/s13/layers_packed.py``) unpacked, layers.11 is 4.8x the median (0.596 / 0.124) and stays fp32;
-packed, every layer's error is 1.1-4.0x its unpacked one, the median 0.300, layers.11 at 2.1x it, and none is out of
-line.  A rule on the runtime's kernels without the memory is the next step: a variant whose fp32 MatMul weights are
-also listed as graph inputs (overridable initializers, which ONNX Runtime neither folds nor prepacks), its sessions
-prepacking on over the shared mapping, ran the whole int8 export's five cases at 1.713 (fully packed 1.676,
-unpacked 0.968), its sessions +81 MiB (``/work/notes/s13/mapped_packed.py``); graphs without the layer must then
-stay unpacked (another prepack flag per session).  Still the slowest
+fp32 weights mapped, not prepacked: ``runners/backends/ort_mapped.py``; its int8 weights prepacked, below) and the
+graphs' five cases (real SmolLM2-135M, 2026-11-30: 113 s for 31 layers, 101-111 s unpacked).
+
+**On the kernels the runtime runs.**  ONNX Runtime's ``MatMulNBits`` (accuracy level 4) quantizes activations to
+int8 only in its prepacked kernel; unpacked it multiplies dequantized weights in fp32.  Measured unpacked, the rule
+saw the weights' rounding alone: on the real SmolLM2-135M (2026-11-30) layers.11 was 4.8x the median (0.596 /
+0.124) and stayed fp32; measured packed, every layer's error is 1.1-4.0x its unpacked one, the median 0.298 and none
+is out of line.  So a variant's sessions prepack (``packed_graphs``) while its fp32 weights are also listed as graph
+inputs (``fp32_weights_as_inputs``: an overridable initializer is neither folded nor prepacked), read from the
+shared mapping: the int8 MatMuls run as the runtime runs them, and the fp32 weights are not copied per session
+(prepacked, they were: 2x the model beside HF's, 2137 MiB peak).  The fp32 parts then skip ONNX Runtime's fusions
+through constant weights, a difference of fp32's order (the whole int8 export's cases: 1.713 so, 1.676 packed
+whole, 0.968 unpacked).  Graphs without the layer run unpacked.  Still the slowest
 step of any export; a cheaper measurement (one session per graph, the layer's weights swapped) is not done.
 Real SmolLM2-135M (31 layers, 2026-11-29): 190 s, then 91 s once the LM head was found once per graph
 (``int8.lm_heads``) instead of by a walk of the graph per MatMul; of a layer's ~2.8 s, ~2 s is ONNX Runtime running
@@ -217,18 +217,40 @@ class GraphPair:
         return model
 
 
-def variant_folder(manifest: Manifest, pairs: dict, layer: str, target: Path) -> Manifest:
-    """A folder whose graphs run ``layer`` alone on int8 weights; graphs without it are the fp32 files.  A pair
-    made with a ``work`` folder writes its variant there as a graph alone, its fp32 weights referring to the
-    prepared weights written once (``GraphPair``): a layer costs its own int8 weights, not a copy of the model."""
+def fp32_weights_as_inputs(model: onnx.ModelProto) -> int:
+    """List every fp32 weight of a MatMul/Gemm in ``model`` as a graph input too (in place; returns how many): an
+    initializer that is also an input may be overridden, so ONNX Runtime neither folds nor prepacks it, while the
+    int8 weights stay constant and are packed as the runtime packs them (``measure_and_convert``)."""
+    from onnx import helper
+
+    graph = model.graph
+    floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    names = sorted({n.input[1] for n in graph.node if n.op_type in ("MatMul", "Gemm", "FusedMatMul")
+                    and len(n.input) > 1 and n.input[1] in floats} - {i.name for i in graph.input})
+    graph.input.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(floats[name].dims))
+                       for name in names)
+    return len(names)
+
+
+def variant_folder(manifest: Manifest, pairs: dict, layer: str, target: Path,
+                   weights_as_inputs: bool = False) -> tuple[Manifest, list[str]]:
+    """A folder whose graphs run ``layer`` alone on int8 weights, and the graphs that changed; graphs without it
+    are the fp32 files.  A pair made with a ``work`` folder writes its variant there as a graph alone, its fp32
+    weights referring to the prepared weights written once (``GraphPair``): a layer costs its own int8 weights, not
+    a copy of the model.  ``weights_as_inputs``: the variants' fp32 weights listed as inputs
+    (``fp32_weights_as_inputs``)."""
     target.mkdir(parents=True, exist_ok=True)
     after = Manifest(manifest.copy().data, target)
+    changed = []
     for name, pair in pairs.items():
         spec = after.graphs[name]
         model = pair.variant(layer)
         if model is None:
             spec["file"] = str(manifest.graph_path(name).resolve())  # read where it is
             continue
+        changed.append(name)
+        if weights_as_inputs:
+            fp32_weights_as_inputs(model)
         if pair.work is not None:
             path = pair.work / f"{name}.{target.name}.layer.onnx"  # beside the weights its references name
             onnx.save_model(model, str(path))
@@ -238,7 +260,7 @@ def variant_folder(manifest: Manifest, pairs: dict, layer: str, target: Path) ->
 
         spec["file"] = f"{name}.layer.onnx"
         spec["external_data"] = save_model(model, target / spec["file"])
-    return after
+    return after, changed
 
 
 def measure_layers(torch_model, manifest: Manifest, progress=None) -> dict:
@@ -273,8 +295,10 @@ def measure_and_convert(torch_model, manifest: Manifest, target: Path, progress=
         layers = pair_layers(pairs)
         for done, layer in enumerate(layers, 1):
             folder = Path(work) / re.sub(r"[^A-Za-z0-9_.-]", "_", layer)
-            errors[layer] = random_inputs_error(torch_model, variant_folder(manifest, pairs, layer, folder),
-                                                reference)["max_abs_logits_diff"]
+            # on the int8 kernels the runtime runs (prepacked), the fp32 weights unpacked over the shared mapping
+            variant, changed = variant_folder(manifest, pairs, layer, folder, weights_as_inputs=True)
+            errors[layer] = random_inputs_error(torch_model, variant, reference,
+                                                packed_graphs=changed)["max_abs_logits_diff"]
             shutil.rmtree(folder, ignore_errors=True)
             for path in shared.glob(f"*.{folder.name}.layer.onnx"):
                 path.unlink()

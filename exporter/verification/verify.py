@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,15 +126,16 @@ class RuntimeSide:
     """An export folder's graphs through the runtime's own ``Model`` on ONNX Runtime (CPU)."""
 
     def __init__(self, manifest: Manifest, no_repeat_ngram_size: int = 0, prefill: bool = False,
-                 packed: bool = False):
+                 packed: bool = False, packed_graphs: Collection[str] = ()):
         # unpacked weights: the graphs' sessions share the one mapped weights.data instead of a copy each
         # (``runners/backends/ort.py``: ``session_options``); the verification's peak at 1B+ was two copies.
         # ``packed``: the prepacked sessions the runtime runs (no arena), a copy of the weights each: int8's record,
         # where ONNX Runtime's MatMulNBits computes otherwise unpacked (fp32 activations) than packed (int8
         # activations at accuracy level 4: on the real SmolLM2-135M, 1.68 against 0.97 max abs logits difference),
-        # one in memory at a time (beside HF's model: the int8 export's memory bound)
+        # one in memory at a time (beside HF's model: the int8 export's memory bound).  ``packed_graphs``: those
+        # graphs prepacked over the shared mapping (int8's per-layer variants, their fp32 weights kept unpacked)
         backend = (OrtBackend(manifest, arena=False, one_session=True) if packed
-                   else OrtBackend(manifest, prepack=False))
+                   else OrtBackend(manifest, prepack=False, packed_graphs=packed_graphs))
         self.model = Model(manifest, backend).for_run(no_repeat_ngram_size)
         self.prefill = prefill
 

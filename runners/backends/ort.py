@@ -64,15 +64,17 @@ def allocation_failures(graph: str):
 
 
 def load_session(manifest: Manifest, name: str, providers: list, threads: int | None = None,
-                 mapped: MappedWeights | None = None, arena: bool = True):
+                 mapped: MappedWeights | None = None, arena: bool = True, prepack: bool | None = None):
     """The InferenceSession of the manifest's graph ``name``; one-line error when unloadable.  ``mapped`` (which
-    the caller keeps alive as long as the session): prepacking off and the weights read from its one mapping of
-    each data file (``runners/backends/ort_mapped.py``)."""
+    the caller keeps alive as long as the session): the weights read from its one mapping of each data file
+    (``runners/backends/ort_mapped.py``), prepacking off unless ``prepack`` (ONNX Runtime then packs the constant
+    weights it has packed kernels for: a graph whose fp32 weights are also graph inputs keeps those unpacked)."""
     import onnxruntime as ort
 
     path = manifest.graph_path(name)
+    prepack = mapped is None if prepack is None else prepack
     try:
-        options = session_options(threads, prepack=mapped is None, arena=arena)
+        options = session_options(threads, prepack=prepack, arena=arena)
         if mapped is not None:
             mapped.add_to(options, path)
         session = ort.InferenceSession(str(path), options, providers=providers)
@@ -85,10 +87,12 @@ def load_session(manifest: Manifest, name: str, providers: list, threads: int | 
 
 
 def load_sessions(manifest: Manifest, providers: list, threads: int | None = None, mapped: MappedWeights | None = None,
-                  arena: bool = True) -> dict:
-    """An InferenceSession per graph the manifest runs (stages and step): ``load_session`` of each."""
+                  arena: bool = True, packed_graphs: Collection[str] = ()) -> dict:
+    """An InferenceSession per graph the manifest runs (stages and step): ``load_session`` of each (with ``mapped``,
+    the graphs of ``packed_graphs`` prepacked)."""
     check_threads(threads)  # before ONNX Runtime starts any: it starts as many as asked, per session
-    return {name: load_session(manifest, name, providers, threads, mapped, arena)
+    return {name: load_session(manifest, name, providers, threads, mapped, arena,
+                               prepack=True if mapped is not None and name in packed_graphs else None)
             for name in [*manifest.stages, manifest.step]}
 
 
@@ -129,10 +133,10 @@ class OrtBackend(Backend):
     in_place_cache = True
 
     def __init__(self, manifest: Manifest, threads: int | None = None, prepack: bool = True, arena: bool = True,
-                 one_session: bool = False):
-        """``prepack=False``: the sessions share one mapping of the weights (``runners/backends/ort_mapped.py``);
-        ``arena=False``: no CPU arena (``session_options``); ``one_session``: one session in memory at a time
-        (``OneResident``)."""
+                 one_session: bool = False, packed_graphs: Collection[str] = ()):
+        """``prepack=False``: the sessions share one mapping of the weights (``runners/backends/ort_mapped.py``),
+        those of ``packed_graphs`` with prepacking on over it (``load_session``); ``arena=False``: no CPU arena
+        (``session_options``); ``one_session``: one session in memory at a time (``OneResident``)."""
         mapped = None if prepack else MappedWeights()
         if one_session:
             check_threads(threads)
@@ -140,7 +144,7 @@ class OrtBackend(Backend):
                 lambda name: load_session(manifest, name, ["CPUExecutionProvider"], threads, mapped, arena),
                 [*manifest.stages, manifest.step])
         else:
-            self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, mapped, arena)
+            self.sessions = load_sessions(manifest, ["CPUExecutionProvider"], threads, mapped, arena, packed_graphs)
         self.mapped = mapped  # set after the sessions, so dropped after them: they read its arrays
         self._bindings = {}  # graph → (its IOBinding, what each name is bound to): run_in_place
         self._output_shapes, self._output_types = {}, {}

@@ -115,15 +115,6 @@ class OneResident:
             self._session, self.resident = self._load(name), name
         return self._session
 
-    def __contains__(self, name) -> bool:
-        return name in self._names
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
     def items(self):
         return ((name, self[name]) for name in self._names)
 

@@ -44,6 +44,8 @@ case "${1:-}" in
     bash tools/wheel_pieces.sh join /tmp/pieces /tmp/bj > /dev/null
     mkdir -p /tmp/b && tar -xf /tmp/bj/bundle.tar -C /tmp/b && rm -f /tmp/bj/bundle.tar
     source tools/gpu_ort_install.sh /tmp/b/ortp /tmp/site /tmp/b/whl
+    # elx is not installed there: `python3 -m elx` finds it from the repository root, a script under tools/ does not
+    export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
     declare -p PYTHONPATH LD_LIBRARY_PATH > /tmp/env.sh   # a later call on the warm machine: source /tmp/env.sh
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
     echo "installed in $(( $(date +%s) - t0 )) s"

@@ -382,7 +382,12 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
 
                 def before_graphs():
                     if writing is not None:
+                        waited = time.perf_counter()
                         writing.close()  # the weights on disk (a failed write raised here)
+                        waited = time.perf_counter() - waited
+                        if waited >= 1:  # part of the "graphs" line that follows: the disk, not ONNX Runtime
+                            report.say(f"{report.title}: weights.data: waited {waited:.1f} s for its last bytes "
+                                       "on disk before the graphs' sessions")
                     if precision == "fp32":  # HF's model is not needed after its reference logits
                         free_weights(loaded.model)
                 cases = len(default_shapes(manifest))

@@ -7,15 +7,19 @@ set size as the kernel reports them), run one after the other, so that no two sh
         --model smollm2-real=/work/real/smollm2-hf --model t5-base --model tinyllama-1.1b \\
         --systems elx,elx-trace,genai,ct2 --output docs/measurements/export_speed.md
 
-``--model NAME=FOLDER`` names a real HF folder; a bare preset name is built with random weights (``--random-init``
-for elx; for the converters, the same preset saved once as an HF folder with transformers' ``save_pretrained``,
-not timed, with the bench's placeholder tokenizer that the converters need).  Systems:
+``--model NAME=FOLDER`` names a real HF folder; a bare preset name is built with random weights and saved once as an
+HF folder with transformers' ``save_pretrained`` (not timed; with the bench's placeholder tokenizer that the
+converters need), which every system then reads: elx too, so that no row times a random initialization (1.1B:
+15 s) that a real checkpoint's export does not do.  Systems:
 
 * ``elx``: ``elx export --model M --output OUT --force`` (its verification included: logits against PyTorch fp32
-  and fp64 on the verification cases);
+  and fp64 on the verification cases), a first export: ``ELX_CACHE_DIR`` is WORK/cache/MODEL, emptied before the
+  row, so the templates are traced;
+* ``elx-warm``: the same again on the cache the model's ``elx`` row left (a re-export: the templates come from the
+  cache, nothing is traced);
 * ``elx-trace``: the same with ``ELX_CAPTURE=trace``: every layer traced by ``torch.onnx.export(dynamo=True)``,
   the mechanism before ``exporter/capture/`` (verification the same);
-* ``elx-int8`` / ``elx-slim``: ``--precision int8`` / ``--pass slim=skip-bad`` on top of the export;
+* ``elx-int8`` / ``elx-slim``: ``--precision int8`` / ``--pass slim=skip-bad`` on top of the export (first exports);
 * ``genai``: ``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`` (decoder-only models);
 * ``ct2``: ``ct2-transformers-converter --model HF --output_dir OUT --force`` (fp32 weights).
 
@@ -106,9 +110,14 @@ def main(argv=None) -> int:
                 continue
             out = args.work / "out" / f"{name}-{system}"
             shutil.rmtree(out, ignore_errors=True)
-            model = str(folder) if source else name
-            init = [] if source else ["--random-init"]
-            env = {}
+            model = str(folder)  # every system reads the same HF folder (a preset's random init is not export time)
+            init = []
+            # elx's template cache (exporter/capture/template_cache.py): every elx row but ``elx-warm`` starts from an
+            # empty one (a first export: templates traced); ``elx-warm`` reuses what the model's ``elx`` row left
+            cache = args.work / "cache" / name
+            if system.startswith("elx") and system != "elx-warm":
+                shutil.rmtree(cache, ignore_errors=True)
+            env = {"ELX_CACHE_DIR": str(cache)}
             if system.startswith("elx"):
                 cmd = [sys.executable, "-m", "elx", "export", "--model", model, *init, "--output", str(out), "--force"]
                 cmd += {"elx-int8": ["--precision", "int8"], "elx-slim": ["--pass", "slim=skip-bad"]}.get(system, [])

@@ -110,8 +110,6 @@ def main(argv=None) -> int:
                 continue
             out = args.work / "out" / f"{name}-{system}"
             shutil.rmtree(out, ignore_errors=True)
-            model = str(folder)  # every system reads the same HF folder (a preset's random init is not export time)
-            init = []
             # elx's template cache (exporter/capture/template_cache.py): every elx row but ``elx-warm`` starts from an
             # empty one (a first export: templates traced); ``elx-warm`` reuses what the model's ``elx`` row left
             cache = args.work / "cache" / name
@@ -119,7 +117,8 @@ def main(argv=None) -> int:
                 shutil.rmtree(cache, ignore_errors=True)
             env = {"ELX_CACHE_DIR": str(cache)}
             if system.startswith("elx"):
-                cmd = [sys.executable, "-m", "elx", "export", "--model", model, *init, "--output", str(out), "--force"]
+                # every system reads the same HF folder (a preset's random init is not export time)
+                cmd = [sys.executable, "-m", "elx", "export", "--model", str(folder), "--output", str(out), "--force"]
                 cmd += {"elx-int8": ["--precision", "int8"], "elx-slim": ["--pass", "slim=skip-bad"]}.get(system, [])
                 if system == "elx-trace":
                     env["ELX_CAPTURE"] = "trace"

@@ -1,0 +1,483 @@
+"""Llama's prefill and shared-prompt step templates built from the weights, without torch.export (issue 41).
+
+**Why.**  A first export's critical path is tracing its two 3-layer templates (``exporter/capture/stitched.py``):
+on the real SmolLM2-135M, 11.7 s (prefill) and 19.9 s (step) on two cores at once, most of it torch.export's
+symbolic-shape work per FX node, whatever the model's size.  onnxruntime-genai's builder writes its graphs from
+the weights in seconds; this module does the same for ``LlamaForCausalLM`` templates: 0.3-0.7 s for the real
+135M's two templates (the 1B+ ones 7-9 s, copying their embeddings and layers into the protobuf).
+
+**Same graph.**  The nodes are those ``trace`` writes for ``decoder_only.PrefillGraph`` and
+``SharedPromptStepGraph`` over the template model (HF's Llama modules with elx's attention: ``capture/attention.py``,
+``shared_prompt.py``, ``grouped_attention.py``, after torch's decompositions and onnxscript's optimizer): the same
+op types, attributes, inputs (constants by value), module scopes and weights, checked canonically against the
+trace (``tests/test_llama_builder.py``: GQA and MHA, tied and untied heads, Llama 3 rotary scaling; on this
+machine also the real SmolLM2-135M and the TinyLlama-1.1B and SmolLM2-1.7B dims).  So the stitcher, the passes and
+int8's per-layer rule (which read ``namespace`` and ``pkg.torch.onnx.name_scopes``) see what they see after a
+trace, and the export verifies the stitched graphs against PyTorch as always.  Details the trace decides and
+this module repeats: the symbolic sizes torch reads from the inputs (batch from ``prompt_key_values.0.key``, the
+prompt width from the last layer's prompt value, rows from layer 1's past key), the shape arithmetic of the
+grouped-query reshapes (computed once, in layer 0's scope), the static one-token step shapes, and onnxscript's
+folding rule for the head's transpose (a tied head larger than 8192 values is shared with the embedding's Gather
+and kept as a Transpose node; every other weight is stored transposed).  Nodes carry no ``value_info`` (shapes of
+intermediate values), which nothing downstream reads for these graphs.
+
+**When.**  ``applies(model)`` says why not where the template would differ: another class, biases, another
+activation or rotary type, MQA, ``pretraining_tp``.  ``ELX_CAPTURE=build`` uses it (``stitched.py``); a transformers,
+torch or onnxscript upgrade that changes the traced graph shows in the canonical test before it reaches a user.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+INT64_MAX = 9223372036854775807
+FOLD_INPUT_LIMIT = 8192  # onnxscript optimizer DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
+HOOK = "_empty_nn_module_stack_from_metadata_hook"
+LLAMA = "transformers.models.llama.modeling_llama."
+
+
+class Emitter:
+    def __init__(self):
+        self.nodes, self.inits, self.consts, self.count = [], [], {}, 0
+        self.scope = []  # [(path, class)]
+
+    def const(self, value, dtype=np.int64, shape=None):
+        array = np.array(value, dtype=dtype)
+        if shape is not None:
+            array = array.reshape(shape)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self.consts:
+            name = f"val_c{len(self.consts)}"
+            self.inits.append(numpy_helper.from_array(array, name))
+            self.consts[key] = name
+        return self.consts[key]
+
+    def weight(self, name, array):
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name))
+        return name
+
+    def __call__(self, op, inputs, fx, attrs=None, out=None, hook=False):
+        self.count += 1
+        out = out or f"{fx}_{self.count}"
+        node = helper.make_node(op, list(inputs), [out], name=f"node_{fx}_{self.count}", **(attrs or {}))
+        if hook:
+            scopes, classes = [HOOK], [HOOK]
+            namespace = f"{HOOK}: {HOOK}/{fx}: aten"
+        else:
+            scopes = [p for p, _ in self.scope]
+            classes = [c for _, c in self.scope]
+            namespace = "/".join(f"{p}: {c}" for p, c in self.scope) + f"/{fx}: aten"
+        scopes = scopes + [fx]
+        node.metadata_props.extend([
+            onnx.StringStringEntryProto(key="namespace", value=namespace),
+            onnx.StringStringEntryProto(key="pkg.torch.onnx.name_scopes", value=repr(scopes)),
+            onnx.StringStringEntryProto(key="pkg.torch.onnx.class_hierarchy", value=repr(classes + ["aten"])),
+        ])
+        self.nodes.append(node)
+        return out
+
+    def enter(self, path, cls):
+        self.scope.append((path, cls))
+
+    def leave(self):
+        self.scope.pop()
+
+
+def rms_norm(e, x, weight_name, eps, path):
+    e.enter(path, LLAMA + "LlamaRMSNorm")
+    p = e("Pow", [x, e.const(2.0, np.float32)], "pow")
+    m = e("ReduceMean", [p, e.const([-1])], "mean", dict(noop_with_empty_axes=0, keepdims=1))
+    a = e("Add", [m, e.const(eps, np.float32)], "add")
+    s = e("Sqrt", [a], "rsqrt")
+    r = e("Reciprocal", [s], "rsqrt")
+    y = e("Mul", [x, r], "mul")
+    y = e("Mul", [weight_name, y], "mul")
+    e.leave()
+    return y
+
+
+def linear(e, x, weight_t, path, fx="linear"):
+    e.enter(path, "torch.nn.modules.linear.Linear")
+    y = e("MatMul", [x, weight_t], fx)
+    e.leave()
+    return y
+
+
+def build_prefill(template_model, wrapper_class="elx.exporter.capture.decoder_only.PrefillGraph"):
+    model = template_model
+    c = model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // heads
+    half = d // 2
+    layers = c.num_hidden_layers
+    params = {"model." + n: p.detach().numpy() for n, p in model.named_parameters(remove_duplicate=False)}
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    e = Emitter()
+    e.enter("", wrapper_class)
+    # -- sizes and the additive mask (the wrapper's)
+    b_shape = e("Shape", ["attention_mask"], "sym_size_int", dict(end=1, start=0), hook=True)
+    p_shape = e("Shape", ["attention_mask"], "sym_size_int", dict(end=2, start=1), hook=True)
+    grouped = kv != heads
+    if grouped:
+        b = e("Squeeze", [b_shape], "sym_size_int", hook=True)
+        p = e("Squeeze", [p_shape], "sym_size_int", hook=True)
+        p2 = e("Pow", [p, e.const(2)], "pow", hook=True)
+        p_sq_over_p = e("Div", [p2, p], "floordiv", hook=True)
+    pp = e("Concat", [p_shape, p_shape], "ones", dict(axis=0))
+    ones = e("Expand", [e.const(True, np.bool_), pp], "ones")
+    tril = e("Trilu", [ones, e.const(0)], "tril", dict(upper=0))
+    causal = e("Unsqueeze", [tril, e.const([0, 1])], "unsqueeze")
+    as_bool = e("Cast", ["attention_mask"], "_to_copy", dict(to=TensorProto.BOOL))
+    keys_ok = e("Unsqueeze", [as_bool, e.const([1, 2])], "unsqueeze")
+    allowed = e("And", [causal, keys_ok], "bitwise_and")
+    zshape = e("Concat", [b_shape, e.const([1]), p_shape, p_shape], "zeros", dict(axis=0))
+    zeros = e("Expand", [e.const(0.0, np.float32), zshape], "zeros")
+    banned = e("Not", [allowed], "bitwise_not")
+    mask = e("Where", [banned, e.const(np.finfo(np.float32).min, np.float32), zeros], "masked_fill")
+    x, cos, sin = _embedding_and_rotary(e, model, params, tied)
+    eps = float(c.rms_norm_eps)
+    shared = {}
+    for i in range(layers):
+        lp = f"model.model.layers.{i}"
+        e.enter(lp, LLAMA + "LlamaDecoderLayer")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            e.weight(f"{lp}.{norm}.weight", params[f"{lp}.{norm}.weight"])
+        h = rms_norm(e, x, f"{lp}.input_layernorm.weight", eps, f"{lp}.input_layernorm")
+        e.enter(f"{lp}.self_attn", LLAMA + "LlamaAttention")
+        t = lambda n: e.weight(f"val_w{i}_{n}", params[f"{lp}.{n}.weight"].T)  # noqa: E731
+        q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
+        if "view" not in shared:
+            shared["view"] = e("Concat", [b_shape, p_shape, e.const([-1]), e.const([d])], "view", dict(axis=0))
+        q = e("Transpose", [e("Reshape", [q, shared["view"]], "view", dict(allowzero=1))], "transpose",
+              dict(perm=[0, 2, 1, 3]))
+        k = linear(e, h, t("self_attn.k_proj"), f"{lp}.self_attn.k_proj")
+        k = e("Transpose", [e("Reshape", [k, shared["view"]], "view", dict(allowzero=1))], "transpose",
+              dict(perm=[0, 2, 1, 3]))
+        v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
+        v = e("Transpose", [e("Reshape", [v, shared["view"]], "view", dict(allowzero=1))], "transpose",
+              dict(perm=[0, 2, 1, 3]), out=f"present.{i}.value")
+        if "cos" not in shared:
+            shared["cos"] = e("Unsqueeze", [cos, e.const([1])], "unsqueeze")
+            shared["sin"] = e("Unsqueeze", [sin, e.const([1])], "unsqueeze")
+
+        def rope(y, out=None):
+            a = e("Mul", [y, shared["cos"]], "mul")
+            s1 = e("Slice", [y, e.const([0]), e.const([half]), e.const([3]), e.const([1])], "slice")
+            s2 = e("Slice", [y, e.const([half]), e.const([INT64_MAX]), e.const([3]), e.const([1])], "slice")
+            rot = e("Concat", [e("Neg", [s2], "neg"), s1], "cat", dict(axis=-1))
+            return e("Add", [a, e("Mul", [rot, shared["sin"]], "mul")], "add", out=out)
+
+        q = rope(q)
+        k = rope(k, out=f"present.{i}.key")
+        scaling = e.const(np.float32(d ** -0.5), np.float32)
+        if grouped:
+            if "grouped_q" not in shared:
+                m1 = e("Mul", [b, e.const(heads)], "mul")
+                m1 = e("Mul", [m1, p], "mul")
+                m1 = e("Mul", [m1, e.const(d)], "mul")
+                m2 = e("Mul", [b, e.const(kv)], "mul")
+                m2 = e("Mul", [m2, e.const(d)], "mul")
+                rows = e("Div", [m1, m2], "floordiv")
+                rows = e("Reshape", [rows, e.const([-1])], "_unsafe_view", dict(allowzero=0))
+                shared["grouped_q"] = e("Concat", [b_shape, e.const([kv]), rows, e.const([d])], "_unsafe_view",
+                                        dict(axis=0))
+            qg = e("Reshape", [q, shared["grouped_q"]], "_unsafe_view", dict(allowzero=1))
+            s = e("MatMul", [qg, e("Transpose", [k], "transpose", dict(perm=[0, 1, 3, 2]))], "matmul")
+            if "scores" not in shared:
+                shared["scores"] = e("Concat", [b_shape, e.const([heads]), p_shape, e.const([-1])], "view",
+                                     dict(axis=0))
+            s = e("Reshape", [s, shared["scores"]], "view", dict(allowzero=1))
+        else:
+            s = e("MatMul", [q, e("Transpose", [k], "transpose", dict(perm=[0, 1, 3, 2]))], "matmul")
+        s = e("Add", [e("Mul", [s, scaling], "mul"), mask], "add")
+        probs = e("Softmax", [s], "softmax", dict(axis=-1))
+        if grouped:
+            if "grouped_p" not in shared:
+                last = e("Reshape", [p_sq_over_p, e.const([-1])], "view", dict(allowzero=0))
+                shared["grouped_p"] = e("Concat", [b_shape, e.const([kv]), e.const([-1]), last], "view", dict(axis=0))
+            pg = e("Reshape", [probs, shared["grouped_p"]], "view", dict(allowzero=1))
+            o = e("MatMul", [pg, v], "matmul")
+            o = e("Reshape", [o, shared["scores"]], "view", dict(allowzero=1))
+        else:
+            o = e("MatMul", [probs, v], "matmul")
+        o = e("Transpose", [o], "transpose", dict(perm=[0, 2, 1, 3]))
+        if "merged" not in shared:
+            shared["merged"] = e("Concat", [b_shape, p_shape, e.const([-1])], "view", dict(axis=0))
+        o = e("Reshape", [o, shared["merged"]], "view", dict(allowzero=1))
+        o = linear(e, o, t("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
+        e.leave()
+        x = _residual_and_mlp(e, x, o, lp, t, eps)
+        e.leave()
+    e.weight("model.model.norm.weight", params["model.model.norm.weight"])
+    x = rms_norm(e, x, "model.model.norm.weight", eps, "model.model.norm")
+    e.leave()  # model.model
+    _head(e, x, params, tied)
+    kv_shape = ["batch", kv, "prompt_sequence", d]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "prompt_sequence"])
+              for n in ("input_ids", "attention_mask", "position_ids")]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", c.vocab_size])]
+    for i in range(layers):
+        outputs += [helper.make_tensor_value_info(f"present.{i}.{w}", TensorProto.FLOAT, kv_shape)
+                    for w in ("key", "value")]
+    graph = helper.make_graph(e.nodes, "main_graph", inputs, outputs, e.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10,
+                             producer_name="elx")
+
+
+
+def build_step(template_model, wrapper_class="elx.exporter.capture.decoder_only.SharedPromptStepGraph"):
+    """The shared-prompt step template (``decoder_only.SharedPromptStepGraph``)."""
+    model = template_model
+    c = model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // heads
+    half, g = d // 2, heads // kv
+    layers = c.num_hidden_layers
+    params = {"model." + n: p.detach().numpy() for n, p in model.named_parameters(remove_duplicate=False)}
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    grouped = kv != heads
+    e = Emitter()
+    e.enter("", wrapper_class)
+    b_shape = e("Shape", ["prompt_key_values.0.key"], "sym_size_int", dict(end=1, start=0), hook=True)
+    b = e("Squeeze", [b_shape], "sym_size_int", hook=True)
+    p_shape = e("Shape", [f"prompt_key_values.{layers - 1}.value"], "sym_size_int", dict(end=3, start=2), hook=True)
+    g_shape = e("Shape", ["past_key_values.0.value"], "sym_size_int", dict(end=3, start=2), hook=True)
+    gen = e("Squeeze", [g_shape], "sym_size_int", hook=True)
+    r_shape = e("Shape", [f"past_key_values.{min(1, layers - 1)}.key"], "sym_size_int", dict(end=1, start=0), hook=True)
+    rows = e("Squeeze", [r_shape], "sym_size_int", hook=True)
+    as_bool = e("Cast", ["prompt_attention_mask"], "_to_copy", dict(to=TensorProto.BOOL))
+    beams = e("Div", [rows, b], "floordiv")
+    keys_ok = e("Unsqueeze", [as_bool, e.const([1, 2])], "unsqueeze")
+    zshape = e("Concat", [b_shape, e.const([1]), e.const([1]), p_shape], "zeros", dict(axis=0))
+    zeros = e("Expand", [e.const(0.0, np.float32), zshape], "zeros")
+    banned = e("Not", [keys_ok], "bitwise_not")
+    mask = e("Where", [banned, e.const(np.finfo(np.float32).min, np.float32), zeros], "masked_fill")
+    g1 = e("Add", [gen, e.const(1)], "add")
+    g1_shape = e("Reshape", [g1, e.const([-1])], "zeros", dict(allowzero=0))
+    own_shape = e("Concat", [r_shape, e.const([1]), e.const([1]), g1_shape], "zeros", dict(axis=0))
+    own = e("Expand", [e.const(0.0, np.float32), own_shape], "zeros")
+    x, cos, sin = _embedding_and_rotary(e, model, params, tied)
+    eps = float(c.rms_norm_eps)
+    shared = {}
+    scaling = e.const(np.float32(d ** -0.5), np.float32)
+    C = e.const
+    for i in range(layers):
+        lp = f"model.model.layers.{i}"
+        e.enter(lp, LLAMA + "LlamaDecoderLayer")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            e.weight(f"{lp}.{norm}.weight", params[f"{lp}.{norm}.weight"])
+        h = rms_norm(e, x, f"{lp}.input_layernorm.weight", eps, f"{lp}.input_layernorm")
+        e.enter(f"{lp}.self_attn", LLAMA + "LlamaAttention")
+        t = lambda n: e.weight(f"val_w{i}_{n}", params[f"{lp}.{n}.weight"].T)  # noqa: E731
+        q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
+        q = e("Transpose", [e("Reshape", [q, C([-1, 1, heads, d])], "view", dict(allowzero=1))], "transpose",
+              dict(perm=[0, 2, 1, 3]))
+        k = linear(e, h, t("self_attn.k_proj"), f"{lp}.self_attn.k_proj")
+        k = e("Transpose", [e("Reshape", [k, C([-1, 1, kv, d])], "view", dict(allowzero=1))], "transpose",
+              dict(perm=[0, 2, 1, 3]))
+        v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
+        v = e("Transpose", [e("Reshape", [v, C([-1, 1, kv, d])], "view", dict(allowzero=1))], "transpose",
+              dict(perm=[0, 2, 1, 3]))
+        if "cos" not in shared:
+            shared["cos"] = e("Unsqueeze", [cos, C([1])], "unsqueeze")
+            shared["sin"] = e("Unsqueeze", [sin, C([1])], "unsqueeze")
+
+        def rope(y):
+            a = e("Mul", [y, shared["cos"]], "mul")
+            s1 = e("Slice", [y, C([0]), C([half]), C([3]), C([1])], "slice")
+            s2 = e("Slice", [y, C([half]), C([INT64_MAX]), C([3]), C([1])], "slice")
+            rot = e("Concat", [e("Neg", [s2], "neg"), s1], "cat", dict(axis=-1))
+            return e("Add", [a, e("Mul", [rot, shared["sin"]], "mul")], "add")
+
+        q = rope(q)
+        k = rope(k)
+        key = e("Concat", [f"past_key_values.{i}.key", k], "cat", dict(axis=-2), out=f"present.{i}.key")
+        value = e("Concat", [f"past_key_values.{i}.value", v], "cat", dict(axis=-2), out=f"present.{i}.value")
+        if "beams_q" not in shared:
+            shared["beams_q"] = e("Concat", [b_shape, C([-1]), C([heads]), C([1]), C([d])], "view", dict(axis=0))
+        qb = e("Transpose", [e("Reshape", [q, shared["beams_q"]], "view", dict(allowzero=1))], "transpose",
+               dict(perm=[0, 2, 1, 3, 4]))
+        if "k_items" not in shared:
+            if grouped:  # heads * beams * d elements per item and key head (the grouped reshape's -1)
+                m = e("Mul", [b, C(heads)], "mul")
+                m = e("Mul", [m, beams], "mul")
+                shared["hkd"] = e("Mul", [m, C(d)], "mul")
+            shared["k_items"] = e("Reshape", [beams, C([-1])], "view", dict(allowzero=0))
+            shared["items_q"] = e("Concat", [b_shape, C([heads]), shared["k_items"], C([d])], "view", dict(axis=0))
+        qi = e("Reshape", [qb, shared["items_q"]], "view", dict(allowzero=1))
+        pk = e("Transpose", [f"prompt_key_values.{i}.key"], "transpose", dict(perm=[0, 1, 3, 2]))
+        if grouped:
+            if "grouped_q" not in shared:
+                m2 = e("Mul", [b, C(kv)], "mul")
+                m2 = e("Mul", [m2, C(d)], "mul")
+                gq = e("Div", [shared["hkd"], m2], "floordiv")
+                shared["gk"] = e("Reshape", [gq, C([-1])], "_unsafe_view", dict(allowzero=0))
+                shared["grouped_q"] = e("Concat", [b_shape, C([kv]), shared["gk"], C([d])], "_unsafe_view",
+                                        dict(axis=0))
+            qi = e("Reshape", [qi, shared["grouped_q"]], "_unsafe_view", dict(allowzero=1))
+            sp = e("MatMul", [qi, pk], "matmul")
+            if "scores_items" not in shared:
+                shared["scores_items"] = e("Concat", [b_shape, C([heads]), shared["k_items"], C([-1])], "view",
+                                           dict(axis=0))
+            sp = e("Reshape", [sp, shared["scores_items"]], "view", dict(allowzero=1))
+        else:
+            sp = e("MatMul", [qi, pk], "matmul")
+        sp = e("Add", [e("Mul", [sp, scaling], "mul"), mask], "add")
+        if "into_beams_s" not in shared:
+            shared["into_beams_s"] = e("Concat", [b_shape, C([heads]), C([-1]), C([1]), p_shape], "view", dict(axis=0))
+        sp = e("Transpose", [e("Reshape", [sp, shared["into_beams_s"]], "view", dict(allowzero=1))], "transpose",
+               dict(perm=[0, 2, 1, 3, 4]))
+        if "rows_s" not in shared:
+            shared["rows_s"] = e("Concat", [r_shape, C([heads]), C([1]), p_shape], "_unsafe_view", dict(axis=0))
+        sp = e("Reshape", [sp, shared["rows_s"]], "_unsafe_view", dict(allowzero=1))
+        kt = e("Transpose", [key], "transpose", dict(perm=[0, 1, 3, 2]))
+        if grouped:
+            qg = e("Reshape", [q, C([-1, kv, g, d])], "view", dict(allowzero=1))
+            sg = e("MatMul", [qg, kt], "matmul")
+            if "rows_g" not in shared:
+                shared["rows_g"] = e("Concat", [r_shape, C([heads]), C([1]), C([-1])], "view", dict(axis=0))
+            sg = e("Reshape", [sg, shared["rows_g"]], "view", dict(allowzero=1))
+        else:
+            sg = e("MatMul", [q, kt], "matmul")
+        sg = e("Add", [e("Mul", [sg, scaling], "mul"), own], "add")
+        probs = e("Softmax", [e("Concat", [sp, sg], "cat", dict(axis=-1))], "softmax", dict(axis=-1))
+        pp = e("Slice", [probs, C([0]), p_shape, C([3]), C([1])], "slice")
+        pg = e("Slice", [probs, p_shape, C([INT64_MAX]), C([3]), C([1])], "slice")
+        if "beams_p" not in shared:
+            shared["beams_p"] = e("Concat", [b_shape, shared["k_items"], C([heads]), C([1]), p_shape], "view",
+                                  dict(axis=0))
+            shared["items_p"] = e("Concat", [b_shape, C([heads]), shared["k_items"], p_shape], "view", dict(axis=0))
+        pp = e("Transpose", [e("Reshape", [pp, shared["beams_p"]], "view", dict(allowzero=1))], "transpose",
+               dict(perm=[0, 2, 1, 3, 4]))
+        pp = e("Reshape", [pp, shared["items_p"]], "view", dict(allowzero=1))
+        if grouped:
+            if "grouped_p" not in shared:
+                shared["grouped_p"] = e("Concat", [b_shape, C([kv]), shared["gk"], p_shape], "_unsafe_view",
+                                        dict(axis=0))
+            pp = e("Reshape", [pp, shared["grouped_p"]], "_unsafe_view", dict(allowzero=1))
+            op = e("MatMul", [pp, f"prompt_key_values.{i}.value"], "matmul")
+            op = e("Reshape", [op, shared["scores_items"]], "view", dict(allowzero=1))
+        else:
+            op = e("MatMul", [pp, f"prompt_key_values.{i}.value"], "matmul")
+        if "into_beams_o" not in shared:
+            shared["into_beams_o"] = e("Concat", [b_shape, C([heads]), C([-1]), C([1]), C([d])], "view", dict(axis=0))
+        op = e("Transpose", [e("Reshape", [op, shared["into_beams_o"]], "view", dict(allowzero=1))], "transpose",
+               dict(perm=[0, 2, 1, 3, 4]))
+        op = e("Reshape", [op, C([-1, heads, 1, d])], "_unsafe_view", dict(allowzero=1))
+        if grouped:
+            if "grouped_pg" not in shared:
+                shared["grouped_pg"] = e("Concat", [r_shape, C([kv]), C([g]), g1_shape], "view", dict(axis=0))
+            og = e("MatMul", [e("Reshape", [pg, shared["grouped_pg"]], "view", dict(allowzero=1)), value], "matmul")
+            og = e("Reshape", [og, C([-1, heads, 1, d])], "view", dict(allowzero=1))
+        else:
+            og = e("MatMul", [pg, value], "matmul")
+        o = e("Transpose", [e("Add", [op, og], "add")], "transpose", dict(perm=[0, 2, 1, 3]))
+        o = e("Reshape", [o, C([-1, 1, heads * d])], "view", dict(allowzero=1))
+        o = linear(e, o, t("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
+        e.leave()
+        x = _residual_and_mlp(e, x, o, lp, t, eps)
+        e.leave()
+    e.weight("model.model.norm.weight", params["model.model.norm.weight"])
+    x = rms_norm(e, x, "model.model.norm.weight", eps, "model.model.norm")
+    e.leave()
+    _head(e, x, params, tied)
+    kvs = lambda lead, seq: [lead, kv, seq, d]  # noqa: E731
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["rows", 1]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["rows", 1]),
+              helper.make_tensor_value_info("prompt_attention_mask", TensorProto.INT64, ["batch", "prompt_sequence"])]
+    for prefix, lead, seq in (("prompt_key_values", "batch", "prompt_sequence"), ("past_key_values", "rows", "past_sequence")):
+        for i in range(layers):
+            inputs += [helper.make_tensor_value_info(f"{prefix}.{i}.{w}", TensorProto.FLOAT, kvs(lead, seq))
+                       for w in ("key", "value")]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", c.vocab_size])]
+    for i in range(layers):
+        outputs += [helper.make_tensor_value_info(f"present.{i}.{w}", TensorProto.FLOAT, kvs("rows", "past_sequence + 1"))
+                    for w in ("key", "value")]
+    graph = helper.make_graph(e.nodes, "main_graph", inputs, outputs, e.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10, producer_name="elx")
+
+
+def _embedding_and_rotary(e, model, params, tied):
+    """Inside ``model`` / ``model.model``: the token embedding and the rotary cos/sin (both templates alike)."""
+    e.enter("model", LLAMA + "LlamaForCausalLM")
+    e.enter("model.model", LLAMA + "LlamaModel")
+    embed_name = "model.lm_head.weight" if tied else "model.model.embed_tokens.weight"
+    e.weight(embed_name, params[embed_name])
+    e.enter("model.model.embed_tokens", "torch.nn.modules.sparse.Embedding")
+    x = e("Gather", [embed_name, "input_ids"], "embedding", dict(axis=0))
+    e.leave()
+    e.enter("model.model.rotary_emb", LLAMA + "LlamaRotaryEmbedding")
+    inv = e.weight("model.model.rotary_emb.inv_freq", model.model.rotary_emb.inv_freq.numpy())
+    pos = e("Unsqueeze", ["position_ids", e.const([2])], "unsqueeze")
+    pos = e("Cast", [pos], "_to_copy", dict(to=TensorProto.FLOAT))
+    freqs = e("Mul", [pos, inv], "mul")
+    emb = e("Concat", [freqs, freqs], "cat", dict(axis=-1))
+    cos, sin = e("Cos", [emb], "cos"), e("Sin", [emb], "sin")
+    e.leave()
+    return x, cos, sin
+
+
+def _residual_and_mlp(e, x, attention, lp, t, eps):
+    """Layer ``lp``'s residual add, post-attention norm, SwiGLU MLP and second residual add."""
+    x = e("Add", [x, attention], "add")
+    h = rms_norm(e, x, f"{lp}.post_attention_layernorm.weight", eps, f"{lp}.post_attention_layernorm")
+    e.enter(f"{lp}.mlp", LLAMA + "LlamaMLP")
+    gate = linear(e, h, t("mlp.gate_proj"), f"{lp}.mlp.gate_proj")
+    e.enter(f"{lp}.mlp.act_fn", "transformers.activations.SiLUActivation")
+    gate = e("Mul", [gate, e("Sigmoid", [gate], "silu")], "silu")
+    e.leave()
+    up = linear(e, h, t("mlp.up_proj"), f"{lp}.mlp.up_proj")
+    y = linear(e, e("Mul", [gate, up], "mul"), t("mlp.down_proj"), f"{lp}.mlp.down_proj")
+    e.leave()
+    return e("Add", [x, y], "add")
+
+
+def _head(e, x, params, tied):
+    last = helper.make_node("Gather", [x, "node_select_last_index"], ["node_select_last_position"],
+                            name="node_select_before_head", axis=1)
+    e.inits.append(numpy_helper.from_array(np.array(-1, np.int64), "node_select_last_index"))
+    e.nodes.append(last)
+    if tied and params["model.lm_head.weight"].size > FOLD_INPUT_LIMIT:  # onnxscript keeps a shared large input
+        e.enter("model.lm_head", "torch.nn.modules.linear.Linear")
+        head = e("Transpose", ["model.lm_head.weight"], "linear", dict(perm=[1, 0]))
+        e.leave()
+    else:
+        head = e.weight("val_head", params["model.lm_head.weight"].T)
+    e.enter("model.lm_head", "torch.nn.modules.linear.Linear")
+    e("MatMul", ["node_select_last_position", head], "linear", out="logits")
+    e.leave()
+
+
+PREFILL, STEP = "PrefillGraph", "SharedPromptStepGraph"
+
+
+def applies(model) -> str | None:
+    """None where ``build`` gives the traced template of ``model``; else why not."""
+    c = model.config
+    if type(model).__name__ != "LlamaForCausalLM":
+        return f"no graph builder for {type(model).__name__}"
+    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    checks = {
+        "attention or MLP biases": getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False),
+        f"activation {c.hidden_act}": c.hidden_act != "silu",
+        f"rotary type {rope.get('rope_type')}": rope.get("rope_type", "default") not in ("default", "llama3"),
+        "rotary attention factor": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) != 1.0,
+        "multi-query attention (one key/value head)": kv == 1 and heads > 1,
+        "pretraining_tp": getattr(c, "pretraining_tp", 1) not in (None, 1),
+        "query heads not a multiple of the key/value heads": heads % kv != 0,
+    }
+    why = [what for what, bad in checks.items() if bad]
+    return f"no graph builder for its {', '.join(why)}" if why else None
+
+
+def build(graph_module, template_model) -> onnx.ModelProto | None:
+    """The template graph ``trace`` writes for ``graph_module`` (a ``decoder_only`` wrapper over ``template_model``);
+    None for a wrapper this module does not build."""
+    kind = type(graph_module).__name__
+    if kind == PREFILL:
+        return build_prefill(template_model)
+    if kind == STEP:
+        return build_step(template_model)
+    return None

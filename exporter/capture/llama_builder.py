@@ -139,13 +139,7 @@ def build_prefill(template_model, wrapper_class="elx.exporter.capture.decoder_on
     eps = float(c.rms_norm_eps)
     shared = {}
     for i in range(layers):
-        lp = f"model.model.layers.{i}"
-        e.enter(lp, LLAMA + "LlamaDecoderLayer")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            e.weight(f"{lp}.{norm}.weight", params[f"{lp}.{norm}.weight"])
-        h = rms_norm(e, x, f"{lp}.input_layernorm.weight", eps, f"{lp}.input_layernorm")
-        e.enter(f"{lp}.self_attn", LLAMA + "LlamaAttention")
-        t = lambda n: e.weight(f"val_w{i}_{n}", params[f"{lp}.{n}.weight"].T)  # noqa: E731
+        lp, h, t = _layer_start(e, x, params, i, eps)
         q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
         if "view" not in shared:
             shared["view"] = e("Concat", [b_shape, p_shape, e.const([-1]), e.const([d])], "view", dict(axis=0))
@@ -263,13 +257,7 @@ def build_step(template_model, wrapper_class="elx.exporter.capture.decoder_only.
     scaling = e.const(np.float32(d ** -0.5), np.float32)
     C = e.const
     for i in range(layers):
-        lp = f"model.model.layers.{i}"
-        e.enter(lp, LLAMA + "LlamaDecoderLayer")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            e.weight(f"{lp}.{norm}.weight", params[f"{lp}.{norm}.weight"])
-        h = rms_norm(e, x, f"{lp}.input_layernorm.weight", eps, f"{lp}.input_layernorm")
-        e.enter(f"{lp}.self_attn", LLAMA + "LlamaAttention")
-        t = lambda n: e.weight(f"val_w{i}_{n}", params[f"{lp}.{n}.weight"].T)  # noqa: E731
+        lp, h, t = _layer_start(e, x, params, i, eps)
         q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
         q = e("Transpose", [e("Reshape", [q, C([-1, 1, heads, d])], "view", dict(allowzero=1))], "transpose",
               dict(perm=[0, 2, 1, 3]))
@@ -416,6 +404,18 @@ def _embedding_and_rotary(e, model, params, tied):
     cos, sin = e("Cos", [emb], "cos"), e("Sin", [emb], "sin")
     e.leave()
     return x, cos, sin
+
+
+def _layer_start(e, x, params, i: int, eps: float):
+    """Enter layer ``i`` and its attention: its path, its input norm's output, and ``t(name)``, the initializer of
+    the weight ``name`` of the layer stored transposed (as the exporter folds ``linear``'s transpose)."""
+    lp = f"model.model.layers.{i}"
+    e.enter(lp, LLAMA + "LlamaDecoderLayer")
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        e.weight(f"{lp}.{norm}.weight", params[f"{lp}.{norm}.weight"])
+    h = rms_norm(e, x, f"{lp}.input_layernorm.weight", eps, f"{lp}.input_layernorm")
+    e.enter(f"{lp}.self_attn", LLAMA + "LlamaAttention")
+    return lp, h, lambda name: e.weight(f"val_w{i}_{name}", params[f"{lp}.{name}.weight"].T)
 
 
 def _residual_and_mlp(e, x, attention, lp, t, eps):

@@ -98,7 +98,8 @@ def _same_outputs(a: Path, b: Path) -> bool:
 @pytest.fixture(scope="module")
 def llama5(tmp_path_factory):
     """A tiny 5-layer Llama (GQA, Llama 3 RoPE) exported by template and stitch (``ELX_CAPTURE=stitch``: a refusal
-    would fail the export), with the progress lines it printed."""
+    would fail the export), its templates traced (``ELX_TEMPLATE_BUILDER=0``: these tests are about the trace and its
+    second process; ``tests/test_llama_builder.py`` exports on built ones), with the progress lines it printed."""
     import io
 
     from elx.exporter.export import export_model
@@ -108,6 +109,8 @@ def llama5(tmp_path_factory):
     stream = io.StringIO()
     before = os.environ.get("ELX_CAPTURE")
     os.environ["ELX_CAPTURE"] = "stitch"
+    builder = os.environ.get("ELX_TEMPLATE_BUILDER")
+    os.environ["ELX_TEMPLATE_BUILDER"] = "0"
     try:
         from contextlib import redirect_stderr
 
@@ -120,6 +123,8 @@ def llama5(tmp_path_factory):
             out = export_model(str(folder), root / "stitched", progress="plain")
     finally:
         os.environ.pop("ELX_CAPTURE") if before is None else os.environ.__setitem__("ELX_CAPTURE", before)
+        os.environ.pop("ELX_TEMPLATE_BUILDER") if builder is None else os.environ.__setitem__("ELX_TEMPLATE_BUILDER",
+                                                                                               builder)
     return {"model": folder, "export": out, "log": stream.getvalue(), "root": root}
 
 
@@ -356,6 +361,7 @@ def test_the_reference_computed_while_the_template_traces_is_the_later_one(llama
     fixture_early = marker in llama5["log"]
     monkeypatch.setattr(export_module, "idle_cores", lambda: 1.0)  # this export's reference on one thread
     monkeypatch.setenv("ELX_CAPTURE", "stitch")
+    monkeypatch.setenv("ELX_TEMPLATE_BUILDER", "0")  # traced, as the fixture's
     if fixture_early:
         monkeypatch.setenv("ELX_CAPTURE_PARALLEL", "0")
     else:  # the first question (Capture's) answered "still at work" whatever the truth: the job runs
@@ -380,7 +386,7 @@ def test_a_killed_export_leaves_no_folder_and_no_process(tmp_path):
     """SIGKILL while the second process traces: it dies with the export, and no output folder appears."""
     folder = make_model_folder(tmp_path, "llama", num_hidden_layers=LAYERS)
     out = tmp_path / "out"
-    env = {**os.environ, "ELX_CAPTURE": "stitch"}
+    env = {**os.environ, "ELX_CAPTURE": "stitch", "ELX_TEMPLATE_BUILDER": "0"}  # a template traced by a second process
     proc = subprocess.Popen([sys.executable, "-m", "elx.cli", "export", "--model", str(folder), "--output", str(out)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     children = []

@@ -4,6 +4,7 @@ node for node, and an export built on them verifies against PyTorch.
 The comparison is canonical: op types, attributes, inputs by structure (constants by value, weights by their bytes),
 module scopes (what the stitcher and int8's per-layer rule read); value names and node order may differ.  A
 transformers, torch or onnxscript upgrade that changes the traced graph fails here first.  No timing is asserted.
+(``tests/test_capture.py`` traces Llama's templates, ``ELX_TEMPLATE_BUILDER=0``, for the trace's own tests.)
 """
 from __future__ import annotations
 
@@ -87,14 +88,15 @@ def test_models_the_builder_does_not_describe_are_named_with_the_reason():
 
 
 def test_an_export_on_built_templates_verifies_and_says_so(tmp_path, monkeypatch):
-    """``ELX_CAPTURE=build``: no template traced (the cache empty), the graphs stitched from built templates and held
-    to the export's verification against PyTorch like any other."""
+    """By default a Llama's templates are built: none traced (the cache empty), the graphs stitched from built
+    templates and held to the export's verification against PyTorch like any other."""
     import io
     from contextlib import redirect_stderr
 
     from elx.exporter.export import export_model
 
-    monkeypatch.setenv("ELX_CAPTURE", "build")
+    monkeypatch.delenv("ELX_TEMPLATE_BUILDER", raising=False)
+    monkeypatch.setenv("ELX_CAPTURE", "stitch")
     monkeypatch.setenv("ELX_CACHE_DIR", str(tmp_path / "cache"))
     folder = make_model_folder(tmp_path, "llama", num_hidden_layers=5)
     stream = io.StringIO()
@@ -106,5 +108,18 @@ def test_an_export_on_built_templates_verifies_and_says_so(tmp_path, monkeypatch
         capture = manifest["graphs"][graph]["capture"]
         assert capture["method"] == "stitched" and capture["template_built"] is True, capture
     assert "built its 3-layer template from the weights" in log and "traced a 3-layer template" not in log, log
+    assert "second process" not in log, log  # nothing forked for a built template
     assert manifest["verification"]["export"]["within"] is True
     assert out is not None
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "off"])
+def test_a_malformed_builder_switch_is_refused_in_one_line(value, monkeypatch):
+    from elx.exporter.capture import llama_builder
+    from elx.runners.errors import ElxError
+
+    monkeypatch.setenv("ELX_TEMPLATE_BUILDER", value)
+    with pytest.raises(ElxError, match="ELX_TEMPLATE_BUILDER is .*use 1 .* or 0"):
+        llama_builder.enabled()
+    monkeypatch.setenv("ELX_TEMPLATE_BUILDER", "0")
+    assert llama_builder.enabled() is False

@@ -22,10 +22,13 @@ and kept as a Transpose node; every other weight is stored transposed).  Nodes c
 intermediate values), which nothing downstream reads for these graphs.
 
 **When.**  ``applies(model)`` says why not where the template would differ: another class, biases, another
-activation or rotary type, MQA, ``pretraining_tp``.  ``ELX_CAPTURE=build`` uses it (``stitched.py``); a transformers,
-torch or onnxscript upgrade that changes the traced graph shows in the canonical test before it reaches a user.
+activation or rotary type, MQA, ``pretraining_tp``; those templates are traced (``stitched.py``), as everything is
+with ``ELX_TEMPLATE_BUILDER=0``.  A transformers, torch or onnxscript upgrade that changes the traced graph shows in
+the canonical test before it reaches a user.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import onnx
@@ -450,12 +453,33 @@ def _head(e, x, params, tied):
 
 
 PREFILL, STEP = "PrefillGraph", "SharedPromptStepGraph"
+CLASS = "LlamaForCausalLM"
+
+
+def enabled() -> bool:
+    """``ELX_TEMPLATE_BUILDER`` is not 0 (default 1); another value is refused in one line."""
+    text = os.environ.get("ELX_TEMPLATE_BUILDER", "1").strip() or "1"
+    if text not in ("0", "1"):
+        from elx.runners.errors import ElxError
+
+        raise ElxError(f"ELX_TEMPLATE_BUILDER is {text!r}; use 1 (build Llama's templates from the weights, the "
+                       "default) or 0 (trace them)")
+    return text == "1"
+
+
+def describes_class(model) -> bool:
+    return type(model).__name__ == CLASS
+
+
+def builds(graph_module) -> bool:
+    """Whether ``build`` writes the template of this wrapper (prefill and shared-prompt step, not per-beam)."""
+    return type(graph_module).__name__ in (PREFILL, STEP)
 
 
 def applies(model) -> str | None:
     """None where ``build`` gives the traced template of ``model``; else why not."""
     c = model.config
-    if type(model).__name__ != "LlamaForCausalLM":
+    if not describes_class(model):
         return f"no graph builder for {type(model).__name__}"
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}

@@ -25,14 +25,16 @@ with onnx helpers as onnxruntime-genai's builder does: fastest, but a second imp
 forward (norms, RoPE variants, GQA, biases, parallel residuals), which elx avoids by tracing HF's own modules.
 (c) done for one family's *templates* only (15th session): ``exporter/capture/llama_builder.py`` writes Llama's
 two templates node for node as the trace does (checked canonically against it), 0.6 s each for the real
-SmolLM2-135M instead of 11.7 + 19.9 s of tracing; opt-in (``ELX_CAPTURE=build``) until the suite runs with it.
+SmolLM2-135M instead of 11.7 + 19.9 s of tracing.
 
 **When not.**  A model with 3 layers or fewer per stack is traced whole (nothing to save), and so is a model
 whose template does not fit the stitcher's description (layers of several types, a layer-dependent constant, a
 weight folded into a form the binding does not know): ``Capture`` says why and traces whole.  ``ELX_CAPTURE``
-``=trace`` forces whole-model tracing (for comparisons), ``=stitch`` makes a refusal an error (for tests),
-``=build`` builds Llama's templates from the weights instead of tracing them (``exporter/capture/llama_builder.py``:
-the traced template node for node; opt-in until the whole test suite has run with it).
+``=trace`` forces whole-model tracing (for comparisons), ``=stitch`` makes a refusal an error (for tests).
+
+**Built, not traced.**  Where ``exporter/capture/llama_builder.py`` describes the model (Llama's prefill and step
+templates), the template is built from the weights in under a second instead of traced (the traced template node
+for node); ``ELX_TEMPLATE_BUILDER=0`` traces it as for every other family (comparisons, tests of the trace).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ from elx.exporter.capture.onnx_export import save_model, trace
 from elx.exporter.capture.parallel import TemplateProcess
 from elx.exporter.capture.shared_weights import WEIGHTS_FILE
 
-MODES = ("auto", "stitch", "trace", "build")
+MODES = ("auto", "stitch", "trace")
 
 
 def capture_mode() -> str:
@@ -82,6 +84,7 @@ class Capture:
         self._bound = {}  # graph file -> the bindings the cache kept for its template (``template_cache.load_bound``)
         self._tensors_digest = None  # ``template_cache.tensors_digest`` of the template
         self._model_digest = None  # ``template_cache.model_digest`` of the model ("": too large to keep whole)
+        self._said_why_traced = False  # ``_builder`` said why a Llama's templates are traced
         # called once as ``while_waiting(still_tracing)``, where this process would otherwise wait for a second
         # process's template (the export runs the verification's PyTorch reference there); its time is taken from the
         # wait, not added to the export; ``still_tracing()`` says whether the second process is still at work
@@ -228,18 +231,18 @@ class Capture:
         return written
 
     def _builder(self, spec):
-        """``llama_builder.build`` where ``ELX_CAPTURE=build`` and it builds ``spec``'s template (else None; a model it
-        does not build says why once and is traced)."""
-        if self.mode != "build" or self._template is None:
-            return None
+        """``llama_builder.build`` where it builds ``spec``'s template and ``ELX_TEMPLATE_BUILDER`` is not 0, else None
+        (a Llama it does not describe says why once: its templates are traced)."""
         from elx.exporter.capture import llama_builder
 
+        if self._template is None or not llama_builder.enabled():
+            return None
         why = llama_builder.applies(self._template.model)
-        if why is None and type(spec.module).__name__ in (llama_builder.PREFILL, llama_builder.STEP):
-            return llama_builder.build
-        if why and not getattr(self, "_said_why_traced", False):
+        if why is None:
+            return llama_builder.build if llama_builder.builds(spec.module) else None
+        if llama_builder.describes_class(self._template.model) and not self._said_why_traced:
             self._said_why_traced = True
-            self.report(f"ELX_CAPTURE=build: traced ({why})")
+            self.report(f"templates traced, not built ({why})")
         return None
 
     def _whole_key(self, spec, name: str) -> str | None:

@@ -55,6 +55,7 @@ def test_built_templates_are_the_traced_templates(overrides, monkeypatch):
     from elx.exporter.capture import decoder_only, llama_builder
     from elx.exporter.capture.onnx_export import trace
     from elx.exporter.capture.template import make_template
+    from elx.exporter.capture.weights import bind
     from elx.exporter.families.catalog import family_for_architecture
 
     model = BUILDERS["llama"](num_hidden_layers=5, **overrides).eval()
@@ -66,8 +67,13 @@ def test_built_templates_are_the_traced_templates(overrides, monkeypatch):
     for name, make_spec in specs.items():
         torch.manual_seed(0)
         spec = make_spec(template.model)
-        built = llama_builder.build(spec.module, template.model)
+        built, bindings = llama_builder.build(spec.module, template.model, values=True)
         onnx.checker.check_model(built)
+        sources = {n: t.detach().numpy() for n, t in [*template.model.named_parameters(remove_duplicate=False),
+                                                       *template.model.named_buffers(remove_duplicate=False)]}
+        assert bindings == bind(built.graph.initializer, sources), name  # what stitching would have found
+        bare, bare_bindings = llama_builder.build(spec.module, template.model)  # the export's: no weight values
+        assert bare_bindings == bindings and not any(t.raw_data for t in bare.graph.initializer if t.name in bindings)
         traced = trace(spec)
         (built_nodes, built_outputs), (traced_nodes, traced_outputs) = canonical(built), canonical(traced)
         assert sum(built_nodes.values()) == sum(traced_nodes.values()), name

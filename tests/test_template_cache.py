@@ -38,6 +38,7 @@ def test_a_second_export_takes_its_templates_from_the_cache_and_writes_the_same_
     from elx.exporter.export import export_model
 
     monkeypatch.setenv("ELX_CAPTURE", "stitch")
+    monkeypatch.setenv("ELX_TEMPLATE_BUILDER", "0")  # traced templates (a built one is not kept: quicker to build)
     # both references on one thread: PyTorch's batched forwards round by the thread count, which follows the load
     monkeypatch.setattr(export_module, "idle_cores", lambda: 1.0)
     folder = make_model_folder(tmp_path, "llama", num_hidden_layers=5)

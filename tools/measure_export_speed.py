@@ -14,7 +14,9 @@ converters need), which every system then reads: elx too, so that no row times a
 
 * ``elx``: ``elx export --model M --output OUT --force`` (its verification included: logits against PyTorch fp32
   and fp64 on the verification cases), a first export: ``ELX_CACHE_DIR`` is WORK/cache/MODEL, emptied before the
-  row, so the templates are traced;
+  row, so the templates are built (a Llama: ``exporter/capture/llama_builder.py``) or traced;
+* ``elx-traced``: the same with ``ELX_TEMPLATE_BUILDER=0``: a Llama's templates traced too (the first export before
+  the builder);
 * ``elx-warm``: the same again on the cache the model's ``elx`` row left (a re-export: the templates come from the
   cache, nothing is traced);
 * ``elx-trace``: the same with ``ELX_CAPTURE=trace``: every layer traced by ``torch.onnx.export(dynamo=True)``,
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
             out = args.work / "out" / f"{name}-{system}"
             shutil.rmtree(out, ignore_errors=True)
             # elx's template cache (exporter/capture/template_cache.py): every elx row but ``elx-warm`` starts from an
-            # empty one (a first export: templates traced); ``elx-warm`` reuses what the model's ``elx`` row left
+            # empty one (a first export: templates built or traced); ``elx-warm`` reuses what the ``elx`` row left
             cache = args.work / "cache" / name
             if system.startswith("elx") and system != "elx-warm":
                 shutil.rmtree(cache, ignore_errors=True)
@@ -122,6 +124,8 @@ def main(argv=None) -> int:
                 cmd += {"elx-int8": ["--precision", "int8"], "elx-slim": ["--pass", "slim=skip-bad"]}.get(system, [])
                 if system == "elx-trace":
                     env["ELX_CAPTURE"] = "trace"
+                if system == "elx-traced":
+                    env["ELX_TEMPLATE_BUILDER"] = "0"
             elif system == "genai":
                 cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out),
                        "-p", "fp32", "-e", "cpu", "-c", str(args.work / "genai-cache")]

@@ -41,9 +41,18 @@ LLAMA = "transformers.models.llama.modeling_llama."
 
 
 class Emitter:
-    def __init__(self):
+    """Nodes with the trace's module scopes, constants (one initializer per value), and the template's weights: each
+    recorded as its binding (``exporter/capture/weights.py``: which model tensor it holds, as it is or transposed),
+    its values written only with ``values`` (the canonical test; stitching binds the model's own tensors)."""
+
+    def __init__(self, model, values: bool):
         self.nodes, self.inits, self.consts, self.count = [], [], {}, 0
         self.scope = []  # [(path, class)]
+        self.values, self.bindings = values, {}
+        # the wrapper's names ("model." + the HF model's); a tied head is the embedding's (as ``bind`` names it)
+        first, self.sources = {}, {}
+        for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            self.sources[f"model.{n}"] = (first.setdefault(id(t), n), t)
 
     def const(self, value, dtype=np.int64, shape=None):
         array = np.array(value, dtype=dtype)
@@ -56,8 +65,18 @@ class Emitter:
             self.consts[key] = name
         return self.consts[key]
 
-    def weight(self, name, array):
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name))
+    def weight(self, name: str, source: str, transposed: bool = False) -> str:
+        """Initializer ``name`` holding the model tensor ``source`` (the wrapper's name), transposed or not."""
+        from elx.exporter.capture.weights import IDENTITY, TRANSPOSE, Binding
+
+        source, tensor = self.sources[source]
+        self.bindings[name] = Binding(source, TRANSPOSE if transposed else IDENTITY)
+        shape = tuple(reversed(tensor.shape)) if transposed else tuple(tensor.shape)
+        if self.values:
+            array = tensor.detach().numpy()
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array.T if transposed else array), name))
+        else:
+            self.inits.append(TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape))  # as the cache's bound
         return name
 
     def __call__(self, op, inputs, fx, attrs=None, out=None, hook=False):
@@ -107,16 +126,17 @@ def linear(e, x, weight_t, path, fx="linear"):
     return y
 
 
-def build_prefill(template_model, wrapper_class="elx.exporter.capture.decoder_only.PrefillGraph"):
+def build_prefill(template_model, values: bool = False,
+                  wrapper_class="elx.exporter.capture.decoder_only.PrefillGraph") -> tuple:
+    """(``decoder_only.PrefillGraph``'s graph over ``template_model``, its bindings)."""
     model = template_model
     c = model.config
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // heads
     half = d // 2
     layers = c.num_hidden_layers
-    params = {"model." + n: p.detach().numpy() for n, p in model.named_parameters(remove_duplicate=False)}
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    e = Emitter()
+    e = Emitter(model, values)
     e.enter("", wrapper_class)
     # -- sizes and the additive mask (the wrapper's)
     b_shape = e("Shape", ["attention_mask"], "sym_size_int", dict(end=1, start=0), hook=True)
@@ -138,11 +158,11 @@ def build_prefill(template_model, wrapper_class="elx.exporter.capture.decoder_on
     zeros = e("Expand", [e.const(0.0, np.float32), zshape], "zeros")
     banned = e("Not", [allowed], "bitwise_not")
     mask = e("Where", [banned, e.const(np.finfo(np.float32).min, np.float32), zeros], "masked_fill")
-    x, cos, sin = _embedding_and_rotary(e, model, params, tied)
+    x, cos, sin = _embedding_and_rotary(e, model, tied)
     eps = float(c.rms_norm_eps)
     shared = {}
     for i in range(layers):
-        lp, h, t = _layer_start(e, x, params, i, eps)
+        lp, h, t = _layer_start(e, x, i, eps)
         q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
         if "view" not in shared:
             shared["view"] = e("Concat", [b_shape, p_shape, e.const([-1]), e.const([d])], "view", dict(axis=0))
@@ -206,10 +226,10 @@ def build_prefill(template_model, wrapper_class="elx.exporter.capture.decoder_on
         e.leave()
         x = _residual_and_mlp(e, x, o, lp, t, eps)
         e.leave()
-    e.weight("model.model.norm.weight", params["model.model.norm.weight"])
+    e.weight("model.model.norm.weight", "model.model.norm.weight")
     x = rms_norm(e, x, "model.model.norm.weight", eps, "model.model.norm")
     e.leave()  # model.model
-    _head(e, x, params, tied)
+    _head(e, x, model, tied)
     kv_shape = ["batch", kv, "prompt_sequence", d]
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "prompt_sequence"])
               for n in ("input_ids", "attention_mask", "position_ids")]
@@ -218,12 +238,13 @@ def build_prefill(template_model, wrapper_class="elx.exporter.capture.decoder_on
         outputs += [helper.make_tensor_value_info(f"present.{i}.{w}", TensorProto.FLOAT, kv_shape)
                     for w in ("key", "value")]
     graph = helper.make_graph(e.nodes, "main_graph", inputs, outputs, e.inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10,
-                             producer_name="elx")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10, producer_name="elx")
+    return model, e.bindings
 
 
 
-def build_step(template_model, wrapper_class="elx.exporter.capture.decoder_only.SharedPromptStepGraph"):
+def build_step(template_model, values: bool = False,
+               wrapper_class="elx.exporter.capture.decoder_only.SharedPromptStepGraph") -> tuple:
     """The shared-prompt step template (``decoder_only.SharedPromptStepGraph``)."""
     model = template_model
     c = model.config
@@ -231,10 +252,9 @@ def build_step(template_model, wrapper_class="elx.exporter.capture.decoder_only.
     d = getattr(c, "head_dim", None) or c.hidden_size // heads
     half, g = d // 2, heads // kv
     layers = c.num_hidden_layers
-    params = {"model." + n: p.detach().numpy() for n, p in model.named_parameters(remove_duplicate=False)}
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     grouped = kv != heads
-    e = Emitter()
+    e = Emitter(model, values)
     e.enter("", wrapper_class)
     b_shape = e("Shape", ["prompt_key_values.0.key"], "sym_size_int", dict(end=1, start=0), hook=True)
     b = e("Squeeze", [b_shape], "sym_size_int", hook=True)
@@ -254,13 +274,13 @@ def build_step(template_model, wrapper_class="elx.exporter.capture.decoder_only.
     g1_shape = e("Reshape", [g1, e.const([-1])], "zeros", dict(allowzero=0))
     own_shape = e("Concat", [r_shape, e.const([1]), e.const([1]), g1_shape], "zeros", dict(axis=0))
     own = e("Expand", [e.const(0.0, np.float32), own_shape], "zeros")
-    x, cos, sin = _embedding_and_rotary(e, model, params, tied)
+    x, cos, sin = _embedding_and_rotary(e, model, tied)
     eps = float(c.rms_norm_eps)
     shared = {}
     scaling = e.const(np.float32(d ** -0.5), np.float32)
     C = e.const
     for i in range(layers):
-        lp, h, t = _layer_start(e, x, params, i, eps)
+        lp, h, t = _layer_start(e, x, i, eps)
         q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
         q = e("Transpose", [e("Reshape", [q, C([-1, 1, heads, d])], "view", dict(allowzero=1))], "transpose",
               dict(perm=[0, 2, 1, 3]))
@@ -369,10 +389,10 @@ def build_step(template_model, wrapper_class="elx.exporter.capture.decoder_only.
         e.leave()
         x = _residual_and_mlp(e, x, o, lp, t, eps)
         e.leave()
-    e.weight("model.model.norm.weight", params["model.model.norm.weight"])
+    e.weight("model.model.norm.weight", "model.model.norm.weight")
     x = rms_norm(e, x, "model.model.norm.weight", eps, "model.model.norm")
     e.leave()
-    _head(e, x, params, tied)
+    _head(e, x, model, tied)
     kvs = lambda lead, seq: [lead, kv, seq, d]  # noqa: E731
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["rows", 1]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["rows", 1]),
@@ -386,20 +406,21 @@ def build_step(template_model, wrapper_class="elx.exporter.capture.decoder_only.
         outputs += [helper.make_tensor_value_info(f"present.{i}.{w}", TensorProto.FLOAT, kvs("rows", "past_sequence + 1"))
                     for w in ("key", "value")]
     graph = helper.make_graph(e.nodes, "main_graph", inputs, outputs, e.inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10, producer_name="elx")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10, producer_name="elx")
+    return model, e.bindings
 
 
-def _embedding_and_rotary(e, model, params, tied):
+def _embedding_and_rotary(e, model, tied):
     """Inside ``model`` / ``model.model``: the token embedding and the rotary cos/sin (both templates alike)."""
     e.enter("model", LLAMA + "LlamaForCausalLM")
     e.enter("model.model", LLAMA + "LlamaModel")
     embed_name = "model.lm_head.weight" if tied else "model.model.embed_tokens.weight"
-    e.weight(embed_name, params[embed_name])
+    e.weight(embed_name, "model.model.embed_tokens.weight")
     e.enter("model.model.embed_tokens", "torch.nn.modules.sparse.Embedding")
     x = e("Gather", [embed_name, "input_ids"], "embedding", dict(axis=0))
     e.leave()
     e.enter("model.model.rotary_emb", LLAMA + "LlamaRotaryEmbedding")
-    inv = e.weight("model.model.rotary_emb.inv_freq", model.model.rotary_emb.inv_freq.numpy())
+    inv = e.weight("model.model.rotary_emb.inv_freq", "model.model.rotary_emb.inv_freq")
     pos = e("Unsqueeze", ["position_ids", e.const([2])], "unsqueeze")
     pos = e("Cast", [pos], "_to_copy", dict(to=TensorProto.FLOAT))
     freqs = e("Mul", [pos, inv], "mul")
@@ -409,16 +430,16 @@ def _embedding_and_rotary(e, model, params, tied):
     return x, cos, sin
 
 
-def _layer_start(e, x, params, i: int, eps: float):
+def _layer_start(e, x, i: int, eps: float):
     """Enter layer ``i`` and its attention: its path, its input norm's output, and ``t(name)``, the initializer of
     the weight ``name`` of the layer stored transposed (as the exporter folds ``linear``'s transpose)."""
     lp = f"model.model.layers.{i}"
     e.enter(lp, LLAMA + "LlamaDecoderLayer")
     for norm in ("input_layernorm", "post_attention_layernorm"):
-        e.weight(f"{lp}.{norm}.weight", params[f"{lp}.{norm}.weight"])
+        e.weight(f"{lp}.{norm}.weight", f"{lp}.{norm}.weight")
     h = rms_norm(e, x, f"{lp}.input_layernorm.weight", eps, f"{lp}.input_layernorm")
     e.enter(f"{lp}.self_attn", LLAMA + "LlamaAttention")
-    return lp, h, lambda name: e.weight(f"val_w{i}_{name}", params[f"{lp}.{name}.weight"].T)
+    return lp, h, lambda name: e.weight(f"val_w{i}_{name}", f"{lp}.{name}.weight", transposed=True)
 
 
 def _residual_and_mlp(e, x, attention, lp, t, eps):
@@ -436,17 +457,17 @@ def _residual_and_mlp(e, x, attention, lp, t, eps):
     return e("Add", [x, y], "add")
 
 
-def _head(e, x, params, tied):
+def _head(e, x, model, tied):
     last = helper.make_node("Gather", [x, "node_select_last_index"], ["node_select_last_position"],
                             name="node_select_before_head", axis=1)
     e.inits.append(numpy_helper.from_array(np.array(-1, np.int64), "node_select_last_index"))
     e.nodes.append(last)
-    if tied and params["model.lm_head.weight"].size > FOLD_INPUT_LIMIT:  # onnxscript keeps a shared large input
+    if tied and model.lm_head.weight.numel() > FOLD_INPUT_LIMIT:  # onnxscript keeps a shared large input
         e.enter("model.lm_head", "torch.nn.modules.linear.Linear")
         head = e("Transpose", ["model.lm_head.weight"], "linear", dict(perm=[1, 0]))
         e.leave()
     else:
-        head = e.weight("val_head", params["model.lm_head.weight"].T)
+        head = e.weight("val_head", "model.lm_head.weight", transposed=True)
     e.enter("model.lm_head", "torch.nn.modules.linear.Linear")
     e("MatMul", ["node_select_last_position", head], "linear", out="logits")
     e.leave()
@@ -496,12 +517,14 @@ def applies(model) -> str | None:
     return f"no graph builder for its {', '.join(why)}" if why else None
 
 
-def build(graph_module, template_model) -> onnx.ModelProto | None:
-    """The template graph ``trace`` writes for ``graph_module`` (a ``decoder_only`` wrapper over ``template_model``);
-    None for a wrapper this module does not build."""
+def build(graph_module, template_model, values: bool = False) -> tuple | None:
+    """(the template graph ``trace`` writes for ``graph_module``, a ``decoder_only`` wrapper over ``template_model``;
+    its bindings: ``{initializer: Binding}`` as ``exporter/capture/weights.py``'s ``bind`` finds them), or None for a
+    wrapper this module does not build.  The bound initializers hold no values unless ``values`` (stitching binds
+    the model's own tensors; the template's would be copied for nothing: 7-9 s at 1B+)."""
     kind = type(graph_module).__name__
     if kind == PREFILL:
-        return build_prefill(template_model)
+        return build_prefill(template_model, values)
     if kind == STEP:
-        return build_step(template_model)
+        return build_step(template_model, values)
     return None

@@ -331,13 +331,13 @@ class Capture:
         build = self._builder(spec)
         if build is not None:
             started = time.perf_counter()
-            model = build(spec.module, self._template.model)
+            model, self._bound[name] = build(spec.module, self._template.model)  # its bindings: nothing to bind
             traced, where = time.perf_counter() - started, "built"
             self.report(f"{name}: built its {TEMPLATE_LAYERS}-layer template from the weights in {traced:.1f} s "
                         "(exporter/capture/llama_builder.py)")
         else:
             model, traced, where = self._trace_template(spec, name)
-        if key:
+        if key and where != "built":  # a built template is not kept: building it is quicker than reading it back
             why = template_cache.store(key, model)
             if why:
                 self.report(f"{name}: its template not kept in the cache ({why})")

@@ -502,19 +502,21 @@ def torch_references(model, manifest: Manifest, shapes=None, seed: int = 0, repo
         # a time
         with in_float64(model, threads):
             fp64 = RecordedSide(Float64Side(torch_side), manifest, shapes, [seed], threads=threads)
-    fp32.spread = fp32_spread(model, torch_side, fp64, fp32, manifest, shapes, seed, together, threads)
+    fp32.spread = fp32_spread(model, torch_side, fp64, fp32, manifest, shapes, seed, together, threads, report)
     return fp32, fp64
 
 
 def fp32_spread(model, torch_side, fp64, fp32, manifest: Manifest, shapes, seed: int, together: bool,
-                threads=None) -> list[float] | None:
+                threads=None, report=None) -> list[float] | None:
     """Per case, the largest error against ``fp64`` of PyTorch's fp32 forward over the evaluations that differ from
     the reference only in rounding: the attention kernel (sdpa and eager, where the model takes both) and, for a
     decoder-only model, the cases batched and alone (other GEMM shapes).  One fp32 evaluation is one draw of its
     rounding: on the real SmolLM2-135M's amplifying case (batch 2 x beams 3) eight such evaluations erred from
     8.3e-5 to 3.7e-4 on one machine (9.0e-4 on another), and the one the export happened to run set a bar that
     refused correct graphs (``exporter/verification/fp32_noise.py``).  None where the first draw's bars are all below
-    ``SPREAD_RELEVANT`` of the magnitude rule (the tests' tiny Llama, GPT-2 and T5: 0.005-0.05 of it)."""
+    ``SPREAD_RELEVANT`` of the magnitude rule (the tests' tiny Llama, GPT-2 and T5: 0.005-0.05 of it).
+    ``report(side, done, total)``, if given, once per evaluation (the export's line per side: a 1B+ model's draws
+    take as long as its fp32 and fp64 references together)."""
     from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE, SPREAD_RELEVANT, attention_as, other_attention, \
         per_layer_threads
 
@@ -526,9 +528,12 @@ def fp32_spread(model, torch_side, fp64, fp32, manifest: Manifest, shapes, seed:
     alternative = other_attention(model)
     if alternative is not None:
         evaluations += [(alternative, True), (alternative, False)] if together else [(alternative, False)]
-    for attention, batched in evaluations:
+    for k, (attention, batched) in enumerate(evaluations, 1):
         with attention_as(model, attention), per_layer_threads(model, threads if batched else None):
             side = RecordedSide(torch_side, manifest, shapes, [seed], together=batched, threads=threads)
+        if report is not None:
+            how = f"{attention + ' attention' if attention else 'its attention'}, {'batched' if batched else 'case by case'}"
+            report(f"PyTorch fp32 rounding draw {k + 1} of {len(evaluations) + 1} ({how})", len(shapes), len(shapes))
         found = measure(fp64, side, manifest, shapes, seed)["shapes"]
         worst = [max(a, b["max_abs_logits_diff"]) for a, b in zip(worst, found)]
     return worst

@@ -24,8 +24,8 @@ dynamo graphs every pass matches (other decompositions, other names); (c) buildi
 with onnx helpers as onnxruntime-genai's builder does: fastest, but a second implementation of each family's
 forward (norms, RoPE variants, GQA, biases, parallel residuals), which elx avoids by tracing HF's own modules.
 (c) done for one family's *templates* only (15th session): ``exporter/capture/llama_builder.py`` writes Llama's
-two templates node for node as the trace does (checked canonically against it), 0.6 s each for the real
-SmolLM2-135M instead of 11.7 + 19.9 s of tracing.
+two templates node for node as the trace does (checked canonically against it), in milliseconds where the real
+SmolLM2-135M's took 11.7 + 19.9 s of tracing.
 
 **When not.**  A model with 3 layers or fewer per stack is traced whole (nothing to save), and so is a model
 whose template does not fit the stitcher's description (layers of several types, a layer-dependent constant, a
@@ -33,7 +33,7 @@ weight folded into a form the binding does not know): ``Capture`` says why and t
 ``=trace`` forces whole-model tracing (for comparisons), ``=stitch`` makes a refusal an error (for tests).
 
 **Built, not traced.**  Where ``exporter/capture/llama_builder.py`` describes the model (Llama's prefill and step
-templates), the template is built from the weights in under a second instead of traced (the traced template node
+templates), the template is built from the weights in milliseconds instead of traced (the traced template node
 for node); ``ELX_TEMPLATE_BUILDER=0`` traces it as for every other family (comparisons, tests of the trace).
 """
 from __future__ import annotations
@@ -169,12 +169,14 @@ class Capture:
 
         with torch.random.fork_rng():  # the spec's example inputs draw from torch's generator: leave it as it was
             spec = make_spec(template.model)
+            if self._builder(spec) is not None:  # built here when its graph is exported: milliseconds, no cache
+                return
             key = self._cache_key(spec, path.name)
         cached = _from_cache(key) if key else None
         if cached is not None:
             self._cached[path.name] = cached
             return
-        if not parallel_allowed() or self._builder(spec) is not None:  # a built template: under a second, here
+        if not parallel_allowed():
             return
         self._children[path.name] = TemplateProcess.start(lambda: trace(make_spec(template.model)),
                                                           self.folder / f".template.{path.name}")
@@ -315,9 +317,19 @@ class Capture:
         return self._cache_keys[name]
 
     def _traced_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, str]:
-        """The template's graph: from the template cache (``exporter/capture/template_cache.py``), from the second
-        process started by ``prefetch`` when it succeeded, else traced here; its tracing time, and where it came
-        from ("cache", "second process", "here").  A traced one is kept in the cache."""
+        """The template's graph: built from the weights (``exporter/capture/llama_builder.py``; its bindings kept for
+        ``_stitch``), from the template cache (``exporter/capture/template_cache.py``), from the second process started
+        by ``prefetch`` when it succeeded, else traced here; its tracing (building) time, and where it came from
+        ("built", "cache", "second process", "here").  A traced one is kept in the cache; a built one is not
+        (building it is quicker than hashing the model's tensors for its key)."""
+        build = self._builder(spec)
+        if build is not None:
+            started = time.perf_counter()
+            model, self._bound[name] = build(spec.module, self._template.model)
+            built = time.perf_counter() - started
+            self.report(f"{name}: built its {TEMPLATE_LAYERS}-layer template from the weights in {built:.1f} s "
+                        "(exporter/capture/llama_builder.py)")
+            return model, built, "built"
         key = self._cache_key(spec, name)
         cached = self._cached.pop(name, None)
         if cached is None and key:
@@ -328,16 +340,8 @@ class Capture:
             if bindings is not None:
                 self._bound[name] = bindings
             return model, 0.0, "cache"
-        build = self._builder(spec)
-        if build is not None:
-            started = time.perf_counter()
-            model, self._bound[name] = build(spec.module, self._template.model)  # its bindings: nothing to bind
-            traced, where = time.perf_counter() - started, "built"
-            self.report(f"{name}: built its {TEMPLATE_LAYERS}-layer template from the weights in {traced:.1f} s "
-                        "(exporter/capture/llama_builder.py)")
-        else:
-            model, traced, where = self._trace_template(spec, name)
-        if key and where != "built":  # a built template is not kept: building it is quicker than reading it back
+        model, traced, where = self._trace_template(spec, name)
+        if key:
             why = template_cache.store(key, model)
             if why:
                 self.report(f"{name}: its template not kept in the cache ({why})")

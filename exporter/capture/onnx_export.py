@@ -30,6 +30,15 @@ EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; stay clea
 EXAMPLE = dict(batch=2, beams=3, source=7, past=3, step=2)
 
 
+def finished(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A captured graph as the folder keeps it: a tied head's ``MatMul(x, Transpose(E))`` as ``Gemm(x, E,
+    transB=1)`` (``exporter/capture/tied_head.py``: ONNX Runtime would fold a copy of ``E`` at each session load)."""
+    from elx.exporter.capture.tied_head import gemm_for_tied_head
+
+    gemm_for_tied_head(model)
+    return model
+
+
 def save_model(model: onnx.ModelProto, path: Path) -> list[str]:
     """Save ``model``; large ones get external data. Returns the extra files written."""
     path = Path(path)
@@ -132,12 +141,12 @@ def export_graph(make_spec, model, path: Path, capture=None) -> list[str]:
     layers from it; without one (or where it does not apply) the whole model is traced."""
     if capture is not None:
         return capture.export(make_spec, path)
-    return save_model(trace(make_spec(model)), path)
+    return save_model(finished(trace(make_spec(model))), path)
 
 
 def _export(module, args, dynamic_shapes, input_names, output_names, path: Path) -> list[str]:
     """Trace ``module`` whole and save it (``export_graph`` without a capture)."""
-    return save_model(trace(GraphSpec(module, list(args), dynamic_shapes, input_names, output_names)), path)
+    return save_model(finished(trace(GraphSpec(module, list(args), dynamic_shapes, input_names, output_names))), path)
 
 
 def _example_encoder_inputs(model, family: Family, batch: int, source: int) -> list[torch.Tensor]:

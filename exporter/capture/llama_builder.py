@@ -1,28 +1,33 @@
-"""Llama's prefill and shared-prompt step templates built from the weights, without torch.export (issue 41).
+"""The prefill and shared-prompt step templates of the Llama-architecture families (Llama, Mistral, Qwen2, Qwen3)
+built from the weights, without torch.export (issue 41).
 
 **Why.**  A first export's critical path is tracing its two 3-layer templates (``exporter/capture/stitched.py``):
 on the real SmolLM2-135M, 11.7 s (prefill) and 19.9 s (step) on two cores at once, most of it torch.export's
 symbolic-shape work per FX node, whatever the model's size.  onnxruntime-genai's builder writes its graphs from
-the weights in seconds; this module does the same for ``LlamaForCausalLM`` templates: 0.3-0.7 s for the real
-135M's two templates (the 1B+ ones 7-9 s, copying their embeddings and layers into the protobuf).
+the weights in seconds; this module does the same for the templates of ``LlamaForCausalLM`` and the classes that
+share its graph (``CLASSES``: Mistral's is Llama's; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per query and key
+head): milliseconds, since it writes no weight values (stitching binds the model's own tensors).
 
 **Same graph.**  The nodes are those ``trace`` writes for ``decoder_only.PrefillGraph`` and
 ``SharedPromptStepGraph`` over the template model (HF's Llama modules with elx's attention: ``capture/attention.py``,
 ``shared_prompt.py``, ``grouped_attention.py``, after torch's decompositions and onnxscript's optimizer): the same
 op types, attributes, inputs (constants by value), module scopes and weights, checked canonically against the
-trace (``tests/test_llama_builder.py``: GQA and MHA, tied and untied heads, Llama 3 rotary scaling; on this
-machine also the real SmolLM2-135M and the TinyLlama-1.1B and SmolLM2-1.7B dims).  So the stitcher, the passes and
+trace (``tests/test_llama_builder.py``: GQA, MHA and MQA, tied and untied heads, Llama 3 rotary scaling, biases,
+Mistral, Qwen2, Qwen3; on this machine also the real SmolLM2-135M and the TinyLlama-1.1B and SmolLM2-1.7B dims).
+Each scope's class is read from the template model's own module there (as the trace names it).  So the stitcher, the passes and
 int8's per-layer rule (which read ``namespace`` and ``pkg.torch.onnx.name_scopes``) see what they see after a
 trace, and the export verifies the stitched graphs against PyTorch as always.  Details the trace decides and
 this module repeats: the symbolic sizes torch reads from the inputs (batch from ``prompt_key_values.0.key``, the
 prompt width from the last layer's prompt value, rows from layer 1's past key), the shape arithmetic of the
-grouped-query reshapes (computed once, in layer 0's scope), the static one-token step shapes, and onnxscript's
+grouped-query reshapes (computed once, in layer 0's scope; a product by one key/value head left out, as torch
+does), the static one-token step shapes, and onnxscript's
 folding rule for the head's transpose (a tied head larger than 8192 values is shared with the embedding's Gather
 and kept as a Transpose node; every other weight is stored transposed).  Nodes carry no ``value_info`` (shapes of
 intermediate values), which nothing downstream reads for these graphs.
 
-**When.**  ``applies(model)`` says why not where the template would differ: another class, biases, another
-activation or rotary type, MQA, ``pretraining_tp``; those templates are traced (``stitched.py``), as everything is
+**When.**  ``applies(model)`` says why not where the template would differ: another class (Phi-3's fused
+projections, Gemma's embedding scale and shifted norms, GPT-NeoX, ...), another activation or rotary type, a rotary
+attention factor, ``pretraining_tp``; those templates are traced (``stitched.py``), as everything is
 with ``ELX_TEMPLATE_BUILDER=0``.  A transformers, torch or onnxscript upgrade that changes the traced graph shows in
 the canonical test before it reaches a user.
 """
@@ -37,7 +42,6 @@ from onnx import TensorProto, helper, numpy_helper
 INT64_MAX = 9223372036854775807
 FOLD_INPUT_LIMIT = 8192  # onnxscript optimizer DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
 HOOK = "_empty_nn_module_stack_from_metadata_hook"
-LLAMA = "transformers.models.llama.modeling_llama."
 
 
 class Emitter:
@@ -48,7 +52,7 @@ class Emitter:
     def __init__(self, model, values: bool):
         self.nodes, self.inits, self.consts, self.count = [], [], {}, 0
         self.scope = []  # [(path, class)]
-        self.values, self.bindings = values, {}
+        self.values, self.bindings, self.model = values, {}, model
         # the wrapper's names ("model." + the HF model's); a tied head is the embedding's (as ``bind`` names it)
         first, self.sources = {}, {}
         for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
@@ -79,10 +83,16 @@ class Emitter:
             self.inits.append(TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape))  # as the cache's bound
         return name
 
-    def __call__(self, op, inputs, fx, attrs=None, out=None, hook=False):
+    def __call__(self, op, inputs, fx, attrs=None, out=None, hook=False, outputs=1, bare=False):
+        """A node (its output's name, or the names of its ``outputs``, if more than one); ``bare``: no module
+        scope (a node onnxscript's optimizer wrote, e.g. GPT-2's Split of its fused projection)."""
         self.count += 1
         out = out or f"{fx}_{self.count}"
-        node = helper.make_node(op, list(inputs), [out], name=f"node_{fx}_{self.count}", **(attrs or {}))
+        names = [out] if outputs == 1 else [f"{out}_{k}" for k in range(outputs)]
+        node = helper.make_node(op, list(inputs), names, name=f"node_{fx}_{self.count}", **(attrs or {}))
+        if bare:
+            self.nodes.append(node)
+            return names
         if hook:
             scopes, classes = [HOOK], [HOOK]
             namespace = f"{HOOK}: {HOOK}/{fx}: aten"
@@ -97,9 +107,14 @@ class Emitter:
             onnx.StringStringEntryProto(key="pkg.torch.onnx.class_hierarchy", value=repr(classes + ["aten"])),
         ])
         self.nodes.append(node)
-        return out
+        return out if outputs == 1 else names
 
-    def enter(self, path, cls):
+    def enter(self, path, cls=None):
+        """Into module ``path`` (the wrapper's name: "model" is the template model); its class, unless given, the
+        template model's own module's there (as the trace names it: module and qualified name)."""
+        if cls is None:
+            module = self.model if path == "model" else self.model.get_submodule(path.removeprefix("model."))
+            cls = f"{type(module).__module__}.{type(module).__qualname__}"
         self.scope.append((path, cls))
 
     def leave(self):
@@ -107,7 +122,9 @@ class Emitter:
 
 
 def rms_norm(e, x, weight_name, eps, path):
-    e.enter(path, LLAMA + "LlamaRMSNorm")
+    """The RMSNorm at ``path`` (its own epsilon where it keeps one, else ``eps``)."""
+    eps = float(getattr(e.model.get_submodule(path.removeprefix("model.")), "variance_epsilon", eps))
+    e.enter(path)
     p = e("Pow", [x, e.const(2.0, np.float32)], "pow")
     m = e("ReduceMean", [p, e.const([-1])], "mean", dict(noop_with_empty_axes=0, keepdims=1))
     a = e("Add", [m, e.const(eps, np.float32)], "add")
@@ -119,11 +136,41 @@ def rms_norm(e, x, weight_name, eps, path):
     return y
 
 
+def head_norm(e, y, lp, which, eps):
+    """Qwen3's RMSNorm of each query or key head (``which``: "q" or "k") over ``y`` [.., heads, d], where the layer's
+    attention has one; else ``y``."""
+    path = f"{lp}.self_attn.{which}_norm"
+    if not hasattr(e.model.get_submodule(f"{lp}.self_attn".removeprefix("model.")), f"{which}_norm"):
+        return y
+    return rms_norm(e, y, e.weight(f"{path}.weight", f"{path}.weight"), eps, path)
+
+
 def linear(e, x, weight_t, path, fx="linear"):
-    e.enter(path, "torch.nn.modules.linear.Linear")
+    """``x @ weight_t`` (+ the module's bias, where it has one: Qwen2's q/k/v), inside the module's scope."""
+    e.enter(path)
     y = e("MatMul", [x, weight_t], fx)
+    if getattr(e.model.get_submodule(path.removeprefix("model.")), "bias", None) is not None:
+        y = e("Add", [y, e.weight(f"{path}.bias", f"{path}.bias")], fx)
     e.leave()
     return y
+
+
+def prompt_mask(e):
+    """The prefill wrapper's sizes and additive causal mask over ``attention_mask``: (batch [1], width [1], mask
+    [batch, 1, width, width]) as the trace writes them (every decoder-only family alike)."""
+    b_shape = e("Shape", ["attention_mask"], "sym_size_int", dict(end=1, start=0), hook=True)
+    p_shape = e("Shape", ["attention_mask"], "sym_size_int", dict(end=2, start=1), hook=True)
+    pp = e("Concat", [p_shape, p_shape], "ones", dict(axis=0))
+    ones = e("Expand", [e.const(True, np.bool_), pp], "ones")
+    tril = e("Trilu", [ones, e.const(0)], "tril", dict(upper=0))
+    causal = e("Unsqueeze", [tril, e.const([0, 1])], "unsqueeze")
+    as_bool = e("Cast", ["attention_mask"], "_to_copy", dict(to=TensorProto.BOOL))
+    keys_ok = e("Unsqueeze", [as_bool, e.const([1, 2])], "unsqueeze")
+    allowed = e("And", [causal, keys_ok], "bitwise_and")
+    zshape = e("Concat", [b_shape, e.const([1]), p_shape, p_shape], "zeros", dict(axis=0))
+    zeros = e("Expand", [e.const(0.0, np.float32), zshape], "zeros")
+    banned = e("Not", [allowed], "bitwise_not")
+    return b_shape, p_shape, e("Where", [banned, e.const(np.finfo(np.float32).min, np.float32), zeros], "masked_fill")
 
 
 def build_prefill(template_model, values: bool = False,
@@ -138,26 +185,13 @@ def build_prefill(template_model, values: bool = False,
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     e = Emitter(model, values)
     e.enter("", wrapper_class)
-    # -- sizes and the additive mask (the wrapper's)
-    b_shape = e("Shape", ["attention_mask"], "sym_size_int", dict(end=1, start=0), hook=True)
-    p_shape = e("Shape", ["attention_mask"], "sym_size_int", dict(end=2, start=1), hook=True)
+    b_shape, p_shape, mask = prompt_mask(e)
     grouped = kv != heads
     if grouped:
         b = e("Squeeze", [b_shape], "sym_size_int", hook=True)
         p = e("Squeeze", [p_shape], "sym_size_int", hook=True)
         p2 = e("Pow", [p, e.const(2)], "pow", hook=True)
         p_sq_over_p = e("Div", [p2, p], "floordiv", hook=True)
-    pp = e("Concat", [p_shape, p_shape], "ones", dict(axis=0))
-    ones = e("Expand", [e.const(True, np.bool_), pp], "ones")
-    tril = e("Trilu", [ones, e.const(0)], "tril", dict(upper=0))
-    causal = e("Unsqueeze", [tril, e.const([0, 1])], "unsqueeze")
-    as_bool = e("Cast", ["attention_mask"], "_to_copy", dict(to=TensorProto.BOOL))
-    keys_ok = e("Unsqueeze", [as_bool, e.const([1, 2])], "unsqueeze")
-    allowed = e("And", [causal, keys_ok], "bitwise_and")
-    zshape = e("Concat", [b_shape, e.const([1]), p_shape, p_shape], "zeros", dict(axis=0))
-    zeros = e("Expand", [e.const(0.0, np.float32), zshape], "zeros")
-    banned = e("Not", [allowed], "bitwise_not")
-    mask = e("Where", [banned, e.const(np.finfo(np.float32).min, np.float32), zeros], "masked_fill")
     x, cos, sin = _embedding_and_rotary(e, model, tied)
     eps = float(c.rms_norm_eps)
     shared = {}
@@ -166,11 +200,11 @@ def build_prefill(template_model, values: bool = False,
         q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
         if "view" not in shared:
             shared["view"] = e("Concat", [b_shape, p_shape, e.const([-1]), e.const([d])], "view", dict(axis=0))
-        q = e("Transpose", [e("Reshape", [q, shared["view"]], "view", dict(allowzero=1))], "transpose",
-              dict(perm=[0, 2, 1, 3]))
+        q = e("Transpose", [head_norm(e, e("Reshape", [q, shared["view"]], "view", dict(allowzero=1)), lp, "q", eps)],
+              "transpose", dict(perm=[0, 2, 1, 3]))
         k = linear(e, h, t("self_attn.k_proj"), f"{lp}.self_attn.k_proj")
-        k = e("Transpose", [e("Reshape", [k, shared["view"]], "view", dict(allowzero=1))], "transpose",
-              dict(perm=[0, 2, 1, 3]))
+        k = e("Transpose", [head_norm(e, e("Reshape", [k, shared["view"]], "view", dict(allowzero=1)), lp, "k", eps)],
+              "transpose", dict(perm=[0, 2, 1, 3]))
         v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
         v = e("Transpose", [e("Reshape", [v, shared["view"]], "view", dict(allowzero=1))], "transpose",
               dict(perm=[0, 2, 1, 3]), out=f"present.{i}.value")
@@ -193,7 +227,7 @@ def build_prefill(template_model, values: bool = False,
                 m1 = e("Mul", [b, e.const(heads)], "mul")
                 m1 = e("Mul", [m1, p], "mul")
                 m1 = e("Mul", [m1, e.const(d)], "mul")
-                m2 = e("Mul", [b, e.const(kv)], "mul")
+                m2 = e("Mul", [b, e.const(kv)], "mul") if kv > 1 else b  # torch drops a product by 1
                 m2 = e("Mul", [m2, e.const(d)], "mul")
                 rows = e("Div", [m1, m2], "floordiv")
                 rows = e("Reshape", [rows, e.const([-1])], "_unsafe_view", dict(allowzero=0))
@@ -230,79 +264,51 @@ def build_prefill(template_model, values: bool = False,
     x = rms_norm(e, x, "model.model.norm.weight", eps, "model.model.norm")
     e.leave()  # model.model
     _head(e, x, model, tied)
-    kv_shape = ["batch", kv, "prompt_sequence", d]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "prompt_sequence"])
-              for n in ("input_ids", "attention_mask", "position_ids")]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", c.vocab_size])]
-    for i in range(layers):
-        outputs += [helper.make_tensor_value_info(f"present.{i}.{w}", TensorProto.FLOAT, kv_shape)
-                    for w in ("key", "value")]
-    graph = helper.make_graph(e.nodes, "main_graph", inputs, outputs, e.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10, producer_name="elx")
-    return model, e.bindings
+    return prefill_graph(e, layers, kv, d, c.vocab_size)
 
 
 
-def build_step(template_model, values: bool = False,
-               wrapper_class="elx.exporter.capture.decoder_only.SharedPromptStepGraph") -> tuple:
-    """The shared-prompt step template (``decoder_only.SharedPromptStepGraph``)."""
-    model = template_model
-    c = model.config
-    heads, kv = c.num_attention_heads, c.num_key_value_heads
-    d = getattr(c, "head_dim", None) or c.hidden_size // heads
-    half, g = d // 2, heads // kv
-    layers = c.num_hidden_layers
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    grouped = kv != heads
-    e = Emitter(model, values)
-    e.enter("", wrapper_class)
-    b_shape = e("Shape", ["prompt_key_values.0.key"], "sym_size_int", dict(end=1, start=0), hook=True)
-    b = e("Squeeze", [b_shape], "sym_size_int", hook=True)
-    p_shape = e("Shape", [f"prompt_key_values.{layers - 1}.value"], "sym_size_int", dict(end=3, start=2), hook=True)
-    g_shape = e("Shape", ["past_key_values.0.value"], "sym_size_int", dict(end=3, start=2), hook=True)
-    gen = e("Squeeze", [g_shape], "sym_size_int", hook=True)
-    r_shape = e("Shape", [f"past_key_values.{min(1, layers - 1)}.key"], "sym_size_int", dict(end=1, start=0), hook=True)
-    rows = e("Squeeze", [r_shape], "sym_size_int", hook=True)
-    as_bool = e("Cast", ["prompt_attention_mask"], "_to_copy", dict(to=TensorProto.BOOL))
-    beams = e("Div", [rows, b], "floordiv")
-    keys_ok = e("Unsqueeze", [as_bool, e.const([1, 2])], "unsqueeze")
-    zshape = e("Concat", [b_shape, e.const([1]), e.const([1]), p_shape], "zeros", dict(axis=0))
-    zeros = e("Expand", [e.const(0.0, np.float32), zshape], "zeros")
-    banned = e("Not", [keys_ok], "bitwise_not")
-    mask = e("Where", [banned, e.const(np.finfo(np.float32).min, np.float32), zeros], "masked_fill")
-    g1 = e("Add", [gen, e.const(1)], "add")
-    g1_shape = e("Reshape", [g1, e.const([-1])], "zeros", dict(allowzero=0))
-    own_shape = e("Concat", [r_shape, e.const([1]), e.const([1]), g1_shape], "zeros", dict(axis=0))
-    own = e("Expand", [e.const(0.0, np.float32), own_shape], "zeros")
-    x, cos, sin = _embedding_and_rotary(e, model, tied)
-    eps = float(c.rms_norm_eps)
-    shared = {}
-    scaling = e.const(np.float32(d ** -0.5), np.float32)
-    C = e.const
-    for i in range(layers):
-        lp, h, t = _layer_start(e, x, i, eps)
-        q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
-        q = e("Transpose", [e("Reshape", [q, C([-1, 1, heads, d])], "view", dict(allowzero=1))], "transpose",
-              dict(perm=[0, 2, 1, 3]))
-        k = linear(e, h, t("self_attn.k_proj"), f"{lp}.self_attn.k_proj")
-        k = e("Transpose", [e("Reshape", [k, C([-1, 1, kv, d])], "view", dict(allowzero=1))], "transpose",
-              dict(perm=[0, 2, 1, 3]))
-        v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
-        v = e("Transpose", [e("Reshape", [v, C([-1, 1, kv, d])], "view", dict(allowzero=1))], "transpose",
-              dict(perm=[0, 2, 1, 3]))
-        if "cos" not in shared:
-            shared["cos"] = e("Unsqueeze", [cos, C([1])], "unsqueeze")
-            shared["sin"] = e("Unsqueeze", [sin, C([1])], "unsqueeze")
+class StepSizes:
+    """The shared-prompt step wrapper's sizes and masks (read from the inputs as the trace reads them), and its
+    attention over [prompt ; past ; the token] (``capture/shared_prompt.py``), for every decoder-only family whose
+    wrapper computes them alike (Llama's architecture, OPT)."""
 
-        def rope(y):
-            a = e("Mul", [y, shared["cos"]], "mul")
-            s1 = e("Slice", [y, C([0]), C([half]), C([3]), C([1])], "slice")
-            s2 = e("Slice", [y, C([half]), C([INT64_MAX]), C([3]), C([1])], "slice")
-            rot = e("Concat", [e("Neg", [s2], "neg"), s1], "cat", dict(axis=-1))
-            return e("Add", [a, e("Mul", [rot, shared["sin"]], "mul")], "add")
+    def __init__(self, e, layers: int, heads: int, kv: int, d: int):
+        C = e.const
+        self.e, self.heads, self.kv, self.d, self.shared = e, heads, kv, d, {}
+        self.b_shape = e("Shape", ["prompt_key_values.0.key"], "sym_size_int", dict(end=1, start=0), hook=True)
+        self.b = e("Squeeze", [self.b_shape], "sym_size_int", hook=True)
+        self.p_shape = e("Shape", [f"prompt_key_values.{layers - 1}.value"], "sym_size_int", dict(end=3, start=2),
+                         hook=True)
+        gen = e("Squeeze", [e("Shape", ["past_key_values.0.value"], "sym_size_int", dict(end=3, start=2), hook=True)],
+                "sym_size_int", hook=True)
+        self.r_shape = e("Shape", [f"past_key_values.{min(1, layers - 1)}.key"], "sym_size_int", dict(end=1, start=0),
+                         hook=True)
+        rows = e("Squeeze", [self.r_shape], "sym_size_int", hook=True)
+        as_bool = e("Cast", ["prompt_attention_mask"], "_to_copy", dict(to=TensorProto.BOOL))
+        self.beams = e("Div", [rows, self.b], "floordiv")
+        keys_ok = e("Unsqueeze", [as_bool, C([1, 2])], "unsqueeze")
+        zshape = e("Concat", [self.b_shape, C([1]), C([1]), self.p_shape], "zeros", dict(axis=0))
+        zeros = e("Expand", [C(0.0, np.float32), zshape], "zeros")
+        banned = e("Not", [keys_ok], "bitwise_not")
+        self.mask = e("Where", [banned, C(np.finfo(np.float32).min, np.float32), zeros], "masked_fill")
+        self.g1_shape = e("Reshape", [e("Add", [gen, C(1)], "add"), C([-1])], "zeros", dict(allowzero=0))
+        own_shape = e("Concat", [self.r_shape, C([1]), C([1]), self.g1_shape], "zeros", dict(axis=0))
+        self.own = e("Expand", [C(0.0, np.float32), own_shape], "zeros")
 
-        q = rope(q)
-        k = rope(k)
+    def attention(self, q, k, v, i: int, scaling=None):
+        """Layer ``i``'s attention of the token's ``q`` [rows, heads, 1, d] over the prompt's cache and the rows'
+        [past ; ``k``, ``v``]; the scores times ``scaling`` where given (OPT scales the query before); the heads
+        merged [rows, 1, heads * d]."""
+        e, shared, C = self.e, self.shared, self.e.const
+        b_shape, b, beams, p_shape, r_shape = self.b_shape, self.b, self.beams, self.p_shape, self.r_shape
+        mask, own, g1_shape = self.mask, self.own, self.g1_shape
+        heads, kv, d = self.heads, self.kv, self.d
+        g, grouped = heads // kv, kv != heads
+
+        def scaled(scores):
+            return scores if scaling is None else e("Mul", [scores, scaling], "mul")
+
         key = e("Concat", [f"past_key_values.{i}.key", k], "cat", dict(axis=-2), out=f"present.{i}.key")
         value = e("Concat", [f"past_key_values.{i}.value", v], "cat", dict(axis=-2), out=f"present.{i}.value")
         if "beams_q" not in shared:
@@ -320,7 +326,7 @@ def build_step(template_model, values: bool = False,
         pk = e("Transpose", [f"prompt_key_values.{i}.key"], "transpose", dict(perm=[0, 1, 3, 2]))
         if grouped:
             if "grouped_q" not in shared:
-                m2 = e("Mul", [b, C(kv)], "mul")
+                m2 = e("Mul", [b, C(kv)], "mul") if kv > 1 else b  # torch drops a product by 1
                 m2 = e("Mul", [m2, C(d)], "mul")
                 gq = e("Div", [shared["hkd"], m2], "floordiv")
                 shared["gk"] = e("Reshape", [gq, C([-1])], "_unsafe_view", dict(allowzero=0))
@@ -334,7 +340,7 @@ def build_step(template_model, values: bool = False,
             sp = e("Reshape", [sp, shared["scores_items"]], "view", dict(allowzero=1))
         else:
             sp = e("MatMul", [qi, pk], "matmul")
-        sp = e("Add", [e("Mul", [sp, scaling], "mul"), mask], "add")
+        sp = e("Add", [scaled(sp), mask], "add")
         if "into_beams_s" not in shared:
             shared["into_beams_s"] = e("Concat", [b_shape, C([heads]), C([-1]), C([1]), p_shape], "view", dict(axis=0))
         sp = e("Transpose", [e("Reshape", [sp, shared["into_beams_s"]], "view", dict(allowzero=1))], "transpose",
@@ -351,7 +357,7 @@ def build_step(template_model, values: bool = False,
             sg = e("Reshape", [sg, shared["rows_g"]], "view", dict(allowzero=1))
         else:
             sg = e("MatMul", [q, kt], "matmul")
-        sg = e("Add", [e("Mul", [sg, scaling], "mul"), own], "add")
+        sg = e("Add", [scaled(sg), own], "add")
         probs = e("Softmax", [e("Concat", [sp, sg], "cat", dict(axis=-1))], "softmax", dict(axis=-1))
         pp = e("Slice", [probs, C([0]), p_shape, C([3]), C([1])], "slice")
         pg = e("Slice", [probs, p_shape, C([INT64_MAX]), C([3]), C([1])], "slice")
@@ -385,6 +391,53 @@ def build_step(template_model, values: bool = False,
             og = e("MatMul", [pg, value], "matmul")
         o = e("Transpose", [e("Add", [op, og], "add")], "transpose", dict(perm=[0, 2, 1, 3]))
         o = e("Reshape", [o, C([-1, 1, heads * d])], "view", dict(allowzero=1))
+        return o
+
+
+def build_step(template_model, values: bool = False,
+               wrapper_class="elx.exporter.capture.decoder_only.SharedPromptStepGraph") -> tuple:
+    """The shared-prompt step template (``decoder_only.SharedPromptStepGraph``)."""
+    model = template_model
+    c = model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // heads
+    half, g = d // 2, heads // kv
+    layers = c.num_hidden_layers
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    grouped = kv != heads
+    e = Emitter(model, values)
+    e.enter("", wrapper_class)
+    step = StepSizes(e, layers, heads, kv, d)
+    x, cos, sin = _embedding_and_rotary(e, model, tied)
+    eps = float(c.rms_norm_eps)
+    shared = step.shared
+    scaling = e.const(np.float32(d ** -0.5), np.float32)
+    C = e.const
+    for i in range(layers):
+        lp, h, t = _layer_start(e, x, i, eps)
+        q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
+        q = e("Transpose", [head_norm(e, e("Reshape", [q, C([-1, 1, heads, d])], "view", dict(allowzero=1)), lp, "q",
+                                      eps)], "transpose", dict(perm=[0, 2, 1, 3]))
+        k = linear(e, h, t("self_attn.k_proj"), f"{lp}.self_attn.k_proj")
+        k = e("Transpose", [head_norm(e, e("Reshape", [k, C([-1, 1, kv, d])], "view", dict(allowzero=1)), lp, "k",
+                                      eps)], "transpose", dict(perm=[0, 2, 1, 3]))
+        v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
+        v = e("Transpose", [e("Reshape", [v, C([-1, 1, kv, d])], "view", dict(allowzero=1))], "transpose",
+              dict(perm=[0, 2, 1, 3]))
+        if "cos" not in shared:
+            shared["cos"] = e("Unsqueeze", [cos, C([1])], "unsqueeze")
+            shared["sin"] = e("Unsqueeze", [sin, C([1])], "unsqueeze")
+
+        def rope(y):
+            a = e("Mul", [y, shared["cos"]], "mul")
+            s1 = e("Slice", [y, C([0]), C([half]), C([3]), C([1])], "slice")
+            s2 = e("Slice", [y, C([half]), C([INT64_MAX]), C([3]), C([1])], "slice")
+            rot = e("Concat", [e("Neg", [s2], "neg"), s1], "cat", dict(axis=-1))
+            return e("Add", [a, e("Mul", [rot, shared["sin"]], "mul")], "add")
+
+        q = rope(q)
+        k = rope(k)
+        o = step.attention(q, k, v, i, scaling)
         o = linear(e, o, t("self_attn.o_proj"), f"{lp}.self_attn.o_proj")
         e.leave()
         x = _residual_and_mlp(e, x, o, lp, t, eps)
@@ -393,7 +446,26 @@ def build_step(template_model, values: bool = False,
     x = rms_norm(e, x, "model.model.norm.weight", eps, "model.model.norm")
     e.leave()
     _head(e, x, model, tied)
-    kvs = lambda lead, seq: [lead, kv, seq, d]  # noqa: E731
+    return step_graph(e, layers, kv, d, c.vocab_size)
+
+
+def prefill_graph(e, layers: int, kv: int, d: int, vocab: int) -> tuple:
+    """(the prefill template's model: ``e``'s nodes and initializers with its inputs and outputs, its bindings)."""
+    kv_shape = ["batch", kv, "prompt_sequence", d]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "prompt_sequence"])
+              for n in ("input_ids", "attention_mask", "position_ids")]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", vocab])]
+    for i in range(layers):
+        outputs += [helper.make_tensor_value_info(f"present.{i}.{w}", TensorProto.FLOAT, kv_shape)
+                    for w in ("key", "value")]
+    return _model(e, inputs, outputs)
+
+
+def step_graph(e, layers: int, kv: int, d: int, vocab: int) -> tuple:
+    """(the shared-prompt step template's model, its bindings)."""
+    def kvs(lead, seq):
+        return [lead, kv, seq, d]
+
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["rows", 1]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["rows", 1]),
               helper.make_tensor_value_info("prompt_attention_mask", TensorProto.INT64, ["batch", "prompt_sequence"])]
@@ -401,25 +473,29 @@ def build_step(template_model, values: bool = False,
         for i in range(layers):
             inputs += [helper.make_tensor_value_info(f"{prefix}.{i}.{w}", TensorProto.FLOAT, kvs(lead, seq))
                        for w in ("key", "value")]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", c.vocab_size])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", vocab])]
     for i in range(layers):
         outputs += [helper.make_tensor_value_info(f"present.{i}.{w}", TensorProto.FLOAT, kvs("rows", "past_sequence + 1"))
                     for w in ("key", "value")]
+    return _model(e, inputs, outputs)
+
+
+def _model(e, inputs, outputs) -> tuple:
     graph = helper.make_graph(e.nodes, "main_graph", inputs, outputs, e.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10, producer_name="elx")
-    return model, e.bindings
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10,
+                             producer_name="elx"), e.bindings
 
 
 def _embedding_and_rotary(e, model, tied):
     """Inside ``model`` / ``model.model``: the token embedding and the rotary cos/sin (both templates alike)."""
-    e.enter("model", LLAMA + "LlamaForCausalLM")
-    e.enter("model.model", LLAMA + "LlamaModel")
+    e.enter("model")
+    e.enter("model.model")
     embed_name = "model.lm_head.weight" if tied else "model.model.embed_tokens.weight"
     e.weight(embed_name, "model.model.embed_tokens.weight")
-    e.enter("model.model.embed_tokens", "torch.nn.modules.sparse.Embedding")
+    e.enter("model.model.embed_tokens")
     x = e("Gather", [embed_name, "input_ids"], "embedding", dict(axis=0))
     e.leave()
-    e.enter("model.model.rotary_emb", LLAMA + "LlamaRotaryEmbedding")
+    e.enter("model.model.rotary_emb")
     inv = e.weight("model.model.rotary_emb.inv_freq", "model.model.rotary_emb.inv_freq")
     pos = e("Unsqueeze", ["position_ids", e.const([2])], "unsqueeze")
     pos = e("Cast", [pos], "_to_copy", dict(to=TensorProto.FLOAT))
@@ -434,11 +510,11 @@ def _layer_start(e, x, i: int, eps: float):
     """Enter layer ``i`` and its attention: its path, its input norm's output, and ``t(name)``, the initializer of
     the weight ``name`` of the layer stored transposed (as the exporter folds ``linear``'s transpose)."""
     lp = f"model.model.layers.{i}"
-    e.enter(lp, LLAMA + "LlamaDecoderLayer")
+    e.enter(lp)
     for norm in ("input_layernorm", "post_attention_layernorm"):
         e.weight(f"{lp}.{norm}.weight", f"{lp}.{norm}.weight")
     h = rms_norm(e, x, f"{lp}.input_layernorm.weight", eps, f"{lp}.input_layernorm")
-    e.enter(f"{lp}.self_attn", LLAMA + "LlamaAttention")
+    e.enter(f"{lp}.self_attn")
     return lp, h, lambda name: e.weight(f"val_w{i}_{name}", f"{lp}.{name}.weight", transposed=True)
 
 
@@ -446,9 +522,9 @@ def _residual_and_mlp(e, x, attention, lp, t, eps):
     """Layer ``lp``'s residual add, post-attention norm, SwiGLU MLP and second residual add."""
     x = e("Add", [x, attention], "add")
     h = rms_norm(e, x, f"{lp}.post_attention_layernorm.weight", eps, f"{lp}.post_attention_layernorm")
-    e.enter(f"{lp}.mlp", LLAMA + "LlamaMLP")
+    e.enter(f"{lp}.mlp")
     gate = linear(e, h, t("mlp.gate_proj"), f"{lp}.mlp.gate_proj")
-    e.enter(f"{lp}.mlp.act_fn", "transformers.activations.SiLUActivation")
+    e.enter(f"{lp}.mlp.act_fn")
     gate = e("Mul", [gate, e("Sigmoid", [gate], "silu")], "silu")
     e.leave()
     up = linear(e, h, t("mlp.up_proj"), f"{lp}.mlp.up_proj")
@@ -463,18 +539,20 @@ def _head(e, x, model, tied):
     e.inits.append(numpy_helper.from_array(np.array(-1, np.int64), "node_select_last_index"))
     e.nodes.append(last)
     if tied and model.lm_head.weight.numel() > FOLD_INPUT_LIMIT:  # onnxscript keeps a shared large input
-        e.enter("model.lm_head", "torch.nn.modules.linear.Linear")
+        e.enter("model.lm_head")
         head = e("Transpose", ["model.lm_head.weight"], "linear", dict(perm=[1, 0]))
         e.leave()
     else:
         head = e.weight("val_head", "model.lm_head.weight", transposed=True)
-    e.enter("model.lm_head", "torch.nn.modules.linear.Linear")
+    e.enter("model.lm_head")
     e("MatMul", ["node_select_last_position", head], "linear", out="logits")
     e.leave()
 
 
-PREFILL, STEP = "PrefillGraph", "SharedPromptStepGraph"
-CLASS = "LlamaForCausalLM"
+# the classes whose templates are the same nodes over the same module tree (canonically checked against the trace:
+# ``tests/test_llama_builder.py``): Mistral is Llama's graph; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per query
+# and key head (``linear``, ``head_norm``)
+CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def enabled() -> bool:
@@ -489,12 +567,7 @@ def enabled() -> bool:
 
 
 def describes_class(model) -> bool:
-    return type(model).__name__ == CLASS
-
-
-def builds(graph_module) -> bool:
-    """Whether ``build`` writes the template of this wrapper (prefill and shared-prompt step, not per-beam)."""
-    return type(graph_module).__name__ in (PREFILL, STEP)
+    return type(model).__name__ in CLASSES
 
 
 def applies(model) -> str | None:
@@ -505,26 +578,12 @@ def applies(model) -> str | None:
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     checks = {
-        "attention or MLP biases": getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False),
         f"activation {c.hidden_act}": c.hidden_act != "silu",
         f"rotary type {rope.get('rope_type')}": rope.get("rope_type", "default") not in ("default", "llama3"),
         "rotary attention factor": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) != 1.0,
-        "multi-query attention (one key/value head)": kv == 1 and heads > 1,
         "pretraining_tp": getattr(c, "pretraining_tp", 1) not in (None, 1),
         "query heads not a multiple of the key/value heads": heads % kv != 0,
     }
     why = [what for what, bad in checks.items() if bad]
     return f"no graph builder for its {', '.join(why)}" if why else None
 
-
-def build(graph_module, template_model, values: bool = False) -> tuple | None:
-    """(the template graph ``trace`` writes for ``graph_module``, a ``decoder_only`` wrapper over ``template_model``;
-    its bindings: ``{initializer: Binding}`` as ``exporter/capture/weights.py``'s ``bind`` finds them), or None for a
-    wrapper this module does not build.  The bound initializers hold no values unless ``values`` (stitching binds
-    the model's own tensors; the template's would be copied for nothing: 7-9 s at 1B+)."""
-    kind = type(graph_module).__name__
-    if kind == PREFILL:
-        return build_prefill(template_model, values)
-    if kind == STEP:
-        return build_step(template_model, values)
-    return None

@@ -23,17 +23,18 @@ export (``exporter/verification/verify.py``).  A traced template is kept for the
 dynamo graphs every pass matches (other decompositions, other names); (c) building the graphs from the weights
 with onnx helpers as onnxruntime-genai's builder does: fastest, but a second implementation of each family's
 forward (norms, RoPE variants, GQA, biases, parallel residuals), which elx avoids by tracing HF's own modules.
-(c) done for one family's *templates* only (15th session): ``exporter/capture/llama_builder.py`` writes Llama's
-two templates node for node as the trace does (checked canonically against it), in milliseconds where the real
-SmolLM2-135M's took 11.7 + 19.9 s of tracing.
+(c) done for the *templates* of the Llama architecture (15th session: Llama; 16th: Mistral, Qwen2, Qwen3) and
+GPT-2 (16th): ``exporter/capture/llama_builder.py`` and ``gpt2_builder.py`` (``builders.py``) write their two
+templates node for node as the trace does (checked canonically against it), in milliseconds where the real
+SmolLM2-135M's took 11.7 + 19.9 s of tracing and GPT-2's 8.9 + 17.3 s.
 
 **When not.**  A model with 3 layers or fewer per stack is traced whole (nothing to save), and so is a model
 whose template does not fit the stitcher's description (layers of several types, a layer-dependent constant, a
 weight folded into a form the binding does not know): ``Capture`` says why and traces whole.  ``ELX_CAPTURE``
 ``=trace`` forces whole-model tracing (for comparisons), ``=stitch`` makes a refusal an error (for tests).
 
-**Built, not traced.**  Where ``exporter/capture/llama_builder.py`` describes the model (Llama's prefill and step
-templates), the template is built from the weights in milliseconds instead of traced (the traced template node
+**Built, not traced.**  Where a builder of ``exporter/capture/builders.py`` describes the model (the prefill and
+step templates of Llama, Mistral, Qwen2, Qwen3, GPT-2), the template is built from the weights in milliseconds instead of traced (the traced template node
 for node); ``ELX_TEMPLATE_BUILDER=0`` traces it as for every other family (comparisons, tests of the trace).
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ from elx.exporter.capture import template_cache
 from elx.exporter.capture.stitch import NotStitchable, Stack, TooShallow, bind_weights, order_io, stitch_stack
 from elx.exporter.capture.template import TEMPLATE_LAYERS, make_template
 from elx.exporter.capture.weights import WeightsFile, bind
-from elx.exporter.capture.onnx_export import save_model, trace
+from elx.exporter.capture.onnx_export import finished, save_model, trace
 from elx.exporter.capture.parallel import TemplateProcess
 from elx.exporter.capture.shared_weights import WEIGHTS_FILE
 
@@ -220,12 +221,12 @@ class Capture:
                 self.report(f"{path.name}: {why}")
                 self.records[path.name] = {"why": why}
             else:
-                onnx.save_model(model, str(path))
+                onnx.save_model(finished(model), str(path))
                 self.records[path.name]["seconds"] = round(time.perf_counter() - started, 1)
                 return [WEIGHTS_FILE]
         started = time.perf_counter()
         model, how = self._traced_whole(real, path.name)
-        written = save_model(model, path)
+        written = save_model(finished(model), path)
         del model
         why = self.records.get(path.name, {}).get("why", self._refusal)
         self.records[path.name] = {"method": "traced", "why": why, "seconds": round(time.perf_counter() - started, 1),
@@ -233,16 +234,20 @@ class Capture:
         return written
 
     def _builder(self, spec):
-        """``llama_builder.build`` where it builds ``spec``'s template and ``ELX_TEMPLATE_BUILDER`` is not 0, else None
-        (a Llama it does not describe says why once: its templates are traced)."""
-        from elx.exporter.capture import llama_builder
+        """The template builder module that builds ``spec``'s template (``exporter/capture/builders.py``)
+        where ``ELX_TEMPLATE_BUILDER`` is not 0, else None (a model of a builder's classes it does not describe
+        says why once: its templates are traced)."""
+        from elx.exporter.capture import builders, llama_builder
 
         if self._template is None or not llama_builder.enabled():
             return None
-        why = llama_builder.applies(self._template.model)
+        builder = builders.for_model(self._template.model)
+        if builder is None:
+            return None
+        why = builder.applies(self._template.model)
         if why is None:
-            return llama_builder.build if llama_builder.builds(spec.module) else None
-        if llama_builder.describes_class(self._template.model) and not self._said_why_traced:
+            return builder if builders.builds(spec.module) else None
+        if not self._said_why_traced:
             self._said_why_traced = True
             self.report(f"templates traced, not built ({why})")
         return None
@@ -317,18 +322,20 @@ class Capture:
         return self._cache_keys[name]
 
     def _traced_template(self, spec, name: str) -> tuple[onnx.ModelProto, float, str]:
-        """The template's graph: built from the weights (``exporter/capture/llama_builder.py``; its bindings kept for
+        """The template's graph: built from the weights (``exporter/capture/builders.py``; its bindings kept for
         ``_stitch``), from the template cache (``exporter/capture/template_cache.py``), from the second process started
         by ``prefetch`` when it succeeded, else traced here; its tracing (building) time, and where it came from
         ("built", "cache", "second process", "here").  A traced one is kept in the cache; a built one is not
         (building it is quicker than hashing the model's tensors for its key)."""
-        build = self._builder(spec)
-        if build is not None:
+        builder = self._builder(spec)
+        if builder is not None:
+            from elx.exporter.capture import builders
+
             started = time.perf_counter()
-            model, self._bound[name] = build(spec.module, self._template.model)
+            model, self._bound[name] = builders.build(builder, spec.module, self._template.model)
             built = time.perf_counter() - started
             self.report(f"{name}: built its {TEMPLATE_LAYERS}-layer template from the weights in {built:.1f} s "
-                        "(exporter/capture/llama_builder.py)")
+                        f"(exporter/capture/{builder.__name__.rsplit('.', 1)[-1]}.py)")
             return model, built, "built"
         key = self._cache_key(spec, name)
         cached = self._cached.pop(name, None)

@@ -1,6 +1,6 @@
 """The template builders (graphs written from the weights instead of traced, issue 41), one module per family.
 
-Each module has ``CLASSES``, ``describes_class(model)``, ``applies(model)`` (None, or why its templates are traced)
+Each module has ``CLASSES`` (the model classes it describes), ``applies(model)`` (None, or why its templates are traced)
 and ``build_prefill`` / ``build_step(template_model, values)``: the templates of ``decoder_only.PrefillGraph`` and
 ``SharedPromptStepGraph`` (the per-beam step and the other wrappers are traced).  ``ELX_TEMPLATE_BUILDER``
 (``llama_builder.enabled``) switches them all.  ``exporter/capture/stitched.py`` asks ``for_model`` and ``build``.
@@ -15,7 +15,7 @@ WRAPPERS = {"PrefillGraph": "build_prefill", "SharedPromptStepGraph": "build_ste
 
 def for_model(model):
     """The builder module whose classes include ``model``'s, or None."""
-    return next((module for module in MODULES if module.describes_class(model)), None)
+    return next((module for module in MODULES if type(model).__name__ in module.CLASSES), None)
 
 
 def builds(graph_module) -> bool:

@@ -21,31 +21,25 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from elx.exporter.capture.llama_builder import (INT64_MAX, Emitter, _head, prefill_graph, prompt_mask,
-                                                step_graph)
+from elx.exporter.capture.llama_builder import (INT64_MAX, Emitter, _head, prefill_graph, prefill_start, step_graph,
+                                                why_not)
 
 CLASSES = ("GPT2LMHeadModel",)
 GELU_TANH = (0.5, 3.0, 0.044715, float(np.sqrt(2.0 / np.pi)), 1.0)
 
 
-def describes_class(model) -> bool:
-    return type(model).__name__ in CLASSES
-
-
 def applies(model) -> str | None:
     """None where ``build_prefill``/``build_step`` give the traced templates of ``model``; else why not."""
-    c = model.config
-    if not describes_class(model):
-        return f"no graph builder for {type(model).__name__}"
-    checks = {
-        f"activation {c.activation_function}": c.activation_function != "gelu_new",
-        "scale_attn_by_inverse_layer_idx": getattr(c, "scale_attn_by_inverse_layer_idx", False),
-        "reorder_and_upcast_attn": getattr(c, "reorder_and_upcast_attn", False),
-        "unscaled attention": not getattr(c, "scale_attn_weights", True),
-        "cross-attention": getattr(c, "add_cross_attention", False),
-    }
-    why = [what for what, bad in checks.items() if bad]
-    return f"no graph builder for its {', '.join(why)}" if why else None
+    def checks(model):
+        c = model.config
+        return {
+            f"activation {c.activation_function}": c.activation_function != "gelu_new",
+            "scale_attn_by_inverse_layer_idx": getattr(c, "scale_attn_by_inverse_layer_idx", False),
+            "reorder_and_upcast_attn": getattr(c, "reorder_and_upcast_attn", False),
+            "unscaled attention": not getattr(c, "scale_attn_weights", True),
+            "cross-attention": getattr(c, "add_cross_attention", False),
+        }
+    return why_not(model, CLASSES, checks)
 
 
 class _Dims:
@@ -161,10 +155,8 @@ def build_prefill(template_model, values: bool = False,
                   wrapper_class="elx.exporter.capture.decoder_only.PrefillGraph") -> tuple:
     """(``decoder_only.PrefillGraph``'s graph over GPT-2 ``template_model``, its bindings)."""
     model, n = template_model, _Dims(template_model)
-    e = Emitter(model, values)
+    e, b_shape, p_shape, mask = prefill_start(model, values, wrapper_class)
     C = e.const
-    e.enter("", wrapper_class)
-    b_shape, p_shape, mask = prompt_mask(e)
     x = _embeddings(e, n, lambda: e("Concat", [C([-1]), p_shape], "view", dict(axis=0)))
     widths = lambda width: _once(lambda: e("Concat", [b_shape, p_shape, C([width])], "view", dict(axis=0)))  # noqa: E731
     shapes = {"rows": C([-1, n.hidden]), "inner_rows": C([-1, n.inner]), "qkv": widths(3 * n.hidden),

@@ -155,6 +155,13 @@ def linear(e, x, weight_t, path, fx="linear"):
     return y
 
 
+def prefill_start(model, values: bool, wrapper_class: str) -> tuple:
+    """(an ``Emitter`` inside the prefill wrapper's scope, and ``prompt_mask``'s batch, width and mask)."""
+    e = Emitter(model, values)
+    e.enter("", wrapper_class)
+    return (e, *prompt_mask(e))
+
+
 def prompt_mask(e):
     """The prefill wrapper's sizes and additive causal mask over ``attention_mask``: (batch [1], width [1], mask
     [batch, 1, width, width]) as the trace writes them (every decoder-only family alike)."""
@@ -183,9 +190,7 @@ def build_prefill(template_model, values: bool = False,
     half = d // 2
     layers = c.num_hidden_layers
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    e = Emitter(model, values)
-    e.enter("", wrapper_class)
-    b_shape, p_shape, mask = prompt_mask(e)
+    e, b_shape, p_shape, mask = prefill_start(model, values, wrapper_class)
     grouped = kv != heads
     if grouped:
         b = e("Squeeze", [b_shape], "sym_size_int", hook=True)
@@ -566,24 +571,27 @@ def enabled() -> bool:
     return text == "1"
 
 
-def describes_class(model) -> bool:
-    return type(model).__name__ in CLASSES
-
-
 def applies(model) -> str | None:
-    """None where ``build`` gives the traced template of ``model``; else why not."""
-    c = model.config
-    if not describes_class(model):
+    """None where the builders give the traced templates of ``model``; else why not."""
+    def checks(model):
+        c = model.config
+        heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        return {
+            f"activation {c.hidden_act}": c.hidden_act != "silu",
+            f"rotary type {rope.get('rope_type')}": rope.get("rope_type", "default") not in ("default", "llama3"),
+            "rotary attention factor": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) != 1.0,
+            "pretraining_tp": getattr(c, "pretraining_tp", 1) not in (None, 1),
+            "query heads not a multiple of the key/value heads": heads % kv != 0,
+        }
+    return why_not(model, CLASSES, checks)
+
+
+def why_not(model, classes, checks) -> str | None:
+    """A builder's ``applies``: None where ``model`` is of one of ``classes`` and no entry of ``checks(model)``
+    (what it does not describe: is it there) holds; else one line saying why."""
+    if type(model).__name__ not in classes:
         return f"no graph builder for {type(model).__name__}"
-    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-    checks = {
-        f"activation {c.hidden_act}": c.hidden_act != "silu",
-        f"rotary type {rope.get('rope_type')}": rope.get("rope_type", "default") not in ("default", "llama3"),
-        "rotary attention factor": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) != 1.0,
-        "pretraining_tp": getattr(c, "pretraining_tp", 1) not in (None, 1),
-        "query heads not a multiple of the key/value heads": heads % kv != 0,
-    }
-    why = [what for what, bad in checks.items() if bad]
+    why = [what for what, bad in checks(model).items() if bad]
     return f"no graph builder for its {', '.join(why)}" if why else None
 

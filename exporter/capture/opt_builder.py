@@ -17,32 +17,25 @@ from __future__ import annotations
 import numpy as np
 
 from elx.exporter.capture.gpt2_builder import _layer_norm, _once
-from elx.exporter.capture.llama_builder import (Emitter, StepSizes, _head, linear, prefill_graph,
-                                                prompt_mask, step_graph)
+from elx.exporter.capture.llama_builder import (Emitter, StepSizes, _head, linear, prefill_graph, prefill_start,
+                                                step_graph, why_not)
 
 CLASSES = ("OPTForCausalLM",)
 
 
-def describes_class(model) -> bool:
-    return type(model).__name__ in CLASSES
-
-
 def applies(model) -> str | None:
-    """None where ``build`` gives the traced templates of ``model``; else why not."""
-    c = model.config
-    if not describes_class(model):
-        return f"no graph builder for {type(model).__name__}"
-    decoder = model.model.decoder
-    checks = {
-        "post-LayerNorm layers (do_layer_norm_before=False)": not c.do_layer_norm_before,
-        "project_in/project_out": decoder.project_in is not None or decoder.project_out is not None,
-        f"activation {c.activation_function}": c.activation_function != "relu",
-        "no biases": not getattr(c, "enable_bias", True),
-        "LayerNorms without weights": not getattr(c, "layer_norm_elementwise_affine", True),
-        "no final LayerNorm": decoder.final_layer_norm is None,
-    }
-    why = [what for what, bad in checks.items() if bad]
-    return f"no graph builder for its {', '.join(why)}" if why else None
+    """None where ``build_prefill``/``build_step`` give the traced templates of ``model``; else why not."""
+    def checks(model):
+        c, decoder = model.config, model.model.decoder
+        return {
+            "post-LayerNorm layers (do_layer_norm_before=False)": not c.do_layer_norm_before,
+            "project_in/project_out": decoder.project_in is not None or decoder.project_out is not None,
+            f"activation {c.activation_function}": c.activation_function != "relu",
+            "no biases": not getattr(c, "enable_bias", True),
+            "LayerNorms without weights": not getattr(c, "layer_norm_elementwise_affine", True),
+            "no final LayerNorm": decoder.final_layer_norm is None,
+        }
+    return why_not(model, CLASSES, checks)
 
 
 class _Dims:
@@ -123,10 +116,8 @@ def build_prefill(template_model, values: bool = False,
                   wrapper_class="elx.exporter.capture.decoder_only.PrefillGraph") -> tuple:
     """(``decoder_only.PrefillGraph``'s graph over OPT ``template_model``, its bindings)."""
     model, n = template_model, _Dims(template_model)
-    e = Emitter(model, values)
+    e, b_shape, p_shape, mask = prefill_start(model, values, wrapper_class)
     C = e.const
-    e.enter("", wrapper_class)
-    b_shape, p_shape, mask = prompt_mask(e)
     x = _embeddings(e, n, lambda: e("Concat", [C([-1]), p_shape], "view", dict(axis=0)))
     heads_view = _once(lambda: e("Concat", [b_shape, C([-1]), C([n.heads]), C([n.d])], "view", dict(axis=0)))
     merged = _once(lambda: e("Concat", [b_shape, p_shape, C([-1])], "view", dict(axis=0)))

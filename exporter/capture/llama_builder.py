@@ -566,8 +566,8 @@ def enabled() -> bool:
     if text not in ("0", "1"):
         from elx.runners.errors import ElxError
 
-        raise ElxError(f"ELX_TEMPLATE_BUILDER is {text!r}; use 1 (build Llama's templates from the weights, the "
-                       "default) or 0 (trace them)")
+        raise ElxError(f"ELX_TEMPLATE_BUILDER is {text!r}; use 1 (build the templates of Llama, Mistral, Qwen, "
+                       "GPT-2 and OPT from the weights, the default) or 0 (trace them)")
     return text == "1"
 
 

@@ -183,13 +183,8 @@ def prompt_mask(e):
 def build_prefill(template_model, values: bool = False,
                   wrapper_class="elx.exporter.capture.decoder_only.PrefillGraph") -> tuple:
     """(``decoder_only.PrefillGraph``'s graph over ``template_model``, its bindings)."""
-    model = template_model
-    c = model.config
-    heads, kv = c.num_attention_heads, c.num_key_value_heads
-    d = getattr(c, "head_dim", None) or c.hidden_size // heads
-    half = d // 2
-    layers = c.num_hidden_layers
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    model, c = template_model, template_model.config
+    heads, kv, d, layers, tied = _dims(model)
     e, b_shape, p_shape, mask = prefill_start(model, values, wrapper_class)
     grouped = kv != heads
     if grouped:
@@ -197,7 +192,7 @@ def build_prefill(template_model, values: bool = False,
         p = e("Squeeze", [p_shape], "sym_size_int", hook=True)
         p2 = e("Pow", [p, e.const(2)], "pow", hook=True)
         p_sq_over_p = e("Div", [p2, p], "floordiv", hook=True)
-    x, cos, sin = _embedding_and_rotary(e, model, tied)
+    x, rope = _embedding_and_rotary(e, model, tied)
     eps = float(c.rms_norm_eps)
     shared = {}
     for i in range(layers):
@@ -213,17 +208,6 @@ def build_prefill(template_model, values: bool = False,
         v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
         v = e("Transpose", [e("Reshape", [v, shared["view"]], "view", dict(allowzero=1))], "transpose",
               dict(perm=[0, 2, 1, 3]), out=f"present.{i}.value")
-        if "cos" not in shared:
-            shared["cos"] = e("Unsqueeze", [cos, e.const([1])], "unsqueeze")
-            shared["sin"] = e("Unsqueeze", [sin, e.const([1])], "unsqueeze")
-
-        def rope(y, out=None):
-            a = e("Mul", [y, shared["cos"]], "mul")
-            s1 = e("Slice", [y, e.const([0]), e.const([half]), e.const([3]), e.const([1])], "slice")
-            s2 = e("Slice", [y, e.const([half]), e.const([INT64_MAX]), e.const([3]), e.const([1])], "slice")
-            rot = e("Concat", [e("Neg", [s2], "neg"), s1], "cat", dict(axis=-1))
-            return e("Add", [a, e("Mul", [rot, shared["sin"]], "mul")], "add", out=out)
-
         q = rope(q)
         k = rope(k, out=f"present.{i}.key")
         scaling = e.const(np.float32(d ** -0.5), np.float32)
@@ -402,20 +386,13 @@ class StepSizes:
 def build_step(template_model, values: bool = False,
                wrapper_class="elx.exporter.capture.decoder_only.SharedPromptStepGraph") -> tuple:
     """The shared-prompt step template (``decoder_only.SharedPromptStepGraph``)."""
-    model = template_model
-    c = model.config
-    heads, kv = c.num_attention_heads, c.num_key_value_heads
-    d = getattr(c, "head_dim", None) or c.hidden_size // heads
-    half, g = d // 2, heads // kv
-    layers = c.num_hidden_layers
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    grouped = kv != heads
+    model, c = template_model, template_model.config
+    heads, kv, d, layers, tied = _dims(model)
     e = Emitter(model, values)
     e.enter("", wrapper_class)
     step = StepSizes(e, layers, heads, kv, d)
-    x, cos, sin = _embedding_and_rotary(e, model, tied)
+    x, rope = _embedding_and_rotary(e, model, tied)
     eps = float(c.rms_norm_eps)
-    shared = step.shared
     scaling = e.const(np.float32(d ** -0.5), np.float32)
     C = e.const
     for i in range(layers):
@@ -429,17 +406,6 @@ def build_step(template_model, values: bool = False,
         v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
         v = e("Transpose", [e("Reshape", [v, C([-1, 1, kv, d])], "view", dict(allowzero=1))], "transpose",
               dict(perm=[0, 2, 1, 3]))
-        if "cos" not in shared:
-            shared["cos"] = e("Unsqueeze", [cos, C([1])], "unsqueeze")
-            shared["sin"] = e("Unsqueeze", [sin, C([1])], "unsqueeze")
-
-        def rope(y):
-            a = e("Mul", [y, shared["cos"]], "mul")
-            s1 = e("Slice", [y, C([0]), C([half]), C([3]), C([1])], "slice")
-            s2 = e("Slice", [y, C([half]), C([INT64_MAX]), C([3]), C([1])], "slice")
-            rot = e("Concat", [e("Neg", [s2], "neg"), s1], "cat", dict(axis=-1))
-            return e("Add", [a, e("Mul", [rot, shared["sin"]], "mul")], "add")
-
         q = rope(q)
         k = rope(k)
         o = step.attention(q, k, v, i, scaling)
@@ -491,8 +457,36 @@ def _model(e, inputs, outputs) -> tuple:
                              producer_name="elx"), e.bindings
 
 
+def _dims(model) -> tuple:
+    """(query heads, key/value heads, head size, layers, whether the head is tied to the embedding)."""
+    c = model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    return (heads, kv, getattr(c, "head_dim", None) or c.hidden_size // heads, c.num_hidden_layers,
+            model.lm_head.weight is model.model.embed_tokens.weight)
+
+
+class Rotary:
+    """``rope(y, out=None)``: the rotary embedding of ``y`` [.., heads, seq, d] (rotate-half), its cos and sin
+    unsqueezed over the heads at the first call (layer 0's attention scope, as the trace makes them)."""
+
+    def __init__(self, e, cos, sin, half: int):
+        self.e, self.cos, self.sin, self.half, self.unsqueezed = e, cos, sin, half, None
+
+    def __call__(self, y, out=None):
+        e, C, half = self.e, self.e.const, self.half
+        if self.unsqueezed is None:
+            self.unsqueezed = tuple(e("Unsqueeze", [t, C([1])], "unsqueeze") for t in (self.cos, self.sin))
+        cos, sin = self.unsqueezed
+        a = e("Mul", [y, cos], "mul")
+        s1 = e("Slice", [y, C([0]), C([half]), C([3]), C([1])], "slice")
+        s2 = e("Slice", [y, C([half]), C([INT64_MAX]), C([3]), C([1])], "slice")
+        rot = e("Concat", [e("Neg", [s2], "neg"), s1], "cat", dict(axis=-1))
+        return e("Add", [a, e("Mul", [rot, sin], "mul")], "add", out=out)
+
+
 def _embedding_and_rotary(e, model, tied):
-    """Inside ``model`` / ``model.model``: the token embedding and the rotary cos/sin (both templates alike)."""
+    """Inside ``model`` / ``model.model``: the token embedding and the rotary embedding (``Rotary``; both templates
+    alike)."""
     e.enter("model")
     e.enter("model.model")
     embed_name = "model.lm_head.weight" if tied else "model.model.embed_tokens.weight"
@@ -508,7 +502,7 @@ def _embedding_and_rotary(e, model, tied):
     emb = e("Concat", [freqs, freqs], "cat", dict(axis=-1))
     cos, sin = e("Cos", [emb], "cos"), e("Sin", [emb], "sin")
     e.leave()
-    return x, cos, sin
+    return x, Rotary(e, cos, sin, _dims(model)[2] // 2)
 
 
 def _layer_start(e, x, i: int, eps: float):

@@ -1,5 +1,5 @@
-"""Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT; issue 41)
-are the traced templates node for node, and an export built on them verifies against PyTorch.
+"""Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, T5;
+issue 41) are the traced templates node for node, and an export built on them verifies against PyTorch.
 
 The comparison is canonical: op types, attributes, inputs by structure (constants by value, weights by their bytes),
 module scopes (what the stitcher and int8's per-layer rule read); value names and node order may differ.  A
@@ -19,8 +19,11 @@ from onnx import numpy_helper
 from tests.conftest import BUILDERS, LONG, make_model_folder
 
 
-def canonical(model: onnx.ModelProto) -> tuple[Counter, list]:
-    graph, names = model.graph, {"": "none"}
+def canonical(model: onnx.ModelProto, names: dict | None = None) -> tuple[Counter, list]:
+    """(the graph's nodes by canonical identity, its outputs'); ``names``, where given, receives each value's."""
+    graph = model.graph
+    names = {} if names is None else names
+    names[""] = "none"
     for value in graph.input:
         names[value.name] = "input:" + value.name
     for tensor in graph.initializer:
@@ -47,44 +50,75 @@ CONFIGS = [
     pytest.param("llama", dict(num_key_value_heads=4, tie_word_embeddings=True, rope_scaling=None), id="llama-mha-tied",
                  marks=LONG_ONLY),
     pytest.param("llama", dict(attention_bias=True, mlp_bias=True), id="llama-biases", marks=LONG_ONLY),
-    pytest.param("mistral", {}, id="mistral-mqa"),  # one key/value head, sliding window wider than the cases
+    # one key/value head, sliding window wider than the cases
+    pytest.param("mistral", {}, id="mistral-mqa", marks=LONG_ONLY),
     pytest.param("qwen2", {}, id="qwen2-biases-tied", marks=LONG_ONLY),  # non-zero q/k/v biases, MHA, tied head
-    pytest.param("qwen3", {}, id="qwen3-head-norms"),  # q/k RMSNorm per head, head_dim 16 != hidden / heads
+    # q/k RMSNorm per head, head_dim 16 != hidden / heads
+    pytest.param("qwen3", {}, id="qwen3-head-norms", marks=LONG_ONLY),
     # a tied head of more than 8192 values (kept a Transpose by the optimizer, as GPT-2's 50257 x 768), n_inner set
     pytest.param("gpt2", dict(vocab_size=300, n_inner=80), id="gpt2-large-tied-head"),
     pytest.param("gpt2", {}, id="gpt2-small-head", marks=LONG_ONLY),  # a head of 4096 values: stored transposed
     pytest.param("opt", dict(vocab_size=300, ffn_dim=48), id="opt-large-tied-head"),
     pytest.param("opt", {}, id="opt-small-head", marks=LONG_ONLY),
+    # the encoder, cross K/V and decoder step; a tied head of 9600 values (a Transpose, as t5-small's)
+    pytest.param("t5", dict(vocab_size=300), id="t5-large-tied-head"),
+    pytest.param("t5-wide", {}, id="t5-wide-small-head", marks=LONG_ONLY),  # heads x d_kv = 48 != d_model = 32
+    pytest.param("t5", dict(relative_attention_num_buckets=32, relative_attention_max_distance=64, num_heads=2,
+                            d_kv=16), id="t5-32-buckets", marks=LONG_ONLY),
+    pytest.param("bart", dict(vocab_size=300), id="bart-large-tied-head"),  # + final_logits_bias, LayerNormalization
+    pytest.param("bart-biased", {}, id="bart-biased-small-head", marks=LONG_ONLY),
 ]
-LAYERS = {"gpt2": "n_layer"}  # the config's name for the layer count (else num_hidden_layers)
+
+
+def layers(family: str, count: int) -> dict:
+    """The config overrides giving ``family``'s model ``count`` layers per stack."""
+    if family.startswith("t5"):
+        return dict(num_layers=count, num_decoder_layers=count)
+    if family.startswith("bart"):
+        return dict(encoder_layers=count, decoder_layers=count)
+    return {{"gpt2": "n_layer"}.get(family, "num_hidden_layers"): count}
+
+
+def graph_specs(model, family) -> dict:
+    """{graph: its spec maker} for the wrappers a builder writes, as the export makes them."""
+    from elx.exporter.capture import decoder_only, onnx_export
+
+    if family.is_encoder_decoder:
+        return {"encoder": lambda m: onnx_export._encoder_spec(m, family),
+                "cross_kv": lambda m: onnx_export._cross_kv_spec(m, family),
+                "decoder": lambda m: onnx_export.decoder_spec(m, family)[0]}
+    return {"prefill": lambda m: decoder_only._prefill_spec(m, family),
+            "step": lambda m: decoder_only._step_spec(m, family, "shared")[0]}
 
 
 @pytest.mark.parametrize("family,overrides", CONFIGS)
 def test_built_templates_are_the_traced_templates(family, overrides, monkeypatch):
     import torch
 
-    from elx.exporter.capture import builders, decoder_only
+    from elx.exporter.capture import builders
     from elx.exporter.capture.onnx_export import trace
     from elx.exporter.capture.template import make_template
     from elx.exporter.capture.weights import bind
     from elx.exporter.families.catalog import family_for_architecture
 
     torch.manual_seed(0)
-    model = BUILDERS[family](**{LAYERS.get(family, "num_hidden_layers"): 5}, **overrides).eval()
+    model = BUILDERS[family](**layers(family, 5), **overrides).eval()
     family = family_for_architecture(type(model).__name__)
     template = make_template(model)
     builder = builders.for_model(template.model)
     assert builder is not None and builder.applies(template.model) is None
-    specs = {"prefill": lambda m: decoder_only._prefill_spec(m, family),
-             "step": lambda m: decoder_only._step_spec(m, family, "shared")[0]}
-    for name, make_spec in specs.items():
+    for name, make_spec in graph_specs(model, family).items():
         torch.manual_seed(0)
         spec = make_spec(template.model)
         built, bindings = builders.build(builder, spec.module, template.model, values=True)
         onnx.checker.check_model(built)
         sources = {n: t.detach().numpy() for n, t in [*template.model.named_parameters(remove_duplicate=False),
                                                        *template.model.named_buffers(remove_duplicate=False)]}
-        assert bindings == bind(built.graph.initializer, sources), name  # what stitching would have found
+        found = bind(built.graph.initializer, sources)  # what stitching would have found by value
+        assert set(found) == set(bindings), name
+        for key, binding in bindings.items():  # or a tensor of the same values (T5's two all-ones final norms)
+            assert binding == found[key] or (binding.transform == found[key].transform and binding.shift == found[key].shift
+                                             and (sources[binding.source] == sources[found[key].source]).all()), key
         bare, bare_bindings = builders.build(builder, spec.module, template.model)  # the export's: no weight values
         assert bare_bindings == bindings and not any(t.raw_data for t in bare.graph.initializer if t.name in bindings)
         traced = trace(spec)
@@ -93,6 +127,23 @@ def test_built_templates_are_the_traced_templates(family, overrides, monkeypatch
         assert built_nodes == traced_nodes, (name, sum((built_nodes - traced_nodes).values()))
         assert built_outputs == traced_outputs, name
         assert [i.name for i in built.graph.input] == [i.name for i in traced.graph.input], name
+        if family.is_encoder_decoder:  # the passes read these shapes (unpad: the rows [batch, sequence, features])
+            assert _row_shapes(built) == _row_shapes(traced), name
+
+
+def _row_shapes(model) -> dict:
+    """{canonical value: its shape} of the rank-3 values whose first two dimensions are a graph input's."""
+    ids = {}
+    canonical(model, ids)
+    graph = model.graph
+    lead = {tuple(d.dim_param for d in v.type.tensor_type.shape.dim[:2]) for v in graph.input}
+    shapes = {}
+    for value in [*graph.value_info, *graph.output]:
+        dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+        if len(dims) == 3 and tuple(dims[:2]) in lead and value.name in ids:
+            shapes[ids[value.name]] = dims
+    assert shapes
+    return shapes
 
 
 def test_models_the_builder_does_not_describe_are_named_with_the_reason():
@@ -123,6 +174,28 @@ def test_gpt2_models_the_builder_does_not_describe_are_named_with_the_reason():
         assert why in gpt2_builder.applies(BUILDERS["gpt2"](**overrides).eval()), why
 
 
+def test_t5_models_the_builder_does_not_describe_are_named_with_the_reason():
+    from elx.exporter.capture import builders, t5_builder
+
+    assert builders.for_model(BUILDERS["t5"]().eval()) is t5_builder and t5_builder.applies(BUILDERS["t5"]()) is None
+    for overrides, why in ((dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False), "feed-forward gated-gelu"),
+                           (dict(feed_forward_proj="gelu"), "feed-forward gelu"),  # T5 v1.1, Flan-T5, mT5
+                           (dict(tie_word_embeddings=False), "unscaled decoder output"),  # (tied all the same)
+                           (dict(relative_attention_num_buckets=7), "odd relative_attention_num_buckets")):
+        assert why in t5_builder.applies(BUILDERS["t5"](**overrides).eval()), why
+    assert builders.build(t5_builder, object(), BUILDERS["t5"]().eval()) is None  # a wrapper it does not build
+
+
+def test_bart_models_the_builder_does_not_describe_are_named_with_the_reason():
+    from elx.exporter.capture import bart_builder, builders
+
+    assert builders.for_model(BUILDERS["bart"]().eval()) is bart_builder and bart_builder.applies(BUILDERS["bart"]()) is None
+    for overrides, why in ((dict(scale_embedding=True), "scaled embeddings"),
+                           (dict(activation_function="relu"), "activation relu")):
+        assert why in bart_builder.applies(BUILDERS["bart"](**overrides).eval()), why
+    assert builders.for_model(BUILDERS["mbart"]().eval()) is None  # pre-LayerNorm, scaled: traced
+
+
 def test_opt_models_the_builder_does_not_describe_are_named_with_the_reason():
     from elx.exporter.capture import builders, opt_builder
 
@@ -136,10 +209,12 @@ def test_opt_models_the_builder_does_not_describe_are_named_with_the_reason():
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen3", {}), ("mistral", {}),
                                              # tied heads of more than 8192 values: the optimizer keeps a Transpose
                                              ("qwen2", dict(vocab_size=300)), ("gpt2", dict(vocab_size=300)),
-                                             ("opt", dict(vocab_size=300))])
+                                             ("opt", dict(vocab_size=300)), ("t5", dict(vocab_size=300)),
+                                             ("bart", dict(vocab_size=300))])
 def test_an_export_on_built_templates_verifies_and_says_so(family, overrides, tmp_path, monkeypatch):  # ~1-6 s each
-    """By default the templates of a Llama (Mistral, Qwen2, Qwen3) are built: none traced (the cache empty), the
-    graphs stitched from built templates and held to the export's verification against PyTorch like any other."""
+    """By default the templates of the families ``builders.py`` covers are built: none traced (the cache empty), the
+    graphs stitched from built templates and held to the export's verification against PyTorch like any other; a
+    T5's take the passes that read its shapes (unpad) and verify again."""
     import io
     from contextlib import redirect_stderr
 
@@ -148,22 +223,32 @@ def test_an_export_on_built_templates_verifies_and_says_so(family, overrides, tm
     monkeypatch.delenv("ELX_TEMPLATE_BUILDER", raising=False)
     monkeypatch.setenv("ELX_CAPTURE", "stitch")
     monkeypatch.setenv("ELX_CACHE_DIR", str(tmp_path / "cache"))
-    folder = make_model_folder(tmp_path, family, **{LAYERS.get(family, "num_hidden_layers"): 5}, **overrides)
+    folder = make_model_folder(tmp_path, family, **layers(family, 5), **overrides)
     stream = io.StringIO()
     with redirect_stderr(stream):
         out = export_model(str(folder), tmp_path / "out", progress="plain")
     log = stream.getvalue()
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    for graph in ("prefill", "decoder"):
+    seq2seq = family in ("t5", "bart")
+    for graph in ("encoder", "cross_kv", "decoder") if seq2seq else ("prefill", "decoder"):
         capture = manifest["graphs"][graph]["capture"]
         assert capture["method"] == "stitched" and capture["template_built"] is True, capture
     assert "built its 3-layer template from the weights" in log and "traced a 3-layer template" not in log, log
     assert "second process" not in log, log  # nothing forked for a built template
     assert manifest["verification"]["export"]["within"] is True
     assert out is not None
+    if family == "t5":  # (BART's el and unpad: the canonical test's shapes, and tests/test_unpad.py on traced ones)
+        from elx.exporter.export import apply_passes
+
+        passed = json.loads((apply_passes(out, tmp_path / "unpad", "el,unpad", quiet=True) / "manifest.json").read_text())
+        assert passed["graphs"]["encoder"]["file"] == "encoder.unpad.onnx"
+        assert passed["verification"]["export"]["within"] is True
     if overrides:  # the tied head over the last position: a Gemm on the embedding, no Transpose for ORT to fold
-        graph = onnx.load(str(tmp_path / "out" / "prefill.onnx"), load_external_data=False).graph
+        graph = onnx.load(str(tmp_path / "out" / ("decoder.onnx" if seq2seq else "prefill.onnx")),
+                          load_external_data=False).graph
         logits = next(n for n in graph.node if "logits" in n.output)
+        if logits.op_type == "Add":  # BART's final_logits_bias after the head
+            logits = next(n for n in graph.node if logits.input[0] in n.output)
         assert logits.op_type == "Gemm" and onnx.helper.get_attribute_value(logits.attribute[0]) == 1, logits
         assert not any(n.op_type == "Transpose" and n.input[0] == logits.input[1] for n in graph.node)
 

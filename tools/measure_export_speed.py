@@ -23,7 +23,8 @@ converters need), which every system then reads: elx too, so that no row times a
   the mechanism before ``exporter/capture/`` (verification the same);
 * ``elx-int8`` / ``elx-slim``: ``--precision int8`` / ``--pass slim=skip-bad`` on top of the export (first exports);
 * ``genai``: ``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`` (decoder-only models);
-* ``ct2``: ``ct2-transformers-converter --model HF --output_dir OUT --force`` (fp32 weights).
+* ``ct2``: ``ct2-transformers-converter --model HF --output_dir OUT --force`` (fp32 weights; a BART folder through
+  ``ct2_folder``'s config shim: the converter reads a key transformers 5 dropped).
 
 The table's last column is the issue's memory bound, 2 x the fp32 weight bytes + 1 GiB.
 """
@@ -84,6 +85,23 @@ def hf_folder(name: str, source: str | None, work: Path) -> Path:
     return folder
 
 
+def ct2_folder(folder: Path, work: Path) -> Path:
+    """The folder CTranslate2's converter reads: ``folder``, or for a BART config without ``normalize_before`` (which
+    transformers 5 no longer writes and ctranslate2 4.x's BART loader reads) a copy of it of links to the same files,
+    its config.json given ``"normalize_before": false`` (BART's post-LayerNorm: what the converter assumed before)."""
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") != "bart" or "normalize_before" in config:
+        return folder
+    shim = work / "ct2-shim" / folder.name
+    shutil.rmtree(shim, ignore_errors=True)
+    shim.mkdir(parents=True)
+    for path in folder.iterdir():
+        if path.name != "config.json":
+            (shim / path.name).symlink_to(path.resolve())
+    (shim / "config.json").write_text(json.dumps({**config, "normalize_before": False}, indent=2))
+    return shim
+
+
 def weight_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors")) or sum(
         p.stat().st_size for p in folder.glob("*.bin"))
@@ -131,7 +149,7 @@ def main(argv=None) -> int:
                        "-p", "fp32", "-e", "cpu", "-c", str(args.work / "genai-cache")]
             elif system == "ct2":
                 cmd = [shutil.which("ct2-transformers-converter") or "ct2-transformers-converter", "--model",
-                       str(folder), "--output_dir", str(out), "--force"]
+                       str(ct2_folder(folder, args.work)), "--output_dir", str(out), "--force"]
             else:
                 raise SystemExit(f"unknown system {system}")
             load = os.getloadavg()[0]

@@ -1,16 +1,19 @@
 """The template builders (graphs written from the weights instead of traced, issue 41), one module per family.
 
 Each module has ``CLASSES`` (the model classes it describes), ``applies(model)`` (None, or why its templates are traced)
-and ``build_prefill`` / ``build_step(template_model, values)``: the templates of ``decoder_only.PrefillGraph`` and
-``SharedPromptStepGraph`` (the per-beam step and the other wrappers are traced).  ``ELX_TEMPLATE_BUILDER``
+and the builders of its wrappers' templates (``WRAPPERS``; ``build_X(template_model, values)``): decoder-only
+modules ``decoder_only.PrefillGraph``'s and ``SharedPromptStepGraph``'s (the per-beam step is traced), T5 and BART
+the encoder's, cross K/V's and decoder step's (``capture/wrappers.py``; their shared parts: ``seq2seq_parts.py``).  ``ELX_TEMPLATE_BUILDER``
 (``llama_builder.enabled``) switches them all.  ``exporter/capture/stitched.py`` asks ``for_model`` and ``build``.
 """
 from __future__ import annotations
 
-from elx.exporter.capture import gpt2_builder, llama_builder, opt_builder
+from elx.exporter.capture import bart_builder, gpt2_builder, llama_builder, opt_builder, t5_builder
 
-MODULES = (llama_builder, gpt2_builder, opt_builder)
-WRAPPERS = {"PrefillGraph": "build_prefill", "SharedPromptStepGraph": "build_step"}
+MODULES = (llama_builder, gpt2_builder, opt_builder, t5_builder, bart_builder)
+# the wrapper classes whose templates a builder may write, and the function that does (where the module has it)
+WRAPPERS = {"PrefillGraph": "build_prefill", "SharedPromptStepGraph": "build_step",  # decoder-only
+            "EncoderGraph": "build_encoder", "CrossKVGraph": "build_cross_kv", "DecoderGraph": "build_decoder"}
 
 
 def for_model(model):
@@ -18,9 +21,9 @@ def for_model(model):
     return next((module for module in MODULES if type(model).__name__ in module.CLASSES), None)
 
 
-def builds(graph_module) -> bool:
-    """Whether the builders write the template of this wrapper (prefill and shared-prompt step)."""
-    return type(graph_module).__name__ in WRAPPERS
+def builds(builder, graph_module) -> bool:
+    """Whether ``builder`` writes the template of this wrapper (``WRAPPERS``)."""
+    return hasattr(builder, WRAPPERS.get(type(graph_module).__name__, "-"))
 
 
 def build(builder, graph_module, template_model, values: bool = False) -> tuple | None:
@@ -28,5 +31,5 @@ def build(builder, graph_module, template_model, values: bool = False) -> tuple 
     its bindings: ``{initializer: Binding}`` as ``exporter/capture/weights.py``'s ``bind`` finds them) by
     ``builder``, or None for a wrapper the builders do not build.  The bound initializers hold no values unless
     ``values`` (stitching binds the model's own tensors; the template's would be copied for nothing: 7-9 s at 1B+)."""
-    method = WRAPPERS.get(type(graph_module).__name__)
-    return None if method is None else getattr(builder, method)(template_model, values)
+    method = getattr(builder, WRAPPERS.get(type(graph_module).__name__, "-"), None)
+    return None if method is None else method(template_model, values)

@@ -49,8 +49,11 @@ class Emitter:
     recorded as its binding (``exporter/capture/weights.py``: which model tensor it holds, as it is or transposed),
     its values written only with ``values`` (the canonical test; stitching binds the model's own tensors)."""
 
-    def __init__(self, model, values: bool):
+    def __init__(self, model, values: bool, paths: dict | None = None):
         self.nodes, self.inits, self.consts, self.count = [], [], {}, 0
+        # {the wrapper's path prefix: the template model's}: where a wrapper holds a submodule under another name
+        # (BART's encoder graph: "encoder" is the model's "model.encoder"); "model." is the model itself
+        self.paths = {**(paths or {}), "model.": ""}
         self.scope = []  # [(path, class)]
         self.values, self.bindings, self.model = values, {}, model
         # the wrapper's names ("model." + the HF model's); a tied head is the embedding's (as ``bind`` names it)
@@ -113,17 +116,27 @@ class Emitter:
         """Into module ``path`` (the wrapper's name: "model" is the template model); its class, unless given, the
         template model's own module's there (as the trace names it: module and qualified name)."""
         if cls is None:
-            module = self.model if path == "model" else self.model.get_submodule(path.removeprefix("model."))
+            module = self.module(path)
             cls = f"{type(module).__module__}.{type(module).__qualname__}"
         self.scope.append((path, cls))
+
+    def module(self, path: str):
+        """The template model's module at the wrapper's ``path``."""
+        if path == "model":
+            return self.model
+        for prefix, inner in self.paths.items():
+            if path.startswith(prefix):
+                return self.model.get_submodule(inner + path[len(prefix):])
+        return self.model.get_submodule(path)
 
     def leave(self):
         self.scope.pop()
 
 
-def rms_norm(e, x, weight_name, eps, path):
-    """The RMSNorm at ``path`` (its own epsilon where it keeps one, else ``eps``)."""
-    eps = float(getattr(e.model.get_submodule(path.removeprefix("model.")), "variance_epsilon", eps))
+def rms_norm(e, x, weight_name, eps, path, out=None):
+    """The RMSNorm at ``path`` (its own epsilon where it keeps one, else ``eps``); its output named ``out`` where
+    given (a graph output)."""
+    eps = float(getattr(e.module(path), "variance_epsilon", eps))
     e.enter(path)
     p = e("Pow", [x, e.const(2.0, np.float32)], "pow")
     m = e("ReduceMean", [p, e.const([-1])], "mean", dict(noop_with_empty_axes=0, keepdims=1))
@@ -131,7 +144,7 @@ def rms_norm(e, x, weight_name, eps, path):
     s = e("Sqrt", [a], "rsqrt")
     r = e("Reciprocal", [s], "rsqrt")
     y = e("Mul", [x, r], "mul")
-    y = e("Mul", [weight_name, y], "mul")
+    y = e("Mul", [weight_name, y], "mul", out=out)
     e.leave()
     return y
 
@@ -140,7 +153,7 @@ def head_norm(e, y, lp, which, eps):
     """Qwen3's RMSNorm of each query or key head (``which``: "q" or "k") over ``y`` [.., heads, d], where the layer's
     attention has one; else ``y``."""
     path = f"{lp}.self_attn.{which}_norm"
-    if not hasattr(e.model.get_submodule(f"{lp}.self_attn".removeprefix("model.")), f"{which}_norm"):
+    if not hasattr(e.module(f"{lp}.self_attn"), f"{which}_norm"):
         return y
     return rms_norm(e, y, e.weight(f"{path}.weight", f"{path}.weight"), eps, path)
 
@@ -149,7 +162,7 @@ def linear(e, x, weight_t, path, fx="linear"):
     """``x @ weight_t`` (+ the module's bias, where it has one: Qwen2's q/k/v), inside the module's scope."""
     e.enter(path)
     y = e("MatMul", [x, weight_t], fx)
-    if getattr(e.model.get_submodule(path.removeprefix("model.")), "bias", None) is not None:
+    if getattr(e.module(path), "bias", None) is not None:
         y = e("Add", [y, e.weight(f"{path}.bias", f"{path}.bias")], fx)
     e.leave()
     return y
@@ -532,7 +545,10 @@ def _residual_and_mlp(e, x, attention, lp, t, eps):
     return e("Add", [x, y], "add")
 
 
-def _head(e, x, model, tied):
+def _head(e, x, model, tied, final_bias: str | None = None):
+    """The language-model head over the last position of ``x`` (elx's last-position rewrite), inside ``model``'s
+    scope: the embedding's transpose where the head is ``tied`` and larger than onnxscript folds, else a weight
+    stored transposed; then the ``final_bias`` (BART's ``final_logits_bias``: the wrapper's name) where given."""
     last = helper.make_node("Gather", [x, "node_select_last_index"], ["node_select_last_position"],
                             name="node_select_before_head", axis=1)
     e.inits.append(numpy_helper.from_array(np.array(-1, np.int64), "node_select_last_index"))
@@ -544,8 +560,10 @@ def _head(e, x, model, tied):
     else:
         head = e.weight("val_head", "model.lm_head.weight", transposed=True)
     e.enter("model.lm_head")
-    e("MatMul", ["node_select_last_position", head], "linear", out="logits")
+    logits = e("MatMul", ["node_select_last_position", head], "linear", out=None if final_bias else "logits")
     e.leave()
+    if final_bias:
+        e("Add", [logits, e.weight(final_bias, final_bias)], "add", out="logits")
 
 
 # the classes whose templates are the same nodes over the same module tree (canonically checked against the trace:
@@ -561,7 +579,7 @@ def enabled() -> bool:
         from elx.runners.errors import ElxError
 
         raise ElxError(f"ELX_TEMPLATE_BUILDER is {text!r}; use 1 (build the templates of Llama, Mistral, Qwen, "
-                       "GPT-2 and OPT from the weights, the default) or 0 (trace them)")
+                       "GPT-2, OPT, T5 and BART from the weights, the default) or 0 (trace them)")
     return text == "1"
 
 

@@ -23,10 +23,10 @@ export (``exporter/verification/verify.py``).  A traced template is kept for the
 dynamo graphs every pass matches (other decompositions, other names); (c) building the graphs from the weights
 with onnx helpers as onnxruntime-genai's builder does: fastest, but a second implementation of each family's
 forward (norms, RoPE variants, GQA, biases, parallel residuals), which elx avoids by tracing HF's own modules.
-(c) done for the *templates* of the Llama architecture (15th session: Llama; 16th: Mistral, Qwen2, Qwen3) and
-GPT-2 (16th): ``exporter/capture/llama_builder.py`` and ``gpt2_builder.py`` (``builders.py``) write their two
-templates node for node as the trace does (checked canonically against it), in milliseconds where the real
-SmolLM2-135M's took 11.7 + 19.9 s of tracing and GPT-2's 8.9 + 17.3 s.
+(c) done for the *templates* of the Llama architecture (15th session: Llama; 16th: Mistral, Qwen2, Qwen3), GPT-2
+and OPT (16th), T5 and BART (17th): ``exporter/capture/builders.py``'s modules write the templates node for node as
+the trace does (checked canonically against it), in milliseconds where the real SmolLM2-135M's took 11.7 + 19.9 s
+of tracing, GPT-2's 8.9 + 17.3 s and t5-base's three ~20 s on two cores.
 
 **When not.**  A model with 3 layers or fewer per stack is traced whole (nothing to save), and so is a model
 whose template does not fit the stitcher's description (layers of several types, a layer-dependent constant, a
@@ -34,8 +34,10 @@ weight folded into a form the binding does not know): ``Capture`` says why and t
 ``=trace`` forces whole-model tracing (for comparisons), ``=stitch`` makes a refusal an error (for tests).
 
 **Built, not traced.**  Where a builder of ``exporter/capture/builders.py`` describes the model (the prefill and
-step templates of Llama, Mistral, Qwen2, Qwen3, GPT-2), the template is built from the weights in milliseconds instead of traced (the traced template node
-for node); ``ELX_TEMPLATE_BUILDER=0`` traces it as for every other family (comparisons, tests of the trace).
+step templates of Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT; the encoder, cross K/V and decoder-step templates of
+T5 and BART), the template is built from the weights in milliseconds instead of traced (the traced template node
+for node, with the value shapes the passes read); ``ELX_TEMPLATE_BUILDER=0`` traces it as for every other family
+(comparisons, tests of the trace).
 """
 from __future__ import annotations
 
@@ -246,7 +248,7 @@ class Capture:
             return None
         why = builder.applies(self._template.model)
         if why is None:
-            return builder if builders.builds(spec.module) else None
+            return builder if builders.builds(builder, spec.module) else None
         if not self._said_why_traced:
             self._said_why_traced = True
             self.report(f"templates traced, not built ({why})")

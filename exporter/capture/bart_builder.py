@@ -1,0 +1,156 @@
+"""The encoder, cross K/V and decoder-step templates of BART (``BartForConditionalGeneration``) built from the weights,
+without torch.export (issue 41).
+
+**Why.**  bart-large's first export spent ~14 s of its 30.2 s tracing three 3-layer templates; a re-export from
+cached templates took 15.8 s (``docs/measurements/export_speed_2026-11-30.md``).  Built from the weights they take
+milliseconds, as T5's do (``t5_builder.py``; the parts both write alike are ``seq2seq_parts.py``).
+
+**Same graph.**  The nodes ``trace`` writes for ``wrappers.EncoderGraph``, ``CrossKVGraph`` and ``DecoderGraph`` over
+the template model (HF's BART modules with elx's attention: scores scaled by d^-0.5, the cross-attention shared
+across beams), after torch's decompositions and onnxscript's optimizer, checked canonically against the trace
+(``tests/test_template_builders.py``): learned positions offset by 2, post-LayerNorm layers
+(``LayerNormalization``), exact GELU (``Erf``), biases on every projection, the tied head plus
+``final_logits_bias``.
+
+**When.**  ``applies(model)`` says why not where the template would differ: scaled embeddings (mBART, Marian: other
+classes anyway), another activation, an untied head; those templates are traced, as everything is with
+``ELX_TEMPLATE_BUILDER=0``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from elx.exporter.capture import seq2seq_parts as parts
+from elx.exporter.capture.llama_builder import _head, linear, why_not
+
+CLASSES = ("BartForConditionalGeneration",)
+
+
+def applies(model) -> str | None:
+    """None where this module gives the traced templates of ``model``; else why not."""
+    def checks(model):
+        c = model.config
+        return {
+            f"activation {c.activation_function}": c.activation_function != "gelu",
+            "scaled embeddings": bool(getattr(c, "scale_embedding", False)),
+            "untied head": model.lm_head.weight is not model.get_input_embeddings().weight,
+            "position offset other than 2": getattr(model.model.encoder.embed_positions, "offset", None) != 2,
+        }
+    return why_not(model, CLASSES, checks)
+
+
+def _layer_norm(e, x, path: str, out=None):
+    """The ``nn.LayerNorm`` at ``path`` (its weight and bias: the wrapper's names) as ONNX's LayerNormalization."""
+    module = e.module(path)
+    weight, bias = (e.weight(f"{path}.{w}", f"{path}.{w}") for w in ("weight", "bias"))
+    e.enter(path)
+    y = e("LayerNormalization", [x, weight, bias], "layer_norm",
+          dict(stash_type=1, epsilon=float(module.eps), axis=-1), out=out)
+    e.leave()
+    return y
+
+
+def _feed_forward(e, x, lp: str, t, out=None):
+    """Layer ``lp``'s fc1, exact GELU, fc2, residual add and final LayerNorm."""
+    h = linear(e, x, t("fc1"), f"{lp}.fc1")
+    e.enter(f"{lp}.activation_fn")
+    scaled = e("Div", [h, e.const(np.float32(np.sqrt(2.0)), np.float32)], "gelu")
+    half = e("Mul", [e.const(0.5, np.float32), e("Add", [e("Erf", [scaled], "gelu"), e.const(1.0, np.float32)],
+                                                     "gelu")], "gelu")
+    h = e("Mul", [h, half], "gelu")
+    e.leave()
+    h = linear(e, h, t("fc2"), f"{lp}.fc2")
+    return _layer_norm(e, e("Add", [x, h], "add"), f"{lp}.final_layer_norm", out=out)
+
+
+def _layer_start(e, lp: str) -> tuple:
+    """Into layer ``lp`` and its self-attention: (``lp``, the attention's path, ``t(name)``: the initializer of the
+    layer's weight ``name`` stored transposed, as the exporter folds ``linear``'s transpose)."""
+    e.enter(lp)
+    e.enter(f"{lp}.self_attn")
+    return lp, f"{lp}.self_attn", lambda name: e.weight(f"val_w_{lp}_{name}", f"{lp}.{name}.weight", transposed=True)
+
+
+def build_encoder(template_model, values: bool = False) -> tuple:
+    """(``wrappers.EncoderGraph``'s graph over ``template_model``, its bindings)."""
+    model, c = template_model, template_model.config
+    heads, layers = c.encoder_attention_heads, c.encoder_layers
+    d = c.d_model // heads
+    encoder = model.get_encoder()
+    aliases = {f"encoder.{n}": f"model.encoder.{n}" for n, _ in encoder.named_parameters(remove_duplicate=False)}
+    named = {"new_ones": (True, np.bool_), "zeros": (0.0, np.float32)}
+    e, b_shape, b, n_shape, n, x = parts.encoder_start(model, values, named, aliases, {"encoder": "model.encoder"})
+    C = e.const
+    e.enter("encoder.embed_positions")
+    keys = e("Range", [C(0), n, C(1)], "arange")
+    at = e("Add", [e("Expand", [keys, e("Concat", [b_shape, C([1])], "expand", dict(axis=0))], "expand"), C(2)], "add")
+    table = e.weight("encoder.embed_positions.weight", "encoder.embed_positions.weight")
+    positions = e("Gather", [table, at], "embedding", dict(axis=0))
+    e.leave()
+    x = _layer_norm(e, e("Add", [x, positions], "add"), "encoder.layernorm_embedding")
+    mask = parts.encoder_mask(e, b, keys)
+    scaling = C(np.float32(d ** -0.5), np.float32)
+    shared = {}
+    for i in range(layers):
+        lp, sa, t = _layer_start(e, f"encoder.layers.{i}")
+        projections = {w: (f"{sa}.{w}_proj" if w != "o" else f"{sa}.out_proj",
+                           t(f"self_attn.{w}_proj" if w != "o" else "self_attn.out_proj")) for w in "qkvo"}
+        o = parts.encoder_attention(e, x, shared, (b_shape, n_shape, d), sa, projections, None, mask, scaling)
+        e.leave()
+        x = _layer_norm(e, e("Add", [x, o], "add"), f"{lp}.self_attn_layer_norm")
+        x = _feed_forward(e, x, lp, t, out="last_hidden_state" if i == layers - 1 else None)
+        e.leave()
+    return parts.graph(e, *parts.encoder_io(c.d_model))
+
+
+def build_cross_kv(template_model, values: bool = False) -> tuple:
+    """(``wrappers.CrossKVGraph``'s graph: each decoder layer's cross-attention keys and values, its bindings)."""
+    c = template_model.config
+    heads = c.decoder_attention_heads
+    return parts.build_cross_kv(template_model, values, c.decoder_layers, heads, c.d_model // heads, c.d_model,
+                                lambda i: [f"model.decoder.layers.{i}.encoder_attn.{w}_proj" for w in "kv"])
+
+
+def build_decoder(template_model, values: bool = False) -> tuple:
+    """(``wrappers.DecoderGraph``'s graph: a decoder step over the self-attention past and the beam-shared cross
+    K/V, its bindings)."""
+    model, c = template_model, template_model.config
+    heads, layers = c.decoder_attention_heads, c.decoder_layers
+    d = c.d_model // heads
+    e = parts.emitter(model, values, {"zeros_1": (0.0, np.float32)})
+    C = e.const
+    e.enter("", f"{parts.WRAPPERS}.DecoderGraph")
+    step = parts.StepSizes(e, layers, heads, d)
+    e.enter("model")
+    e.enter("model.model")
+    e.enter("model.model.decoder")
+    x = parts.embedding(e, "model.lm_head.weight", "model.model.decoder.embed_tokens")
+    steps = e("Range", [C(0), step.t, C(1)], "arange")
+    query_positions = e("Add", [steps, step.past], "add")
+    mask = step.self_mask(query_positions, e("Range", [C(0), step.total, C(1)], "arange"))
+    e.enter("model.model.decoder.embed_positions")
+    at = e("Add", [e("Unsqueeze", [query_positions, C([0])], "unsqueeze"), C(2)], "add")
+    table = e.weight("model.model.decoder.embed_positions.weight", "model.model.decoder.embed_positions.weight")
+    positions = e("Gather", [table, at], "embedding", dict(axis=0))
+    e.leave()
+    x = _layer_norm(e, e("Add", [x, positions], "add"), "model.model.decoder.layernorm_embedding")
+    scaling = C(np.float32(d ** -0.5), np.float32)
+    for i in range(layers):
+        lp, sa, t = _layer_start(e, f"model.model.decoder.layers.{i}")
+        q, k, v = (step.heads_first(linear(e, x, t(f"self_attn.{w}_proj"), f"{sa}.{w}_proj")) for w in "qkv")
+        o = step.self_attention(q, k, v, i, mask=mask, scaling=scaling)
+        o = linear(e, o, t("self_attn.out_proj"), f"{sa}.out_proj")
+        e.leave()
+        x = _layer_norm(e, e("Add", [x, o], "add"), f"{lp}.self_attn_layer_norm")
+        ca = f"{lp}.encoder_attn"
+        e.enter(ca)
+        o = step.cross_attention(linear(e, x, t("encoder_attn.q_proj"), f"{ca}.q_proj"), i, scaling)
+        o = linear(e, o, t("encoder_attn.out_proj"), f"{ca}.out_proj")
+        e.leave()
+        x = _layer_norm(e, e("Add", [x, o], "add"), f"{lp}.encoder_attn_layer_norm")
+        x = _feed_forward(e, x, lp, t)
+        e.leave()
+    e.leave()  # model.model.decoder
+    e.leave()  # model.model
+    _head(e, x, model, True, final_bias="model.final_logits_bias")
+    return parts.graph(e, *parts.decoder_io(layers, heads, d, c.vocab_size))

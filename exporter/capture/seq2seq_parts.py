@@ -1,0 +1,410 @@
+"""The parts of the encoder-decoder templates that the builders of several families write alike (issue 41): the
+wrappers' sizes and masks (``capture/wrappers.py``), the beam-shared cross-attention (``capture/attention.py``), the
+cross K/V graph, the head over the last position, and the value shapes a traced template records.
+
+Used by ``t5_builder.py`` and ``bart_builder.py``; each function writes the nodes the trace writes for that part,
+checked with the families' templates (``tests/test_template_builders.py``).
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from elx.exporter.capture.llama_builder import Emitter, linear
+
+WRAPPERS = "elx.exporter.capture.wrappers"
+FLOAT_MIN = np.finfo(np.float32).min
+
+
+def emitter(model, values: bool, named: dict, aliases=(), paths=None) -> Emitter:
+    """An ``Emitter`` over ``model`` whose constants of ``named``'s values ({name: (value, dtype)}) carry those names
+    (as onnxscript shares them), whose weights are also found by the wrapper's names ``aliases`` ({wrapper name: the
+    model's parameter name}), and whose modules by the wrapper's ``paths`` (``Emitter``)."""
+    e = Emitter(model, values, paths)
+    for name, (value, dtype) in named.items():
+        array = np.array(value, dtype=dtype)
+        e.inits.append(numpy_helper.from_array(array, name))
+        e.consts[(array.dtype.str, array.shape, array.tobytes())] = name
+    for wrapper_name, hf_name in dict(aliases).items():
+        e.sources[wrapper_name] = e.sources[f"model.{hf_name}"]
+    return e
+
+
+
+
+def encoder_sizes(e):
+    """The encoder wrapper's sizes, read as the trace reads them: (batch [1], its scalar, width [1], its scalar)."""
+    b_shape = e("Shape", ["input_ids"], "sym_size_int", dict(end=1, start=0), hook=True)
+    b = e("Squeeze", [b_shape], "sym_size_int", hook=True)
+    n_shape = e("Shape", ["attention_mask"], "sym_size_int", dict(end=2, start=1), hook=True)
+    n = e("Squeeze", [n_shape], "sym_size_int", hook=True)
+    return b_shape, b, n_shape, n
+
+
+def encoder_mask(e, b, keys):
+    """HF's bidirectional padding mask (an index per batch row and key, vectorised, as the trace writes it), over
+    ``keys`` = arange(width): [batch, 1, width, width] additive; inside the encoder's scope."""
+    C = e.const
+    as_bool = e("Cast", ["attention_mask"], "_to_copy", dict(to=TensorProto.BOOL))
+    rows = e("Range", [C(0), b, C(1)], "arange")
+    rows4 = e("Unsqueeze", [e("Unsqueeze", [rows, C([1, 2])], "unsqueeze"), C([3])], "unsqueeze")
+    keys2 = e("Unsqueeze", [keys, C([0, 1])], "unsqueeze")
+    keys4 = e("Unsqueeze", [keys2, C([3])], "unsqueeze")
+    keys_q = e("Unsqueeze", [keys2, C([2])], "unsqueeze")
+    allowed = e("And", [C(True, np.bool_), e("GreaterOrEqual", [keys4, C(0)], "ge")], "bitwise_and")
+    shape = e("Shape", [e("Max", [rows4, keys_q], "index")], "index", dict(start=0))
+    at = [e("Unsqueeze", [e("Expand", [v, shape], "index"), C([-1])], "index") for v in (rows4, keys_q)]
+    picked = e("GatherND", [as_bool, e("Concat", at, "index", dict(axis=-1))], "index", dict(batch_dims=0))
+    allowed = e("And", [allowed, picked], "bitwise_and")
+    return e("Where", [allowed, C(0.0, np.float32), C(FLOAT_MIN, np.float32)], "where")
+
+
+class StepSizes:
+    """The decoder step wrapper's sizes (read from its inputs as the trace reads them: rows and past length from the
+    last layer's past value, the batch from layer 0's cross value) and its cross-attention mask [batch, 1, 1, N]
+    additive, written in the wrapper's scope; ``self_mask(steps, positions)`` the causal mask inside the decoder's."""
+
+    def __init__(self, e, layers: int, heads: int, d: int):
+        C = e.const
+        self.e, self.heads, self.d = e, heads, d
+        last = f"past_key_values.{layers - 1}.decoder.value"
+        self.t_shape = e("Shape", ["input_ids"], "sym_size_int", dict(end=2, start=1), hook=True)
+        self.t = e("Squeeze", [self.t_shape], "sym_size_int", hook=True)
+        self.r_shape = e("Shape", [last], "sym_size_int", dict(end=1, start=0), hook=True)
+        rows = e("Squeeze", [self.r_shape], "sym_size_int", hook=True)
+        p_shape = e("Shape", [last], "sym_size_int", dict(end=3, start=2), hook=True)
+        self.past = e("Squeeze", [p_shape], "sym_size_int", hook=True)
+        self.b_shape = e("Shape", ["past_key_values.0.encoder.value"], "sym_size_int", dict(end=1, start=0), hook=True)
+        self.b = e("Squeeze", [self.b_shape], "sym_size_int", hook=True)
+        self.beams = e("Div", [rows, self.b], "floordiv", hook=True)
+        self.total = e("Add", [self.past, self.t], "add", hook=True)
+        self.bhd = e("Mul", [C(heads * d), self.b], "mul")
+        mask = e("Cast", [e("Unsqueeze", ["encoder_attention_mask", C([1, 2])], "unsqueeze")], "_to_copy",
+                 dict(to=TensorProto.FLOAT))
+        self.cross_mask = e("Mul", [e("Sub", [C(1.0, np.float32), mask], "sub"), C(FLOAT_MIN, np.float32)], "mul")
+        self.shared = {}
+
+    def self_mask(self, query_positions, positions):
+        """The causal mask [rows, 1, t, past + t] of the step's queries at ``query_positions`` [t] over
+        ``positions`` = arange(past + t)."""
+        e, C = self.e, self.e.const
+        query_at = e("Unsqueeze", [e("Unsqueeze", [query_positions, C([0, 1])], "unsqueeze"), C([3])], "unsqueeze")
+        key_at = e("Unsqueeze", [e("Unsqueeze", [positions, C([0, 1])], "unsqueeze"), C([2])], "unsqueeze")
+        causal = e("LessOrEqual", [key_at, query_at], "le")
+        size = e("Concat", [self.r_shape, C([1]), self.t_shape,
+                            e("Reshape", [self.total, C([-1])], "expand", dict(allowzero=0))], "expand", dict(axis=0))
+        return e("Where", [e("Expand", [causal, size], "expand"), C(0.0, np.float32), C(FLOAT_MIN, np.float32)],
+                 "where")
+
+    def view(self):
+        """[rows, t, -1, d]: the step's heads view (made once, in layer 0's self-attention scope)."""
+        if "view" not in self.shared:
+            self.shared["view"] = self.e("Concat", [self.r_shape, self.t_shape, self.e.const([-1]),
+                                                    self.e.const([self.d])], "view", dict(axis=0))
+        return self.shared["view"]
+
+    def merged(self):
+        """[rows, t, -1]: the heads merged back (made once)."""
+        if "merged" not in self.shared:
+            self.shared["merged"] = self.e("Concat", [self.r_shape, self.t_shape, self.e.const([-1])], "view",
+                                           dict(axis=0))
+        return self.shared["merged"]
+
+    def heads_first(self, y):
+        """[rows, t, h·d] -> [rows, h, t, d]."""
+        e = self.e
+        return e("Transpose", [e("Reshape", [y, self.view()], "view", dict(allowzero=1))], "transpose",
+                 dict(perm=[0, 2, 1, 3]))
+
+    def self_attention(self, q, k, v, i: int, bias=None, mask=None, scaling=None):
+        """Layer ``i``'s attention over [past ; this step] (its presents the graph's outputs): scores (times
+        ``scaling``) plus ``bias`` (T5's positions) plus ``mask``, merged heads [rows, t, h·d]."""
+        e = self.e
+        key = e("Concat", [f"past_key_values.{i}.decoder.key", k], "cat", dict(axis=-2),
+                out=f"present.{i}.decoder.key")
+        value = e("Concat", [f"past_key_values.{i}.decoder.value", v], "cat", dict(axis=-2),
+                  out=f"present.{i}.decoder.value")
+        o = attend(e, q, e("Transpose", [key], "transpose", dict(perm=[0, 1, 3, 2])), value, scaling, bias, mask)
+        return e("Reshape", [o, self.merged()], "view", dict(allowzero=1))
+
+    def cross_attention(self, q, i: int, scaling=None):
+        """Layer ``i``'s attention of the rows' queries ``q`` [rows, t, h·d] over the batch's encoder keys and values
+        (one per input, shared by its beams: ``capture/attention.py``), merged heads [rows, t, h·d]."""
+        e, C, shared, heads, d = self.e, self.e.const, self.shared, self.heads, self.d
+        q = self.heads_first(q)
+        if "beams_q" not in shared:
+            bh = e("Mul", [self.b, C(heads)], "mul")
+            per_beam = e("Reshape", [self.beams, C([-1])], "_unsafe_view", dict(allowzero=0))
+            shared["beams_q"] = e("Concat", [self.b_shape, per_beam, C([heads]), self.t_shape, C([d])], "_unsafe_view",
+                                  dict(axis=0))
+            items = e("Mul", [e("Mul", [e("Mul", [bh, self.beams], "mul"), self.t], "mul"), C(d)], "mul")
+            items = e("Reshape", [e("Div", [items, self.bhd], "floordiv"), C([-1])], "_unsafe_view", dict(allowzero=0))
+            shared["items_q"] = e("Concat", [self.b_shape, C([heads]), items, C([d])], "_unsafe_view", dict(axis=0))
+        q = e("Transpose", [e("Reshape", [q, shared["beams_q"]], "_unsafe_view", dict(allowzero=1))], "transpose",
+              dict(perm=[0, 2, 1, 3, 4]))
+        q = e("Reshape", [q, shared["items_q"]], "_unsafe_view", dict(allowzero=1))
+        key_t = e("Transpose", [f"past_key_values.{i}.encoder.key"], "transpose", dict(perm=[0, 1, 3, 2]))
+        s = e("MatMul", [q, key_t], "matmul")
+        if scaling is not None:
+            s = e("Mul", [s, scaling], "mul")
+        s = e("Add", [s, self.cross_mask], "add")
+        o = e("MatMul", [e("Softmax", [s], "softmax", dict(axis=-1)), f"past_key_values.{i}.encoder.value"], "matmul")
+        if "into_beams_o" not in shared:
+            shared["into_beams_o"] = e("Concat", [self.b_shape, C([heads]), C([-1]), self.t_shape, C([d])], "view",
+                                       dict(axis=0))
+        o = e("Transpose", [e("Reshape", [o, shared["into_beams_o"]], "view", dict(allowzero=1))], "permute",
+              dict(perm=[0, 2, 3, 1, 4]))
+        if "rows_o" not in shared:
+            shared["rows_o"] = e("Concat", [self.r_shape, self.t_shape, C([heads]), C([d])], "_unsafe_view",
+                                 dict(axis=0))
+        o = e("Reshape", [o, shared["rows_o"]], "_unsafe_view", dict(allowzero=1))
+        return e("Reshape", [o, self.merged()], "view", dict(allowzero=1))
+
+
+def attend(e, q, key_t, value, scaling, bias, mask):
+    """softmax(q @ ``key_t`` (times ``scaling``) + ``bias`` + ``mask``) @ ``value``, heads moved back after the
+    positions: [B, t, h, d] (the elx attention's order of operations: ``capture/attention.py``)."""
+    s = e("MatMul", [q, key_t], "matmul")
+    if scaling is not None:
+        s = e("Mul", [s, scaling], "mul")
+    if bias is not None:
+        s = e("Add", [s, bias], "add")
+    s = e("Add", [s, mask], "add")
+    o = e("MatMul", [e("Softmax", [s], "softmax", dict(axis=-1)), value], "matmul")
+    return e("Transpose", [o], "transpose", dict(perm=[0, 2, 1, 3]))
+
+
+def encoder_start(model, values: bool, named: dict, aliases, paths=None) -> tuple:
+    """An ``emitter`` inside the encoder wrapper's ``encoder`` scope, after the wrapper's sizes and the token
+    embedding: (e, batch [1], batch, width [1], width, embeddings)."""
+    e = emitter(model, values, named, aliases, paths)
+    e.enter("", f"{WRAPPERS}.EncoderGraph")
+    b_shape, b, n_shape, n = encoder_sizes(e)
+    e.enter("encoder")
+    return (e, b_shape, b, n_shape, n, embedding(e, "encoder.embed_tokens.weight", "encoder.embed_tokens"))
+
+
+def embedding(e, weight: str, path: str):
+    """The token embedding at ``path``: a Gather of the initializer ``weight`` (the wrapper's name of it)."""
+    e.weight(weight, weight)
+    e.enter(path)
+    x = e("Gather", [weight, "input_ids"], "embedding", dict(axis=0))
+    e.leave()
+    return x
+
+
+def encoder_attention(e, h, shared, sizes, attention: str, projections: dict, bias=None, mask=None, scaling=None):
+    """The self-attention at ``attention`` over the encoder rows ``h``: ``projections`` {"q"/"k"/"v"/"o": (its
+    module path, its transposed weight)}, the scores (times ``scaling``) plus ``bias`` and ``mask``; [B, N, h·d]."""
+    b_shape, n_shape, d = sizes
+    C = e.const
+
+    def project(which, x):
+        path, weight = projections[which]
+        return linear(e, x, weight, path)
+    q = project("q", h)
+    if "view" not in shared:
+        shared["view"] = e("Concat", [b_shape, n_shape, C([-1]), C([d])], "view", dict(axis=0))
+    q = e("Transpose", [e("Reshape", [q, shared["view"]], "view", dict(allowzero=1))], "transpose",
+          dict(perm=[0, 2, 1, 3]))
+    k = e("Reshape", [project("k", h), shared["view"]], "view", dict(allowzero=1))
+    v = e("Transpose", [e("Reshape", [project("v", h), shared["view"]], "view", dict(allowzero=1))], "transpose",
+          dict(perm=[0, 2, 1, 3]))
+    bias = bias() if callable(bias) else bias
+    o = attend(e, q, e("Transpose", [k], "transpose", dict(perm=[0, 2, 3, 1])), v, scaling, bias, mask)
+    if "merged" not in shared:
+        shared["merged"] = e("Concat", [b_shape, n_shape, C([-1])], "view", dict(axis=0))
+    o = e("Reshape", [o, shared["merged"]], "view", dict(allowzero=1))
+    return project("o", o)
+
+
+def build_cross_kv(template_model, values: bool, layers: int, heads: int, d: int, d_model: int, projections) -> tuple:
+    """(``wrappers.CrossKVGraph``'s graph: each decoder layer's cross-attention keys and values; its bindings).
+    ``projections(i)``: layer ``i``'s (key, value) projection modules' paths in the template model."""
+    aliases = {}
+    for i in range(layers):
+        for w, path in zip(("k", "v"), projections(i)):
+            aliases[f"layers.{i}.{w}_proj.weight"] = f"{path}.weight"
+            if getattr(template_model.get_submodule(path), "bias", None) is not None:
+                aliases[f"layers.{i}.{w}_proj.bias"] = f"{path}.bias"
+    e = emitter(template_model, values, {}, aliases)
+    C = e.const
+    e.enter("", f"{WRAPPERS}.CrossKVGraph")
+    b_shape = e("Shape", ["encoder_hidden_states"], "sym_size_int", dict(end=1, start=0), hook=True)
+    n_shape = e("Shape", ["encoder_hidden_states"], "sym_size_int", dict(end=2, start=1), hook=True)
+    view = None
+    for i in range(layers):
+        e.enter(f"layers.{i}", f"{WRAPPERS}._CrossKV")
+        for w, kind in (("k", "key"), ("v", "value")):
+            weight = e.weight(f"val_w{i}_{w}", f"layers.{i}.{w}_proj.weight", transposed=True)
+            e.enter(f"layers.{i}.{w}_proj", "torch.nn.modules.linear.Linear")
+            y = e("MatMul", ["encoder_hidden_states", weight], "linear")
+            if f"layers.{i}.{w}_proj.bias" in aliases:
+                y = e("Add", [y, e.weight(f"layers.{i}.{w}_proj.bias", f"layers.{i}.{w}_proj.bias")], "linear")
+            e.leave()
+            if view is None:
+                view = e("Concat", [b_shape, n_shape, C([heads]), C([d])], "view", dict(axis=0))
+            e("Transpose", [e("Reshape", [y, view], "view", dict(allowzero=1))], "transpose", dict(perm=[0, 2, 1, 3]),
+              out=f"present.{i}.encoder.{kind}")
+        e.leave()
+    inputs = [helper.make_tensor_value_info("encoder_hidden_states", TensorProto.FLOAT,
+                                            ["batch", "encoder_sequence", d_model])]
+    outputs = [helper.make_tensor_value_info(f"present.{i}.encoder.{kind}", TensorProto.FLOAT,
+                                             ["batch", heads, "encoder_sequence", d])
+               for i in range(layers) for kind in ("key", "value")]
+    return graph(e, inputs, outputs)
+
+
+def encoder_io(d_model: int) -> tuple:
+    inputs = [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "encoder_sequence"])
+              for name in ("input_ids", "attention_mask")]
+    outputs = [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT,
+                                             ["batch", "encoder_sequence", d_model])]
+    return inputs, outputs
+
+
+def decoder_io(layers: int, heads: int, d: int, vocab: int) -> tuple:
+    rows_kv = ["rows", heads, "past_sequence", d]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["rows", "decoder_sequence"]),
+              helper.make_tensor_value_info("encoder_attention_mask", TensorProto.INT64, ["batch", "encoder_sequence"])]
+    inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.decoder.{kind}", TensorProto.FLOAT, rows_kv)
+               for i in range(layers) for kind in ("key", "value")]
+    inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.encoder.{kind}", TensorProto.FLOAT,
+                                             ["batch", heads, "encoder_sequence", d])
+               for i in range(layers) for kind in ("key", "value")]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", vocab])]
+    outputs += [helper.make_tensor_value_info(f"present.{i}.decoder.{kind}", TensorProto.FLOAT,
+                                              ["rows", heads, "past_sequence + decoder_sequence", d])
+                for i in range(layers) for kind in ("key", "value")]
+    return inputs, outputs
+
+
+def graph(e, inputs, outputs) -> tuple:
+    """(the template's model with its values' shapes: ``shaped``; its bindings)."""
+    from elx.exporter.capture.llama_builder import _model
+
+    return shaped(_model(e, inputs, outputs))
+
+
+def shaped(built: tuple) -> tuple:
+    """(the template with the shapes of its values, its bindings).  A traced template records torch's shapes of
+    every value, and the passes read some (``unpad``: which values are rows [batch, sequence, features], and their
+    widths).  ONNX's shape inference finds them but for ranges and reshapes to computed shapes; ``_reshaped_dims``
+    names those, and the inference runs again from there.  A dimension still unknown (``unk__N``) is left unnamed."""
+    import onnx
+
+    bare, bindings = built
+    named = {}  # value: its shape with the dimensions ``_reshaped_dims`` named, given to the next inference
+    for _ in range(6):  # a named dimension lets the next reshape be solved: three rounds suffice for T5's
+        model = onnx.ModelProto()
+        model.CopyFrom(bare)
+        model.graph.value_info.extend(named.values())
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        more = _reshaped_dims(model)
+        if not more:
+            break
+        named.update(more)
+    for value in model.graph.value_info:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param.startswith("unk__"):
+                dim.Clear()
+    return model, bindings
+
+
+def _dims(value) -> list | None:
+    """A value's dimensions (int, symbol, or None where unknown), or None without a shape."""
+    tensor = value.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    def dim(d):
+        if d.HasField("dim_value"):
+            return d.dim_value
+        return d.dim_param if d.dim_param and not d.dim_param.startswith("unk__") else None
+    return [dim(d) for d in tensor.shape.dim]
+
+
+def _reshaped_dims(model) -> dict:
+    """Name the unknown dimensions of each ``Reshape`` to a ``Concat`` of constants and ``Shape`` slices (the
+    trace's views), solving its -1 from the input's dimensions where the symbols cancel, and the length of each
+    ``Range(0, x.shape[k], 1)``; {value: its shape} for those named."""
+    graph = model.graph
+    values = {v.name: v for v in [*graph.input, *graph.value_info, *graph.output]}
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_type == TensorProto.INT64}
+    producer = {out: node for node in graph.node for out in node.output}
+    named = {}
+
+    def shape_slice(name):
+        """The dimensions a ``Shape`` node (``name`` its output) reads, or None."""
+        made = producer.get(name)
+        if made is None or made.op_type != "Shape" or made.input[0] not in values:
+            return None
+        attrs = {a.name: a.i for a in made.attribute}
+        of = _dims(values[made.input[0]]) or []
+        return of[attrs.get("start", 0):attrs.get("end", len(of))]
+
+    for node in graph.node:
+        if node.op_type == "Range" and node.output[0] in values and _dims(values[node.output[0]]) == [None]:
+            limit = producer.get(node.input[1])  # arange(0, x.shape[k]): of length x.shape[k]
+            size = shape_slice(limit.input[0]) if limit is not None and limit.op_type == "Squeeze" else None
+            start, step = (consts.get(n) for n in (node.input[0], node.input[2]))
+            if size and len(size) == 1 and size[0] is not None and start is not None and step is not None \
+                    and int(start) == 0 and int(step) == 1:
+                dim = values[node.output[0]].type.tensor_type.shape.dim[0]
+                dim.Clear()
+                if isinstance(size[0], str):
+                    dim.dim_param = size[0]
+                else:
+                    dim.dim_value = size[0]
+                named[node.output[0]] = values[node.output[0]]
+            continue
+        if node.op_type != "Reshape":
+            continue
+        out = values.get(node.output[0])
+        shape = _dims(out) if out is not None else None
+        source = _dims(values[node.input[0]]) if node.input[0] in values else None
+        concat = producer.get(node.input[1])
+        if shape is None or None not in shape or source is None or concat is None or concat.op_type != "Concat":
+            continue
+        parts = []
+        for name in concat.input:
+            if name in consts:
+                parts += [int(v) for v in consts[name].ravel()]
+            elif shape_slice(name) is not None:
+                parts += shape_slice(name)
+            else:
+                parts = None
+                break
+        if parts is None or len(parts) != len(shape) or None in parts:
+            continue
+        if parts.count(-1) == 1:
+            parts[parts.index(-1)] = _quotient(source, [p for p in parts if p != -1])
+        for dim, part in zip(out.type.tensor_type.shape.dim, parts):
+            unnamed = not dim.HasField("dim_value") and (not dim.dim_param or dim.dim_param.startswith("unk__"))
+            if part is not None and unnamed:
+                dim.Clear()
+                if isinstance(part, str):
+                    dim.dim_param = part
+                else:
+                    dim.dim_value = part
+                named[node.output[0]] = out
+    return named
+
+
+def _quotient(numerator: list, denominator: list):
+    """prod(numerator) / prod(denominator) over ints and symbols, where the symbols cancel and the ints divide;
+    else None."""
+    if None in numerator:
+        return None
+    symbols = [d for d in numerator if isinstance(d, str)]
+    top = int(np.prod([d for d in numerator if not isinstance(d, str)], dtype=np.int64))
+    bottom = 1
+    for d in denominator:
+        if isinstance(d, str):
+            if d not in symbols:
+                return None
+            symbols.remove(d)
+        else:
+            bottom *= d
+    return top // bottom if not symbols and bottom and top % bottom == 0 else None
+
+

@@ -61,7 +61,10 @@ CONFIGS = [
     pytest.param("opt", dict(vocab_size=300, ffn_dim=48), id="opt-large-tied-head"),
     pytest.param("opt", {}, id="opt-small-head", marks=LONG_ONLY),
     # the encoder, cross K/V and decoder step; a tied head of 9600 values (a Transpose, as t5-small's)
-    pytest.param("t5", dict(vocab_size=300), id="t5-large-tied-head"),
+    pytest.param("t5", dict(vocab_size=300), id="t5-large-tied-head", marks=LONG_ONLY),
+    # T5 v1.1 / Flan-T5: gated tanh-GELU feed-forward, a config saved untied (no d_model^-0.5 before the head)
+    pytest.param("t5", dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=300),
+                 id="flan-t5-gated-unscaled"),
     pytest.param("t5-wide", {}, id="t5-wide-small-head", marks=LONG_ONLY),  # heads x d_kv = 48 != d_model = 32
     pytest.param("t5", dict(relative_attention_num_buckets=32, relative_attention_max_distance=64, num_heads=2,
                             d_kv=16), id="t5-32-buckets", marks=LONG_ONLY),
@@ -178,9 +181,8 @@ def test_t5_models_the_builder_does_not_describe_are_named_with_the_reason():
     from elx.exporter.capture import builders, t5_builder
 
     assert builders.for_model(BUILDERS["t5"]().eval()) is t5_builder and t5_builder.applies(BUILDERS["t5"]()) is None
-    for overrides, why in ((dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False), "feed-forward gated-gelu"),
-                           (dict(feed_forward_proj="gelu"), "feed-forward gelu"),  # T5 v1.1, Flan-T5, mT5
-                           (dict(tie_word_embeddings=False), "unscaled decoder output"),  # (tied all the same)
+    for overrides, why in ((dict(feed_forward_proj="gated-relu"), "feed-forward gated-relu"),
+                           (dict(feed_forward_proj="gelu"), "feed-forward gelu"),
                            (dict(relative_attention_num_buckets=7), "odd relative_attention_num_buckets")):
         assert why in t5_builder.applies(BUILDERS["t5"](**overrides).eval()), why
     assert builders.build(t5_builder, object(), BUILDERS["t5"]().eval()) is None  # a wrapper it does not build

@@ -17,9 +17,10 @@ last layer's past value, the batch from layer 0's cross value), and three scalar
 of numbering (``new_ones``, ``zeros`` / ``zeros_1``, ``scalar_tensor_default``: onnxscript shares one initializer
 per value, so every other constant of the same value carries that name too).
 
-**When.**  ``applies(model)`` says why not where the template would differ: a gated or non-ReLU feed-forward
-(T5 v1.1, Flan-T5, mT5), an odd bucket count, unscaled or untied heads; those templates are traced, as everything is
-with ``ELX_TEMPLATE_BUILDER=0``.
+**When.**  T5's ReLU feed-forward and T5 v1.1's / Flan-T5's gated tanh-GELU, a head scaled by d_model^-0.5 or not
+(``scale_decoder_outputs``: False for configs saved untied).  ``applies(model)`` says why not where the template
+would differ: another feed-forward, an odd bucket count, an untied head; those templates are traced, as everything
+is with ``ELX_TEMPLATE_BUILDER=0``.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from elx.exporter.capture import seq2seq_parts as parts
 from elx.exporter.capture.llama_builder import _head, linear, rms_norm, why_not
 
 CLASSES = ("T5ForConditionalGeneration",)
+# (gated, activation) of the feed-forwards written here: T5's ReLU, T5 v1.1's and Flan-T5's gated tanh-GELU
+FEED_FORWARDS = {(False, "relu"), (True, "gelu_new")}
 
 
 def applies(model) -> str | None:
@@ -39,10 +42,9 @@ def applies(model) -> str | None:
     def checks(model):
         c = model.config
         return {
-            f"feed-forward {c.feed_forward_proj}": bool(c.is_gated_act) or c.dense_act_fn != "relu",
+            f"feed-forward {c.feed_forward_proj}": (c.is_gated_act, c.dense_act_fn) not in FEED_FORWARDS,
             "odd relative_attention_num_buckets": c.relative_attention_num_buckets % 2 != 0,
             "untied head": not _tied(model),
-            "unscaled decoder output": not getattr(c, "scale_decoder_outputs", c.tie_word_embeddings),
             "encoder and decoder of different widths": model.encoder.config.d_kv != model.decoder.config.d_kv,
         }
     return why_not(model, CLASSES, checks)
@@ -106,6 +108,15 @@ def _hf(path: str) -> str:
     return path if path.startswith("model.") else f"model.{path}"
 
 
+def _gelu_tanh(e, x):
+    """``gelu_new``: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as the trace decomposes it."""
+    C = e.const
+    half = e("Mul", [x, C(0.5, np.float32)], "mul")
+    cube = e("Mul", [e("Pow", [x, C(3.0, np.float32)], "pow"), C(0.044715, np.float32)], "mul")
+    inner = e("Mul", [e("Add", [x, cube], "add"), C(math.sqrt(2.0 / math.pi), np.float32)], "mul")
+    return e("Mul", [half, e("Add", [e("Tanh", [inner], "tanh"), C(1.0, np.float32)], "add")], "mul")
+
+
 def _self_attention_start(e, x, lp: str, eps: float) -> tuple:
     """Into block ``lp``, its sub-layer 0 and its self-attention: (the sub-layer's norm of ``x``, the attention's
     path)."""
@@ -124,11 +135,14 @@ def _feed_forward(e, x, lp: str, k: int, t, eps: float):
     h = rms_norm(e, x, f"{sub}.layer_norm.weight", eps, f"{sub}.layer_norm")
     dense = f"{sub}.DenseReluDense"
     e.enter(dense)
-    h = linear(e, h, t(f"layer.{k}.DenseReluDense.wi"), f"{dense}.wi")
+    gated = e.module(dense).__class__.__name__ == "T5DenseGatedActDense"
+    y = linear(e, h, t(f"layer.{k}.DenseReluDense.wi{'_0' if gated else ''}"), f"{dense}.wi{'_0' if gated else ''}")
     e.enter(f"{dense}.act")
-    h = e("Relu", [h], "relu")
+    y = _gelu_tanh(e, y) if gated else e("Relu", [y], "relu")
     e.leave()
-    h = linear(e, h, t(f"layer.{k}.DenseReluDense.wo"), f"{dense}.wo")
+    if gated:
+        y = e("Mul", [y, linear(e, h, t(f"layer.{k}.DenseReluDense.wi_1"), f"{dense}.wi_1")], "mul")
+    h = linear(e, y, t(f"layer.{k}.DenseReluDense.wo"), f"{dense}.wo")
     e.leave()
     x = e("Add", [x, h], "add")
     e.leave()
@@ -227,6 +241,7 @@ def build_decoder(template_model, values: bool = False) -> tuple:
     e.weight("model.decoder.final_layer_norm.weight", "model.decoder.final_layer_norm.weight")
     x = rms_norm(e, x, "model.decoder.final_layer_norm.weight", eps, "model.decoder.final_layer_norm")
     e.leave()  # model.decoder
-    x = e("Mul", [x, C(np.float32(c.d_model ** -0.5), np.float32)], "mul")
+    if getattr(model.config, "scale_decoder_outputs", True):  # (False: a config saved untied, Flan-T5's)
+        x = e("Mul", [x, C(np.float32(c.d_model ** -0.5), np.float32)], "mul")
     _head(e, x, model, True)
     return parts.graph(e, *parts.decoder_io(layers, heads, d, c.vocab_size))

@@ -1,5 +1,5 @@
-"""Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, T5;
-issue 41) are the traced templates node for node, and an export built on them verifies against PyTorch.
+"""Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, T5,
+BART, Marian; issue 41) are the traced templates node for node, and an export built on them verifies against PyTorch.
 
 The comparison is canonical: op types, attributes, inputs by structure (constants by value, weights by their bytes),
 module scopes (what the stitcher and int8's per-layer rule read); value names and node order may differ.  A
@@ -68,8 +68,11 @@ CONFIGS = [
     pytest.param("t5-wide", {}, id="t5-wide-small-head", marks=LONG_ONLY),  # heads x d_kv = 48 != d_model = 32
     pytest.param("t5", dict(relative_attention_num_buckets=32, relative_attention_max_distance=64, num_heads=2,
                             d_kv=16), id="t5-32-buckets", marks=LONG_ONLY),
-    pytest.param("bart", dict(vocab_size=300), id="bart-large-tied-head"),  # + final_logits_bias, LayerNormalization
+    # + final_logits_bias, LayerNormalization, learned positions offset by 2
+    pytest.param("bart", dict(vocab_size=300), id="bart-large-tied-head", marks=LONG_ONLY),
     pytest.param("bart-biased", {}, id="bart-biased-small-head", marks=LONG_ONLY),
+    # opus-mt's: sinusoidal positions, embeddings scaled by sqrt(d_model), SiLU ("swish"); BART's graph otherwise
+    pytest.param("marian", dict(activation_function="swish", scale_embedding=True), id="marian-swish-scaled"),
 ]
 
 
@@ -77,7 +80,7 @@ def layers(family: str, count: int) -> dict:
     """The config overrides giving ``family``'s model ``count`` layers per stack."""
     if family.startswith("t5"):
         return dict(num_layers=count, num_decoder_layers=count)
-    if family.startswith("bart"):
+    if family.startswith(("bart", "marian")):
         return dict(encoder_layers=count, decoder_layers=count)
     return {{"gpt2": "n_layer"}.get(family, "num_hidden_layers"): count}
 
@@ -104,8 +107,10 @@ def test_built_templates_are_the_traced_templates(family, overrides, monkeypatch
     from elx.exporter.capture.weights import bind
     from elx.exporter.families.catalog import family_for_architecture
 
+    from tests.differential import LOCAL_BUILDERS
+
     torch.manual_seed(0)
-    model = BUILDERS[family](**layers(family, 5), **overrides).eval()
+    model = {**BUILDERS, **LOCAL_BUILDERS}[family](**layers(family, 5), **overrides).eval()
     family = family_for_architecture(type(model).__name__)
     template = make_template(model)
     builder = builders.for_model(template.model)
@@ -196,6 +201,11 @@ def test_bart_models_the_builder_does_not_describe_are_named_with_the_reason():
                            (dict(activation_function="relu"), "activation relu")):
         assert why in bart_builder.applies(BUILDERS["bart"](**overrides).eval()), why
     assert builders.for_model(BUILDERS["mbart"]().eval()) is None  # pre-LayerNorm, scaled: traced
+    from tests.differential import LOCAL_BUILDERS
+
+    marian = LOCAL_BUILDERS["marian"]
+    assert builders.for_model(marian().eval()) is bart_builder and bart_builder.applies(marian(scale_embedding=True)) is None
+    assert "activation relu" in bart_builder.applies(marian(activation_function="relu").eval())
 
 
 def test_opt_models_the_builder_does_not_describe_are_named_with_the_reason():

@@ -1,5 +1,5 @@
-"""The encoder, cross K/V and decoder-step templates of BART (``BartForConditionalGeneration``) built from the weights,
-without torch.export (issue 41).
+"""The encoder, cross K/V and decoder-step templates of BART (``BartForConditionalGeneration``) and Marian
+(``MarianMTModel``, the opus-mt translation models) built from the weights, without torch.export (issue 41).
 
 **Why.**  bart-large's first export spent ~14 s of its 30.2 s tracing three 3-layer templates; a re-export from
 cached templates took 15.8 s (``docs/measurements/export_speed_2026-11-30.md``).  Built from the weights they take
@@ -10,11 +10,12 @@ the template model (HF's BART modules with elx's attention: scores scaled by d^-
 across beams), after torch's decompositions and onnxscript's optimizer, checked canonically against the trace
 (``tests/test_template_builders.py``): learned positions offset by 2, post-LayerNorm layers
 (``LayerNormalization``), exact GELU (``Erf``), biases on every projection, the tied head plus
-``final_logits_bias``.
+``final_logits_bias``; Marian's graph is BART's but for its positions (a sinusoidal table read at arange), its
+embeddings scaled by sqrt(d_model) in the stacks' forward, no embedding LayerNorm and SiLU ("swish").
 
-**When.**  ``applies(model)`` says why not where the template would differ: scaled embeddings (mBART, Marian: other
-classes anyway), another activation, an untied head; those templates are traced, as everything is with
-``ELX_TEMPLATE_BUILDER=0``.
+**When.**  ``applies(model)`` says why not where the template would differ: BART's scaled embeddings, another
+activation, an untied head or separate decoder embeddings; those templates are traced (and mBART's, Pegasus',
+M2M100's: pre-LayerNorm, other classes), as everything is with ``ELX_TEMPLATE_BUILDER=0``.
 """
 from __future__ import annotations
 
@@ -23,20 +24,56 @@ import numpy as np
 from elx.exporter.capture import seq2seq_parts as parts
 from elx.exporter.capture.llama_builder import _head, linear, why_not
 
-CLASSES = ("BartForConditionalGeneration",)
+CLASSES = ("BartForConditionalGeneration", "MarianMTModel")
+ACTIVATIONS = ("gelu", "swish", "silu")  # exact GELU (Erf), SiLU (Marian's opus-mt models: "swish")
 
 
 def applies(model) -> str | None:
     """None where this module gives the traced templates of ``model``; else why not."""
     def checks(model):
         c = model.config
+        marian = type(model).__name__ == "MarianMTModel"
+        decoder = model.model.decoder
         return {
-            f"activation {c.activation_function}": c.activation_function != "gelu",
-            "scaled embeddings": bool(getattr(c, "scale_embedding", False)),
-            "untied head": model.lm_head.weight is not model.get_input_embeddings().weight,
-            "position offset other than 2": getattr(model.model.encoder.embed_positions, "offset", None) != 2,
+            f"activation {c.activation_function}": c.activation_function not in ACTIVATIONS,
+            # BART scales inside its embedding module (another scope); Marian in the encoder's and decoder's forward
+            "scaled embeddings": not marian and bool(getattr(c, "scale_embedding", False)),
+            "untied head": not (model.lm_head.weight is model.get_input_embeddings().weight
+                                is decoder.embed_tokens.weight),
+            "position offset other than 2": not marian and getattr(model.model.encoder.embed_positions, "offset",
+                                                                   None) != 2,
         }
     return why_not(model, CLASSES, checks)
+
+
+def _embeddings(e, x, stack: str, module, query_positions, b_shape=None):
+    """The stack's token embeddings ``x`` (scaled where the stack scales them: Marian) plus its positions, then its
+    embedding LayerNorm where it has one (BART): BART's learned positions offset by 2 (the encoder's expanded over
+    the batch), Marian's sinusoidal table read as it is.  ``query_positions``: the decoder step's positions (None in
+    the encoder: arange(width), made here from ``b_shape`` = (batch [1], width)).  (the embeddings, the positions'
+    arange or ``query_positions``)."""
+    C = e.const
+    bart = hasattr(module.embed_positions, "offset")
+    scale = float(getattr(module, "embed_scale", 1.0) or 1.0)
+    if scale != 1.0 and not bart:
+        x = e("Mul", [x, C(np.float32(scale), np.float32)], "mul")
+    e.enter(f"{stack}.embed_positions")
+    if query_positions is None:
+        query_positions = e("Range", [C(0), b_shape[1], C(1)], "arange")
+        at = query_positions
+        if bart:
+            at = e("Expand", [at, e("Concat", [b_shape[0], C([1])], "expand", dict(axis=0))], "expand")
+    else:
+        at = e("Unsqueeze", [query_positions, C([0])], "unsqueeze") if bart else query_positions
+    if bart:
+        at = e("Add", [at, C(2)], "add")
+    table = e.weight(f"{stack}.embed_positions.weight", f"{stack}.embed_positions.weight")
+    positions = e("Gather", [table, at], "embedding", dict(axis=0))
+    e.leave()
+    x = e("Add", [x, positions], "add")
+    if getattr(module, "layernorm_embedding", None) is not None:
+        x = _layer_norm(e, x, f"{stack}.layernorm_embedding")
+    return x, query_positions
 
 
 def _layer_norm(e, x, path: str, out=None):
@@ -54,10 +91,13 @@ def _feed_forward(e, x, lp: str, t, out=None):
     """Layer ``lp``'s fc1, exact GELU, fc2, residual add and final LayerNorm."""
     h = linear(e, x, t("fc1"), f"{lp}.fc1")
     e.enter(f"{lp}.activation_fn")
-    scaled = e("Div", [h, e.const(np.float32(np.sqrt(2.0)), np.float32)], "gelu")
-    half = e("Mul", [e.const(0.5, np.float32), e("Add", [e("Erf", [scaled], "gelu"), e.const(1.0, np.float32)],
-                                                     "gelu")], "gelu")
-    h = e("Mul", [h, half], "gelu")
+    if e.model.config.activation_function == "gelu":
+        scaled = e("Div", [h, e.const(np.float32(np.sqrt(2.0)), np.float32)], "gelu")
+        half = e("Mul", [e.const(0.5, np.float32), e("Add", [e("Erf", [scaled], "gelu"), e.const(1.0, np.float32)],
+                                                         "gelu")], "gelu")
+        h = e("Mul", [h, half], "gelu")
+    else:  # SiLU
+        h = e("Mul", [h, e("Sigmoid", [h], "silu")], "silu")
     e.leave()
     h = linear(e, h, t("fc2"), f"{lp}.fc2")
     return _layer_norm(e, e("Add", [x, h], "add"), f"{lp}.final_layer_norm", out=out)
@@ -81,13 +121,7 @@ def build_encoder(template_model, values: bool = False) -> tuple:
     named = {"new_ones": (True, np.bool_), "zeros": (0.0, np.float32)}
     e, b_shape, b, n_shape, n, x = parts.encoder_start(model, values, named, aliases, {"encoder": "model.encoder"})
     C = e.const
-    e.enter("encoder.embed_positions")
-    keys = e("Range", [C(0), n, C(1)], "arange")
-    at = e("Add", [e("Expand", [keys, e("Concat", [b_shape, C([1])], "expand", dict(axis=0))], "expand"), C(2)], "add")
-    table = e.weight("encoder.embed_positions.weight", "encoder.embed_positions.weight")
-    positions = e("Gather", [table, at], "embedding", dict(axis=0))
-    e.leave()
-    x = _layer_norm(e, e("Add", [x, positions], "add"), "encoder.layernorm_embedding")
+    x, keys = _embeddings(e, x, "encoder", encoder, None, (b_shape, n))
     mask = parts.encoder_mask(e, b, keys)
     scaling = C(np.float32(d ** -0.5), np.float32)
     shared = {}
@@ -128,12 +162,7 @@ def build_decoder(template_model, values: bool = False) -> tuple:
     steps = e("Range", [C(0), step.t, C(1)], "arange")
     query_positions = e("Add", [steps, step.past], "add")
     mask = step.self_mask(query_positions, e("Range", [C(0), step.total, C(1)], "arange"))
-    e.enter("model.model.decoder.embed_positions")
-    at = e("Add", [e("Unsqueeze", [query_positions, C([0])], "unsqueeze"), C(2)], "add")
-    table = e.weight("model.model.decoder.embed_positions.weight", "model.model.decoder.embed_positions.weight")
-    positions = e("Gather", [table, at], "embedding", dict(axis=0))
-    e.leave()
-    x = _layer_norm(e, e("Add", [x, positions], "add"), "model.model.decoder.layernorm_embedding")
+    x, _ = _embeddings(e, x, "model.model.decoder", model.model.decoder, query_positions)
     scaling = C(np.float32(d ** -0.5), np.float32)
     for i in range(layers):
         lp, sa, t = _layer_start(e, f"model.model.decoder.layers.{i}")

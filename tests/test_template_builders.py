@@ -1,5 +1,5 @@
 """Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, T5,
-BART, Marian; issue 41) are the traced templates node for node, and an export built on them verifies against PyTorch.
+BART, Marian, mBART; issue 41) are the traced templates node for node, and an export built on them verifies against PyTorch.
 
 The comparison is canonical: op types, attributes, inputs by structure (constants by value, weights by their bytes),
 module scopes (what the stitcher and int8's per-layer rule read); value names and node order may differ.  A
@@ -73,6 +73,8 @@ CONFIGS = [
     pytest.param("bart-biased", {}, id="bart-biased-small-head", marks=LONG_ONLY),
     # opus-mt's: sinusoidal positions, embeddings scaled by sqrt(d_model), SiLU ("swish"); BART's graph otherwise
     pytest.param("marian", dict(activation_function="swish", scale_embedding=True), id="marian-swish-scaled"),
+    # pre-LayerNorm with the stacks' final LayerNorms
+    pytest.param("mbart", dict(vocab_size=300), id="mbart-pre-norm", marks=LONG_ONLY),
 ]
 
 
@@ -80,9 +82,26 @@ def layers(family: str, count: int) -> dict:
     """The config overrides giving ``family``'s model ``count`` layers per stack."""
     if family.startswith("t5"):
         return dict(num_layers=count, num_decoder_layers=count)
-    if family.startswith(("bart", "marian")):
+    if family.startswith(("bart", "marian", "mbart")):
         return dict(encoder_layers=count, decoder_layers=count)
     return {{"gpt2": "n_layer"}.get(family, "num_hidden_layers"): count}
+
+
+def trained_like(model):
+    """``model`` with its small tensors outside the layer stacks (norms, embedding norms) drawn at random, as in a
+    trained model: a fresh model's are ones and zeros, and the exporter merges equal small initializers (onnxscript's
+    ``DeduplicateInitializersPass``, up to 1024 values), so its trace would read one LayerNorm's weight for
+    another's.  The same function either way; the builders write one initializer per weight."""
+    import torch
+
+    from elx.exporter.capture.template import STACK
+
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if not STACK.match(name) and tensor.numel() <= 1024:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    return model
 
 
 def graph_specs(model, family) -> dict:
@@ -110,7 +129,7 @@ def test_built_templates_are_the_traced_templates(family, overrides, monkeypatch
     from tests.differential import LOCAL_BUILDERS
 
     torch.manual_seed(0)
-    model = {**BUILDERS, **LOCAL_BUILDERS}[family](**layers(family, 5), **overrides).eval()
+    model = trained_like({**BUILDERS, **LOCAL_BUILDERS}[family](**layers(family, 5), **overrides).eval())
     family = family_for_architecture(type(model).__name__)
     template = make_template(model)
     builder = builders.for_model(template.model)
@@ -200,7 +219,8 @@ def test_bart_models_the_builder_does_not_describe_are_named_with_the_reason():
     for overrides, why in ((dict(scale_embedding=True), "scaled embeddings"),
                            (dict(activation_function="relu"), "activation relu")):
         assert why in bart_builder.applies(BUILDERS["bart"](**overrides).eval()), why
-    assert builders.for_model(BUILDERS["mbart"]().eval()) is None  # pre-LayerNorm, scaled: traced
+    assert builders.for_model(BUILDERS["mbart"]().eval()) is bart_builder  # pre-LayerNorm
+    assert builders.for_model(BUILDERS["pegasus"]().eval()) is None  # sinusoidal, pre-LayerNorm: traced
     from tests.differential import LOCAL_BUILDERS
 
     marian = LOCAL_BUILDERS["marian"]
@@ -222,7 +242,7 @@ def test_opt_models_the_builder_does_not_describe_are_named_with_the_reason():
                                              # tied heads of more than 8192 values: the optimizer keeps a Transpose
                                              ("qwen2", dict(vocab_size=300)), ("gpt2", dict(vocab_size=300)),
                                              ("opt", dict(vocab_size=300)), ("t5", dict(vocab_size=300)),
-                                             ("bart", dict(vocab_size=300))])
+                                             ("bart", dict(vocab_size=300)), ("mbart", {})])
 def test_an_export_on_built_templates_verifies_and_says_so(family, overrides, tmp_path, monkeypatch):  # ~1-6 s each
     """By default the templates of the families ``builders.py`` covers are built: none traced (the cache empty), the
     graphs stitched from built templates and held to the export's verification against PyTorch like any other; a
@@ -241,7 +261,7 @@ def test_an_export_on_built_templates_verifies_and_says_so(family, overrides, tm
         out = export_model(str(folder), tmp_path / "out", progress="plain")
     log = stream.getvalue()
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    seq2seq = family in ("t5", "bart")
+    seq2seq = family in ("t5", "bart", "mbart")
     for graph in ("encoder", "cross_kv", "decoder") if seq2seq else ("prefill", "decoder"):
         capture = manifest["graphs"][graph]["capture"]
         assert capture["method"] == "stitched" and capture["template_built"] is True, capture

@@ -1,5 +1,6 @@
-"""The encoder, cross K/V and decoder-step templates of BART (``BartForConditionalGeneration``) and Marian
-(``MarianMTModel``, the opus-mt translation models) built from the weights, without torch.export (issue 41).
+"""The encoder, cross K/V and decoder-step templates of BART (``BartForConditionalGeneration``), Marian
+(``MarianMTModel``, the opus-mt translation models) and mBART (``MBartForConditionalGeneration``) built from the
+weights, without torch.export (issue 41).
 
 **Why.**  bart-large's first export spent ~14 s of its 30.2 s tracing three 3-layer templates; a re-export from
 cached templates took 15.8 s (``docs/measurements/export_speed_2026-11-30.md``).  Built from the weights they take
@@ -11,11 +12,12 @@ across beams), after torch's decompositions and onnxscript's optimizer, checked 
 (``tests/test_template_builders.py``): learned positions offset by 2, post-LayerNorm layers
 (``LayerNormalization``), exact GELU (``Erf``), biases on every projection, the tied head plus
 ``final_logits_bias``; Marian's graph is BART's but for its positions (a sinusoidal table read at arange), its
-embeddings scaled by sqrt(d_model) in the stacks' forward, no embedding LayerNorm and SiLU ("swish").
+embeddings scaled by sqrt(d_model) in the stacks' forward, no embedding LayerNorm and SiLU ("swish"); mBART's
+normalises before each sub-layer and after each stack.
 
-**When.**  ``applies(model)`` says why not where the template would differ: BART's scaled embeddings, another
-activation, an untied head or separate decoder embeddings; those templates are traced (and mBART's, Pegasus',
-M2M100's: pre-LayerNorm, other classes), as everything is with ``ELX_TEMPLATE_BUILDER=0``.
+**When.**  ``applies(model)`` says why not where the template would differ: BART's and mBART's scaled embeddings, another
+activation, an untied head or separate decoder embeddings; those templates are traced (and Pegasus', M2M100's:
+other classes), as everything is with ``ELX_TEMPLATE_BUILDER=0``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import numpy as np
 from elx.exporter.capture import seq2seq_parts as parts
 from elx.exporter.capture.llama_builder import _head, linear, why_not
 
-CLASSES = ("BartForConditionalGeneration", "MarianMTModel")
+CLASSES = ("BartForConditionalGeneration", "MarianMTModel", "MBartForConditionalGeneration")
+PRE_NORM = ("MBartForConditionalGeneration",)
 ACTIVATIONS = ("gelu", "swish", "silu")  # exact GELU (Erf), SiLU (Marian's opus-mt models: "swish")
 
 
@@ -87,9 +90,9 @@ def _layer_norm(e, x, path: str, out=None):
     return y
 
 
-def _feed_forward(e, x, lp: str, t, out=None):
-    """Layer ``lp``'s fc1, exact GELU, fc2, residual add and final LayerNorm."""
-    h = linear(e, x, t("fc1"), f"{lp}.fc1")
+def _mlp(e, h, lp: str, t):
+    """Layer ``lp``'s fc1, activation (exact GELU or SiLU) and fc2 over ``h``."""
+    h = linear(e, h, t("fc1"), f"{lp}.fc1")
     e.enter(f"{lp}.activation_fn")
     if e.model.config.activation_function == "gelu":
         scaled = e("Div", [h, e.const(np.float32(np.sqrt(2.0)), np.float32)], "gelu")
@@ -99,16 +102,27 @@ def _feed_forward(e, x, lp: str, t, out=None):
     else:  # SiLU
         h = e("Mul", [h, e("Sigmoid", [h], "silu")], "silu")
     e.leave()
-    h = linear(e, h, t("fc2"), f"{lp}.fc2")
-    return _layer_norm(e, e("Add", [x, h], "add"), f"{lp}.final_layer_norm", out=out)
+    return linear(e, h, t("fc2"), f"{lp}.fc2")
 
 
-def _layer_start(e, lp: str) -> tuple:
-    """Into layer ``lp`` and its self-attention: (``lp``, the attention's path, ``t(name)``: the initializer of the
-    layer's weight ``name`` stored transposed, as the exporter folds ``linear``'s transpose)."""
+def _sublayer(e, x, norm: str, body, pre: bool, out=None):
+    """A residual sub-layer of the current layer: ``body`` over ``x`` normed first (pre-LayerNorm: mBART) or the sum
+    normed after (post-LayerNorm: BART, Marian); ``norm`` the LayerNorm's path."""
+    if pre:
+        return e("Add", [x, body(_layer_norm(e, x, norm))], "add", out=out)
+    return _layer_norm(e, e("Add", [x, body(x)], "add"), norm, out=out)
+
+
+def _pre_norm(model) -> bool:
+    """mBART normalises before each sub-layer and after the stacks (``layer_norm``); BART and Marian after each."""
+    return type(model).__name__ in PRE_NORM
+
+
+def _layer_start(e, lp: str):
+    """Into layer ``lp``: ``t(name)``, the initializer of the layer's weight ``name`` stored transposed (as the
+    exporter folds ``linear``'s transpose)."""
     e.enter(lp)
-    e.enter(f"{lp}.self_attn")
-    return lp, f"{lp}.self_attn", lambda name: e.weight(f"val_w_{lp}_{name}", f"{lp}.{name}.weight", transposed=True)
+    return lambda name: e.weight(f"val_w_{lp}_{name}", f"{lp}.{name}.weight", transposed=True)
 
 
 def build_encoder(template_model, values: bool = False) -> tuple:
@@ -124,16 +138,24 @@ def build_encoder(template_model, values: bool = False) -> tuple:
     x, keys = _embeddings(e, x, "encoder", encoder, None, (b_shape, n))
     mask = parts.encoder_mask(e, b, keys)
     scaling = C(np.float32(d ** -0.5), np.float32)
-    shared = {}
+    shared, pre = {}, _pre_norm(model)
     for i in range(layers):
-        lp, sa, t = _layer_start(e, f"encoder.layers.{i}")
-        projections = {w: (f"{sa}.{w}_proj" if w != "o" else f"{sa}.out_proj",
-                           t(f"self_attn.{w}_proj" if w != "o" else "self_attn.out_proj")) for w in "qkvo"}
-        o = parts.encoder_attention(e, x, shared, (b_shape, n_shape, d), sa, projections, None, mask, scaling)
+        lp = f"encoder.layers.{i}"
+        t, sa = _layer_start(e, lp), f"{lp}.self_attn"
+
+        def attention(h, sa=sa, t=t):
+            e.enter(sa)
+            projections = {w: (f"{sa}.{w}_proj" if w != "o" else f"{sa}.out_proj",
+                               t(f"self_attn.{w}_proj" if w != "o" else "self_attn.out_proj")) for w in "qkvo"}
+            o = parts.encoder_attention(e, h, shared, (b_shape, n_shape, d), sa, projections, None, mask, scaling)
+            e.leave()
+            return o
+        x = _sublayer(e, x, f"{lp}.self_attn_layer_norm", attention, pre)
+        last = "last_hidden_state" if i == layers - 1 and not pre else None
+        x = _sublayer(e, x, f"{lp}.final_layer_norm", lambda h, lp=lp, t=t: _mlp(e, h, lp, t), pre, out=last)
         e.leave()
-        x = _layer_norm(e, e("Add", [x, o], "add"), f"{lp}.self_attn_layer_norm")
-        x = _feed_forward(e, x, lp, t, out="last_hidden_state" if i == layers - 1 else None)
-        e.leave()
+    if pre:
+        _layer_norm(e, x, "encoder.layer_norm", out="last_hidden_state")
     return parts.graph(e, *parts.encoder_io(c.d_model))
 
 
@@ -164,21 +186,33 @@ def build_decoder(template_model, values: bool = False) -> tuple:
     mask = step.self_mask(query_positions, e("Range", [C(0), step.total, C(1)], "arange"))
     x, _ = _embeddings(e, x, "model.model.decoder", model.model.decoder, query_positions)
     scaling = C(np.float32(d ** -0.5), np.float32)
+    pre = _pre_norm(model)
     for i in range(layers):
-        lp, sa, t = _layer_start(e, f"model.model.decoder.layers.{i}")
-        q, k, v = (step.heads_first(linear(e, x, t(f"self_attn.{w}_proj"), f"{sa}.{w}_proj")) for w in "qkv")
-        o = step.self_attention(q, k, v, i, mask=mask, scaling=scaling)
-        o = linear(e, o, t("self_attn.out_proj"), f"{sa}.out_proj")
+        lp = f"model.model.decoder.layers.{i}"
+        t = _layer_start(e, lp)
+
+        def attention(h, i=i, lp=lp, t=t):
+            sa = f"{lp}.self_attn"
+            e.enter(sa)
+            q, k, v = (step.heads_first(linear(e, h, t(f"self_attn.{w}_proj"), f"{sa}.{w}_proj")) for w in "qkv")
+            o = linear(e, step.self_attention(q, k, v, i, mask=mask, scaling=scaling), t("self_attn.out_proj"),
+                       f"{sa}.out_proj")
+            e.leave()
+            return o
+
+        def cross(h, i=i, lp=lp, t=t):
+            ca = f"{lp}.encoder_attn"
+            e.enter(ca)
+            o = step.cross_attention(linear(e, h, t("encoder_attn.q_proj"), f"{ca}.q_proj"), i, scaling)
+            o = linear(e, o, t("encoder_attn.out_proj"), f"{ca}.out_proj")
+            e.leave()
+            return o
+        x = _sublayer(e, x, f"{lp}.self_attn_layer_norm", attention, pre)
+        x = _sublayer(e, x, f"{lp}.encoder_attn_layer_norm", cross, pre)
+        x = _sublayer(e, x, f"{lp}.final_layer_norm", lambda h, lp=lp, t=t: _mlp(e, h, lp, t), pre)
         e.leave()
-        x = _layer_norm(e, e("Add", [x, o], "add"), f"{lp}.self_attn_layer_norm")
-        ca = f"{lp}.encoder_attn"
-        e.enter(ca)
-        o = step.cross_attention(linear(e, x, t("encoder_attn.q_proj"), f"{ca}.q_proj"), i, scaling)
-        o = linear(e, o, t("encoder_attn.out_proj"), f"{ca}.out_proj")
-        e.leave()
-        x = _layer_norm(e, e("Add", [x, o], "add"), f"{lp}.encoder_attn_layer_norm")
-        x = _feed_forward(e, x, lp, t)
-        e.leave()
+    if pre:
+        x = _layer_norm(e, x, "model.model.decoder.layer_norm")
     e.leave()  # model.model.decoder
     e.leave()  # model.model
     _head(e, x, model, True, final_bias="model.final_logits_bias")

@@ -2,8 +2,8 @@
 
 Each module has ``CLASSES`` (the model classes it describes), ``applies(model)`` (None, or why its templates are traced)
 and the builders of its wrappers' templates (``WRAPPERS``; ``build_X(template_model, values)``): decoder-only
-modules ``decoder_only.PrefillGraph``'s and ``SharedPromptStepGraph``'s (the per-beam step is traced), T5, BART and
-Marian the encoder's, cross K/V's and decoder step's (``capture/wrappers.py``; their shared parts: ``seq2seq_parts.py``).  ``ELX_TEMPLATE_BUILDER``
+modules ``decoder_only.PrefillGraph``'s and ``SharedPromptStepGraph``'s (the per-beam step is traced), T5, BART,
+Marian and mBART the encoder's, cross K/V's and decoder step's (``capture/wrappers.py``; their shared parts: ``seq2seq_parts.py``).  ``ELX_TEMPLATE_BUILDER``
 (``llama_builder.enabled``) switches them all.  ``exporter/capture/stitched.py`` asks ``for_model`` and ``build``.
 """
 from __future__ import annotations

@@ -579,7 +579,7 @@ def enabled() -> bool:
         from elx.runners.errors import ElxError
 
         raise ElxError(f"ELX_TEMPLATE_BUILDER is {text!r}; use 1 (build the templates of Llama, Mistral, Qwen, "
-                       "GPT-2, OPT, T5, BART and Marian from the weights, the default) or 0 (trace them)")
+                       "GPT-2, OPT, T5, BART, Marian and mBART from the weights, the default) or 0 (trace them)")
     return text == "1"
 
 

@@ -24,7 +24,7 @@ dynamo graphs every pass matches (other decompositions, other names); (c) buildi
 with onnx helpers as onnxruntime-genai's builder does: fastest, but a second implementation of each family's
 forward (norms, RoPE variants, GQA, biases, parallel residuals), which elx avoids by tracing HF's own modules.
 (c) done for the *templates* of the Llama architecture (15th session: Llama; 16th: Mistral, Qwen2, Qwen3), GPT-2
-and OPT (16th), T5, BART and Marian (17th): ``exporter/capture/builders.py``'s modules write the templates node for node as
+and OPT (16th), T5, BART, Marian and mBART (17th): ``exporter/capture/builders.py``'s modules write the templates node for node as
 the trace does (checked canonically against it), in milliseconds where the real SmolLM2-135M's took 11.7 + 19.9 s
 of tracing, GPT-2's 8.9 + 17.3 s and t5-base's three ~20 s on two cores.
 
@@ -35,7 +35,7 @@ weight folded into a form the binding does not know): ``Capture`` says why and t
 
 **Built, not traced.**  Where a builder of ``exporter/capture/builders.py`` describes the model (the prefill and
 step templates of Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT; the encoder, cross K/V and decoder-step templates of
-T5, BART and Marian), the template is built from the weights in milliseconds instead of traced (the traced template node
+T5, BART, Marian and mBART), the template is built from the weights in milliseconds instead of traced (the traced template node
 for node, with the value shapes the passes read); ``ELX_TEMPLATE_BUILDER=0`` traces it as for every other family
 (comparisons, tests of the trace).
 """

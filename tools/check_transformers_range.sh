@@ -4,6 +4,7 @@
 # is widened (2026-11-26: 5.23.0 failed 2 of these tests, 5.17.0 the GPU machine's, too: the range is 5.24.x).  The version goes into a scratch folder put first on
 # PYTHONPATH; nothing installed is changed.  Then the search-level tests: the processors against HF's, the
 # search-only differential (random configs and generate settings), its pinned regressions, GPT-2's search.
+# Last, the template builders' canonical comparisons with this version's trace.
 #
 #   bash tools/check_transformers_range.sh [VERSION]     # default: the lower bound in pyproject.toml
 #   ELX_DIFF_SEARCH_EXAMPLES=200 bash tools/check_transformers_range.sh   # a longer differential
@@ -24,3 +25,6 @@ export PYTHONPATH="$scratch:$repo${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import transformers; print('transformers', transformers.__version__, 'from', transformers.__file__)"
 python3 -m pytest -q -p no:cacheprovider tests/test_processors.py tests/test_differential_pinned.py \
   tests/test_gpt2_search.py tests/test_search_exactness.py "tests/test_differential.py::test_differential_search"
+# The template builders against the trace of this version (exporter/capture/builders.py write the graphs the trace
+# wrote under the pinned version; another version may trace other nodes): every family's canonical comparison.
+ELX_LONG_TESTS=1 python3 -m pytest -q -p no:cacheprovider tests/test_template_builders.py -k traced_templates

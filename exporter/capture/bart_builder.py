@@ -147,7 +147,7 @@ def build_encoder(template_model, values: bool = False) -> tuple:
             e.enter(sa)
             projections = {w: (f"{sa}.{w}_proj" if w != "o" else f"{sa}.out_proj",
                                t(f"self_attn.{w}_proj" if w != "o" else "self_attn.out_proj")) for w in "qkvo"}
-            o = parts.encoder_attention(e, h, shared, (b_shape, n_shape, d), sa, projections, None, mask, scaling)
+            o = parts.encoder_attention(e, h, shared, (b_shape, n_shape, d), projections, None, mask, scaling)
             e.leave()
             return o
         x = _sublayer(e, x, f"{lp}.self_attn_layer_norm", attention, pre)

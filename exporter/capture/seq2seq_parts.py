@@ -1,6 +1,6 @@
 """The parts of the encoder-decoder templates that the builders of several families write alike (issue 41): the
 wrappers' sizes and masks (``capture/wrappers.py``), the beam-shared cross-attention (``capture/attention.py``), the
-cross K/V graph, the head over the last position, and the value shapes a traced template records.
+cross K/V graph, and the value shapes a traced template records (the head is ``llama_builder._head``).
 
 Used by ``t5_builder.py`` and ``bart_builder.py``; each function writes the nodes the trace writes for that part,
 checked with the families' templates (``tests/test_template_builders.py``).
@@ -193,8 +193,8 @@ def embedding(e, weight: str, path: str):
     return x
 
 
-def encoder_attention(e, h, shared, sizes, attention: str, projections: dict, bias=None, mask=None, scaling=None):
-    """The self-attention at ``attention`` over the encoder rows ``h``: ``projections`` {"q"/"k"/"v"/"o": (its
+def encoder_attention(e, h, shared, sizes, projections: dict, bias=None, mask=None, scaling=None):
+    """The encoder's self-attention over its rows ``h`` (inside the attention's scope): ``projections`` {"q"/"k"/"v"/"o": (its
     module path, its transposed weight)}, the scores (times ``scaling``) plus ``bias`` and ``mask``; [B, N, h·d]."""
     b_shape, n_shape, d = sizes
     C = e.const

@@ -175,7 +175,7 @@ def build_encoder(template_model, values: bool = False) -> tuple:
                 shared["bias"] = _relative_bias(e, c, rel, True, table, sa)
             return shared["bias"]
         projections = {w: (f"{sa}.{w}", t(f"layer.0.SelfAttention.{w}")) for w in "qkvo"}
-        o = parts.encoder_attention(e, h, shared, (b_shape, n_shape, d), sa, projections, position_bias, mask)
+        o = parts.encoder_attention(e, h, shared, (b_shape, n_shape, d), projections, position_bias, mask)
         e.leave()
         x = e("Add", [x, o], "add")
         e.leave()

@@ -1,11 +1,11 @@
 """Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, T5,
-BART, Marian, mBART; issue 41) are the traced templates node for node, and an export built on them verifies against
+BART, Marian, mBART, Pegasus, M2M100/NLLB; issue 41) are the traced templates node for node, and an export built on them verifies against
 PyTorch.
 
 The comparison is canonical: op types, attributes, inputs by structure (constants by value, weights by their bytes),
 module scopes (what the stitcher and int8's per-layer rule read); value names and node order may differ.  A
 transformers, torch or onnxscript upgrade that changes the traced graph fails here first (every case with
-ELX_LONG_TESTS=1: ``tools/check_transformers_range.sh`` runs them; CI: Llama, Flan-T5, Marian).  No timing is asserted.
+ELX_LONG_TESTS=1: ``tools/check_transformers_range.sh`` runs them; CI: Llama, Flan-T5, Marian, M2M100).  No timing is asserted.
 (``tests/test_capture.py`` traces Llama's templates, ``ELX_TEMPLATE_BUILDER=0``, for the trace's own tests.)
 """
 from __future__ import annotations
@@ -78,7 +78,14 @@ CONFIGS = [
     # opus-mt's: sinusoidal positions, embeddings scaled by sqrt(d_model), SiLU ("swish"); BART's graph otherwise
     pytest.param("marian", dict(activation_function="swish", scale_embedding=True), id="marian-swish-scaled"),
     # pre-LayerNorm with the stacks' final LayerNorms
-    pytest.param("mbart", dict(vocab_size=300), id="mbart-pre-norm", marks=LONG_ONLY),
+    pytest.param("mbart", dict(vocab_size=300, scale_embedding=True), id="mbart-pre-norm-scaled", marks=LONG_ONLY),
+    # Marian's sinusoidal, scaled embeddings with mBART's pre-LayerNorm and final norms; ReLU
+    pytest.param("pegasus", dict(activation_function="relu", scale_embedding=True, vocab_size=300),
+                 id="pegasus-relu-scaled", marks=LONG_ONLY),
+    # M2M100 / NLLB: positions counted past the padding id from the tokens, embeddings scaled in their module
+    pytest.param("m2m100", dict(activation_function="relu", scale_embedding=True, vocab_size=300),
+                 id="m2m100-padded-positions"),
+    pytest.param("bart", dict(scale_embedding=True), id="bart-scaled-embeddings", marks=LONG_ONLY),
 ]
 
 
@@ -86,7 +93,7 @@ def layers(family: str, count: int) -> dict:
     """The config overrides giving ``family``'s model ``count`` layers per stack."""
     if family.startswith("t5"):
         return dict(num_layers=count, num_decoder_layers=count)
-    if family.startswith(("bart", "marian", "mbart")):
+    if family.startswith(("bart", "marian", "mbart", "pegasus", "m2m100")):
         return dict(encoder_layers=count, decoder_layers=count)
     return {{"gpt2": "n_layer"}.get(family, "num_hidden_layers"): count}
 
@@ -220,16 +227,19 @@ def test_bart_models_the_builder_does_not_describe_are_named_with_the_reason():
     from elx.exporter.capture import bart_builder, builders
 
     assert builders.for_model(BUILDERS["bart"]().eval()) is bart_builder and bart_builder.applies(BUILDERS["bart"]()) is None
-    for overrides, why in ((dict(scale_embedding=True), "scaled embeddings"),
-                           (dict(activation_function="relu"), "activation relu")):
-        assert why in bart_builder.applies(BUILDERS["bart"](**overrides).eval()), why
-    assert builders.for_model(BUILDERS["mbart"]().eval()) is bart_builder  # pre-LayerNorm
-    assert builders.for_model(BUILDERS["pegasus"]().eval()) is None  # sinusoidal, pre-LayerNorm: traced
+    assert "activation relu" not in (bart_builder.applies(BUILDERS["bart"](activation_function="relu").eval()) or "")
+    for overrides, why in ((dict(activation_function="gelu_new"), "activation gelu_new"),
+                           (dict(tie_word_embeddings=False), "untied head")):
+        assert why in (bart_builder.applies(BUILDERS["bart"](**overrides).eval()) or ""), why
+    for family in ("mbart", "pegasus", "m2m100"):  # pre-LayerNorm; sinusoidal; padded positions
+        model = BUILDERS[family]().eval()
+        assert builders.for_model(model) is bart_builder and bart_builder.applies(model) is None, family
+    assert "activation gelu_new" in bart_builder.applies(BUILDERS["m2m100"](activation_function="gelu_new").eval())
     from tests.differential import LOCAL_BUILDERS
 
     marian = LOCAL_BUILDERS["marian"]
     assert builders.for_model(marian().eval()) is bart_builder and bart_builder.applies(marian(scale_embedding=True)) is None
-    assert "activation relu" in bart_builder.applies(marian(activation_function="relu").eval())
+    assert "activation tanh" in bart_builder.applies(marian(activation_function="tanh").eval())
 
 
 def test_opt_models_the_builder_does_not_describe_are_named_with_the_reason():
@@ -246,7 +256,8 @@ def test_opt_models_the_builder_does_not_describe_are_named_with_the_reason():
                                              # tied heads of more than 8192 values: the optimizer keeps a Transpose
                                              ("qwen2", dict(vocab_size=300)), ("gpt2", dict(vocab_size=300)),
                                              ("opt", dict(vocab_size=300)), ("t5", dict(vocab_size=300)),
-                                             ("bart", dict(vocab_size=300)), ("mbart", {})])
+                                             ("bart", dict(vocab_size=300)), ("mbart", {}), ("m2m100", {}),
+                                             pytest.param("pegasus", {}, marks=LONG_ONLY)])
 def test_an_export_on_built_templates_verifies_and_says_so(family, overrides, tmp_path, monkeypatch):  # ~1-6 s each
     """By default the templates of the families ``builders.py`` covers are built: none traced (the cache empty), the
     graphs stitched from built templates and held to the export's verification against PyTorch like any other; a
@@ -265,7 +276,7 @@ def test_an_export_on_built_templates_verifies_and_says_so(family, overrides, tm
         out = export_model(str(folder), tmp_path / "out", progress="plain")
     log = stream.getvalue()
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    seq2seq = family in ("t5", "bart", "mbart")
+    seq2seq = family in ("t5", "bart", "mbart", "m2m100", "pegasus")
     for graph in ("encoder", "cross_kv", "decoder") if seq2seq else ("prefill", "decoder"):
         capture = manifest["graphs"][graph]["capture"]
         assert capture["method"] == "stitched" and capture["template_built"] is True, capture

@@ -49,6 +49,39 @@ def test_float64_layer_by_layer_equals_the_whole_model_in_float64(family):
     assert all(t.dtype == torch.float32 for t in held.values() if t.is_floating_point())
 
 
+@pytest.mark.parametrize("family", ["llama", "m2m100", "bart"])
+def test_large_tables_stay_float32_and_give_the_float64_logits(family, monkeypatch):
+    """Embeddings and heads past ``TABLE_VALUES`` stay float32 in the float64 block (gathered then cast; the head
+    multiplied by its weight cast a block of rows at a time): the whole model's float64 logits, bit for bit
+    where the head is one block, to float64's rounding where it is several; no weight converted meanwhile."""
+    from elx.exporter.verification import fp32_noise
+
+    torch.manual_seed(5)
+    model = BUILDERS[family](**({"scale_embedding": True} if family == "bart" else {})).eval()
+    whole = copy.deepcopy(model).to(torch.float64)
+    inputs = dict(input_ids=torch.tensor([[4, 9, 17, 3], [8, 21, 5, 6]]))
+    if family != "llama":
+        inputs["decoder_input_ids"] = torch.tensor([[2, 5, 7], [2, 9, 3]])
+    embedding = model.get_input_embeddings().weight
+    monkeypatch.setattr(fp32_noise, "TABLE_VALUES", 0)
+    with torch.no_grad():
+        expected = whole(**inputs).logits
+        for chunk, exact in ((1 << 30, True), (8 * model.config.hidden_size * 7, False)):  # one block; blocks of 7 rows
+            monkeypatch.setattr(fp32_noise, "HEAD_CHUNK_BYTES", chunk)
+            with fp32_noise.in_float64(model):
+                assert embedding.dtype == torch.float32  # kept
+                tables = fp32_noise._tables_in_float32(model, set())
+                assert {type(m).__name__ for m, _ in tables} >= {"Linear", type(model.get_input_embeddings()).__name__}
+                got = model(**inputs).logits
+            assert got.dtype == torch.float64
+            if exact:
+                assert torch.equal(got, expected)
+            else:
+                torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
+    assert not any("forward" in vars(m) for m in model.modules())  # the classes' forwards again
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_float64_layer_by_layer_restores_the_model_after_an_error():
     from elx.exporter.verification.fp32_noise import _layer_modules, in_float64
 

@@ -85,12 +85,19 @@ def hf_folder(name: str, source: str | None, work: Path) -> Path:
     return folder
 
 
+# the keys ctranslate2 4.x reads from a BART-like config that transformers 5 no longer writes, with each family's value
+CT2_KEYS = {"bart": {"normalize_before": False},  # post-LayerNorm, the embedding LayerNorm (the default) kept
+            "pegasus": {"normalize_before": True, "normalize_embedding": False}}
+
+
 def ct2_folder(folder: Path, work: Path) -> Path:
-    """The folder CTranslate2's converter reads: ``folder``, or for a BART config without ``normalize_before`` (which
-    transformers 5 no longer writes and ctranslate2 4.x's BART loader reads) a copy of it of links to the same files,
-    its config.json given ``"normalize_before": false`` (BART's post-LayerNorm: what the converter assumed before)."""
+    """The folder CTranslate2's converter reads: ``folder``, or for a BART or Pegasus config without the keys
+    ctranslate2 4.x's loaders read and transformers 5 no longer writes (``CT2_KEYS``: BART's post-LayerNorm, what the
+    converter assumed before; Pegasus' pre-LayerNorm and no embedding LayerNorm) a copy of it of links to the same
+    files, its config.json given them."""
     config = json.loads((folder / "config.json").read_text())
-    if config.get("model_type") != "bart" or "normalize_before" in config:
+    keys = {k: v for k, v in CT2_KEYS.get(config.get("model_type"), {}).items() if k not in config}
+    if not keys:
         return folder
     shim = work / "ct2-shim" / folder.name
     shutil.rmtree(shim, ignore_errors=True)
@@ -98,7 +105,7 @@ def ct2_folder(folder: Path, work: Path) -> Path:
     for path in folder.iterdir():
         if path.name != "config.json":
             (shim / path.name).symlink_to(path.resolve())
-    (shim / "config.json").write_text(json.dumps({**config, "normalize_before": False}, indent=2))
+    (shim / "config.json").write_text(json.dumps({**config, **keys}, indent=2))
     return shim
 
 

@@ -94,10 +94,13 @@ def in_float64(model, threads=None):
     layers = _layer_modules(model)
     inside = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
     swap = _LayerSwap(torch.float64)
-    hooks = []
+    hooks, tables = [], []
     try:
+        tables = _tables_in_float32(model, inside)  # their modules compute in float64 from the float32 weights
+        for module, forward in tables:
+            module.forward = forward
         with torch.no_grad():
-            _convert_outside(model, inside, torch.float64)
+            _convert_outside(model, inside | {id(module.weight) for module, _ in tables}, torch.float64)
         for layer in layers:
             hooks.append(layer.register_forward_pre_hook(swap.enter))
             hooks.append(layer.register_forward_hook(swap.leave))
@@ -106,6 +109,8 @@ def in_float64(model, threads=None):
     finally:
         for hook in hooks:
             hook.remove()
+        for module, _ in tables:
+            del module.forward  # the class's again
         swap.restore()
         with torch.no_grad():  # in place, on the same tensor objects: ``model.to`` would give each buffer a new one,
             _convert_outside(model, set(), torch.float32)  # and a template sharing it would keep the float64 one
@@ -172,6 +177,69 @@ def _layer_modules(model) -> list:
             continue
         found.extend(modules.children())
     return found
+
+
+TABLE_VALUES = 1 << 20  # a weight outside the layers larger than this (4 MiB) stays float32 in the float64 block
+HEAD_CHUNK_BYTES = 64 << 20  # the float64 rows of a head's weight made at once
+
+
+def _tables_in_float32(model, inside: set) -> list:
+    """[(module, its float64 forward)] for the large weights outside the layers (token embeddings, heads: NLLB's
+    256206 x 1024 table is 45% of the model) that ``in_float64`` leaves in float32: an embedding gathers its float32
+    rows and casts them (exact: every float32 is a float64), a head multiplies in float64 by its weight cast a block
+    of rows at a time.  The same float64 numbers as the weight converted (the head's blocks: a float64 GEMM per
+    block, its rounding 1e-16 of the logits), without the converted copy: converting NLLB's table to float64 and
+    back (3 GB at once, beside the model) was the export's peak, past its memory bound.  A weight stays float32 only
+    where every module holding it is a plain ``nn.Linear`` or an ``nn.Embedding`` (scaled by ``embed_scale``: BART's,
+    mBART's, M2M100's), so that nothing else reads it in float64."""
+    from torch import nn
+
+    holders = {}
+    for module in model.modules():
+        for key, tensor in module._parameters.items():
+            if (tensor is not None and id(tensor) not in inside and tensor.is_floating_point()
+                    and tensor.numel() > TABLE_VALUES):
+                holders.setdefault(id(tensor), []).append((module, key))
+    chosen = []
+    for found in holders.values():
+        forwards = [_float64_forward(module) if key == "weight" else None for module, key in found]
+        if all(forward is not None for forward in forwards):
+            chosen.extend((module, forward) for (module, _), forward in zip(found, forwards))
+    return chosen
+
+
+def _float64_forward(module):
+    """``module``'s forward in float64 over its float32 weight, or None where it is not a plain linear layer or
+    embedding."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    if type(module).forward is nn.Linear.forward and isinstance(module, nn.Linear):
+        block = []  # one float64 buffer of HEAD_CHUNK_BYTES, reused by every block and forward (fresh ones: page faults)
+
+        def linear(x):
+            weight, bias = module.weight, module.bias
+            rows = min(weight.shape[0], max(1, HEAD_CHUNK_BYTES // (8 * weight.shape[1])))
+            if not block:
+                block.append(torch.empty((rows, weight.shape[1]), dtype=torch.float64))
+            parts = []
+            for i in range(0, weight.shape[0], rows):
+                cast = block[0][: min(rows, weight.shape[0] - i)].copy_(weight[i: i + rows])
+                parts.append(F.linear(x, cast, None if bias is None else bias[i: i + rows]))
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return linear
+    if not isinstance(module, nn.Embedding) or module.max_norm is not None:
+        return None
+    scaled = type(module).__name__.endswith("ScaledWordEmbedding") and hasattr(module, "embed_scale") \
+        and type(module).__mro__[1] is nn.Embedding
+    if type(module).forward is not nn.Embedding.forward and not scaled:
+        return None
+
+    def embedding(ids):
+        rows = F.embedding(ids, module.weight, module.padding_idx).to(torch.float64)
+        return rows * module.embed_scale if scaled else rows
+    return embedding
 
 
 def _convert_outside(model, inside: set, dtype) -> None:

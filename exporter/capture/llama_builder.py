@@ -545,21 +545,22 @@ def _residual_and_mlp(e, x, attention, lp, t, eps):
     return e("Add", [x, y], "add")
 
 
-def _head(e, x, model, tied, final_bias: str | None = None):
-    """The language-model head over the last position of ``x`` (elx's last-position rewrite), inside ``model``'s
-    scope: the embedding's transpose where the head is ``tied`` and larger than onnxscript folds, else a weight
-    stored transposed; then the ``final_bias`` (BART's ``final_logits_bias``: the wrapper's name) where given."""
+def _head(e, x, model, tied, final_bias: str | None = None, path: str = "model.lm_head"):
+    """The language-model head (the module at the wrapper's ``path``: Whisper's is ``model.proj_out``) over the last
+    position of ``x`` (elx's last-position rewrite), inside ``model``'s scope: the embedding's transpose where the
+    head is ``tied`` and larger than onnxscript folds, else a weight stored transposed; then the ``final_bias``
+    (BART's ``final_logits_bias``: the wrapper's name) where given."""
     last = helper.make_node("Gather", [x, "node_select_last_index"], ["node_select_last_position"],
                             name="node_select_before_head", axis=1)
     e.inits.append(numpy_helper.from_array(np.array(-1, np.int64), "node_select_last_index"))
     e.nodes.append(last)
-    if tied and model.lm_head.weight.numel() > FOLD_INPUT_LIMIT:  # onnxscript keeps a shared large input
-        e.enter("model.lm_head")
-        head = e("Transpose", ["model.lm_head.weight"], "linear", dict(perm=[1, 0]))
+    if tied and e.module(path).weight.numel() > FOLD_INPUT_LIMIT:  # onnxscript keeps a shared large input
+        e.enter(path)
+        head = e("Transpose", [f"{path}.weight"], "linear", dict(perm=[1, 0]))
         e.leave()
     else:
-        head = e.weight("val_head", "model.lm_head.weight", transposed=True)
-    e.enter("model.lm_head")
+        head = e.weight("val_head", f"{path}.weight", transposed=True)
+    e.enter(path)
     logits = e("MatMul", ["node_select_last_position", head], "linear", out=None if final_bias else "logits")
     e.leave()
     if final_bias:
@@ -579,7 +580,8 @@ def enabled() -> bool:
         from elx.runners.errors import ElxError
 
         raise ElxError(f"ELX_TEMPLATE_BUILDER is {text!r}; use 1 (build the templates of Llama, Mistral, Qwen, "
-                       "GPT-2, OPT, T5, BART, Marian and mBART from the weights, the default) or 0 (trace them)")
+                       "GPT-2, OPT, T5, BART, Marian, mBART, Pegasus, M2M100 and Whisper from the weights, the "
+                       "default) or 0 (trace them)")
     return text == "1"
 
 

@@ -2,8 +2,8 @@
 wrappers' sizes and masks (``capture/wrappers.py``), the beam-shared cross-attention (``capture/attention.py``), the
 cross K/V graph, and the value shapes a traced template records (the head is ``llama_builder._head``).
 
-Used by ``t5_builder.py`` and ``bart_builder.py``; each function writes the nodes the trace writes for that part,
-checked with the families' templates (``tests/test_template_builders.py``).
+Used by ``t5_builder.py``, ``bart_builder.py`` and ``whisper_builder.py``; each function writes the nodes the trace
+writes for that part, checked with the families' templates (``tests/test_template_builders.py``).
 """
 from __future__ import annotations
 
@@ -60,28 +60,33 @@ def encoder_mask(e, b, keys):
 
 
 class StepSizes:
-    """The decoder step wrapper's sizes (read from its inputs as the trace reads them: rows and past length from the
-    last layer's past value, the batch from layer 0's cross value) and its cross-attention mask [batch, 1, 1, N]
-    additive, written in the wrapper's scope; ``self_mask(steps, positions)`` the causal mask inside the decoder's."""
+    """The decoder step wrapper's sizes (read from its inputs as the trace reads them: by default rows and past length
+    from the last layer's past value, the batch from layer 0's cross value; ``reads`` {"past", "rows", "batch": input}
+    where the trace reads others: Whisper's) and its cross-attention mask [batch, 1, 1, N] additive (none without
+    ``cross_mask``: Whisper's step has no encoder mask), written in the wrapper's scope; ``self_mask(steps,
+    positions)`` the causal mask inside the decoder's."""
 
-    def __init__(self, e, layers: int, heads: int, d: int):
+    def __init__(self, e, layers: int, heads: int, d: int, reads: dict | None = None, cross_mask: bool = True):
         C = e.const
         self.e, self.heads, self.d = e, heads, d
         last = f"past_key_values.{layers - 1}.decoder.value"
+        reads = {"past": last, "rows": last, "batch": "past_key_values.0.encoder.value", **(reads or {})}
         self.t_shape = e("Shape", ["input_ids"], "sym_size_int", dict(end=2, start=1), hook=True)
         self.t = e("Squeeze", [self.t_shape], "sym_size_int", hook=True)
-        self.r_shape = e("Shape", [last], "sym_size_int", dict(end=1, start=0), hook=True)
+        self.r_shape = e("Shape", [reads["rows"]], "sym_size_int", dict(end=1, start=0), hook=True)
         rows = e("Squeeze", [self.r_shape], "sym_size_int", hook=True)
-        p_shape = e("Shape", [last], "sym_size_int", dict(end=3, start=2), hook=True)
+        p_shape = e("Shape", [reads["past"]], "sym_size_int", dict(end=3, start=2), hook=True)
         self.past = e("Squeeze", [p_shape], "sym_size_int", hook=True)
-        self.b_shape = e("Shape", ["past_key_values.0.encoder.value"], "sym_size_int", dict(end=1, start=0), hook=True)
+        self.b_shape = e("Shape", [reads["batch"]], "sym_size_int", dict(end=1, start=0), hook=True)
         self.b = e("Squeeze", [self.b_shape], "sym_size_int", hook=True)
         self.beams = e("Div", [rows, self.b], "floordiv", hook=True)
         self.total = e("Add", [self.past, self.t], "add", hook=True)
         self.bhd = e("Mul", [C(heads * d), self.b], "mul")
-        mask = e("Cast", [e("Unsqueeze", ["encoder_attention_mask", C([1, 2])], "unsqueeze")], "_to_copy",
-                 dict(to=TensorProto.FLOAT))
-        self.cross_mask = e("Mul", [e("Sub", [C(1.0, np.float32), mask], "sub"), C(FLOAT_MIN, np.float32)], "mul")
+        self.cross_mask = None
+        if cross_mask:
+            mask = e("Cast", [e("Unsqueeze", ["encoder_attention_mask", C([1, 2])], "unsqueeze")], "_to_copy",
+                     dict(to=TensorProto.FLOAT))
+            self.cross_mask = e("Mul", [e("Sub", [C(1.0, np.float32), mask], "sub"), C(FLOAT_MIN, np.float32)], "mul")
         self.shared = {}
 
     def self_mask(self, query_positions, positions):
@@ -110,10 +115,17 @@ class StepSizes:
                                            dict(axis=0))
         return self.shared["merged"]
 
-    def heads_first(self, y):
-        """[rows, t, h·d] -> [rows, h, t, d]."""
-        e = self.e
-        return e("Transpose", [e("Reshape", [y, self.view()], "view", dict(allowzero=1))], "transpose",
+    def heads_first(self, y, keys: bool = False):
+        """[rows, t, h·d] -> [rows, h, t, d]; ``keys``: through the view [rows, -1, h, d] (Whisper's keys and
+        values; its queries and every other family's go through ``view``)."""
+        e, C = self.e, self.e.const
+        view = self.view()
+        if keys:
+            if "keys_view" not in self.shared:
+                self.shared["keys_view"] = e("Concat", [self.r_shape, C([-1]), C([self.heads]), C([self.d])], "view",
+                                             dict(axis=0))
+            view = self.shared["keys_view"]
+        return e("Transpose", [e("Reshape", [y, view], "view", dict(allowzero=1))], "transpose",
                  dict(perm=[0, 2, 1, 3]))
 
     def self_attention(self, q, k, v, i: int, bias=None, mask=None, scaling=None):
@@ -127,27 +139,32 @@ class StepSizes:
         o = attend(e, q, e("Transpose", [key], "transpose", dict(perm=[0, 1, 3, 2])), value, scaling, bias, mask)
         return e("Reshape", [o, self.merged()], "view", dict(allowzero=1))
 
-    def cross_attention(self, q, i: int, scaling=None):
+    def cross_attention(self, q, i: int, scaling=None, beams_from_shape: bool = True):
         """Layer ``i``'s attention of the rows' queries ``q`` [rows, t, h·d] over the batch's encoder keys and values
-        (one per input, shared by its beams: ``capture/attention.py``), merged heads [rows, t, h·d]."""
+        (one per input, shared by its beams: ``capture/attention.py``), merged heads [rows, t, h·d].  The queries
+        are viewed [batch, beams, h, t, d] with the beams counted (or -1 where ``beams_from_shape`` is False, as the
+        trace writes Whisper's)."""
         e, C, shared, heads, d = self.e, self.e.const, self.shared, self.heads, self.d
         q = self.heads_first(q)
+        fx = "_unsafe_view" if beams_from_shape else "view"
         if "beams_q" not in shared:
             bh = e("Mul", [self.b, C(heads)], "mul")
-            per_beam = e("Reshape", [self.beams, C([-1])], "_unsafe_view", dict(allowzero=0))
-            shared["beams_q"] = e("Concat", [self.b_shape, per_beam, C([heads]), self.t_shape, C([d])], "_unsafe_view",
+            per_beam = (e("Reshape", [self.beams, C([-1])], "_unsafe_view", dict(allowzero=0)) if beams_from_shape
+                        else C([-1]))
+            shared["beams_q"] = e("Concat", [self.b_shape, per_beam, C([heads]), self.t_shape, C([d])], fx,
                                   dict(axis=0))
             items = e("Mul", [e("Mul", [e("Mul", [bh, self.beams], "mul"), self.t], "mul"), C(d)], "mul")
             items = e("Reshape", [e("Div", [items, self.bhd], "floordiv"), C([-1])], "_unsafe_view", dict(allowzero=0))
             shared["items_q"] = e("Concat", [self.b_shape, C([heads]), items, C([d])], "_unsafe_view", dict(axis=0))
-        q = e("Transpose", [e("Reshape", [q, shared["beams_q"]], "_unsafe_view", dict(allowzero=1))], "transpose",
+        q = e("Transpose", [e("Reshape", [q, shared["beams_q"]], fx, dict(allowzero=1))], "transpose",
               dict(perm=[0, 2, 1, 3, 4]))
         q = e("Reshape", [q, shared["items_q"]], "_unsafe_view", dict(allowzero=1))
         key_t = e("Transpose", [f"past_key_values.{i}.encoder.key"], "transpose", dict(perm=[0, 1, 3, 2]))
         s = e("MatMul", [q, key_t], "matmul")
         if scaling is not None:
             s = e("Mul", [s, scaling], "mul")
-        s = e("Add", [s, self.cross_mask], "add")
+        if self.cross_mask is not None:
+            s = e("Add", [s, self.cross_mask], "add")
         o = e("MatMul", [e("Softmax", [s], "softmax", dict(axis=-1)), f"past_key_values.{i}.encoder.value"], "matmul")
         if "into_beams_o" not in shared:
             shared["into_beams_o"] = e("Concat", [self.b_shape, C([heads]), C([-1]), self.t_shape, C([d])], "view",
@@ -325,8 +342,8 @@ def _dims(value) -> list | None:
 
 def _reshaped_dims(model) -> dict:
     """Name the unknown dimensions of each ``Reshape`` to a ``Concat`` of constants and ``Shape`` slices (the
-    trace's views), solving its -1 from the input's dimensions where the symbols cancel, and the length of each
-    ``Range(0, x.shape[k], 1)``; {value: its shape} for those named."""
+    trace's views), solving its -1 from the input's dimensions where the symbols cancel, of each ``Tile`` by such a
+    ``Concat``, and the length of each ``Range(0, x.shape[k], 1)``; {value: its shape} for those named."""
     graph = model.graph
     values = {v.name: v for v in [*graph.input, *graph.value_info, *graph.output]}
     consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_type == TensorProto.INT64}
@@ -357,7 +374,7 @@ def _reshaped_dims(model) -> dict:
                     dim.dim_value = size[0]
                 named[node.output[0]] = values[node.output[0]]
             continue
-        if node.op_type != "Reshape":
+        if node.op_type not in ("Reshape", "Tile"):
             continue
         out = values.get(node.output[0])
         shape = _dims(out) if out is not None else None
@@ -376,7 +393,11 @@ def _reshaped_dims(model) -> dict:
                 break
         if parts is None or len(parts) != len(shape) or None in parts:
             continue
-        if parts.count(-1) == 1:
+        if node.op_type == "Tile":  # each dimension times its repeat, where one of the two is 1 (Whisper's positions)
+            if len(source) != len(parts):
+                continue
+            parts = [p if s == 1 else s if p == 1 else None for s, p in zip(source, parts)]
+        elif parts.count(-1) == 1:
             parts[parts.index(-1)] = _quotient(source, [p for p in parts if p != -1])
         for dim, part in zip(out.type.tensor_type.shape.dim, parts):
             unnamed = not dim.HasField("dim_value") and (not dim.dim_param or dim.dim_param.startswith("unk__"))

@@ -226,19 +226,26 @@ def build_cross_kv(template_model, values: bool = False) -> tuple:
                                 lambda i: [f"model.decoder.layers.{i}.encoder_attn.{w}_proj" for w in "kv"])
 
 
+def decoder_start(model, values: bool, **sizes) -> tuple:
+    """An emitter inside the decoder step wrapper's ``model.model.decoder`` scope, after the wrapper's sizes
+    (``seq2seq_parts.StepSizes``, given ``sizes``' options): (e, the sizes, (heads, layers, head width))."""
+    c = model.config
+    heads, layers = c.decoder_attention_heads, c.decoder_layers
+    d = c.d_model // heads
+    e = parts.emitter(model, values, {"zeros_1": (0.0, np.float32)})
+    e.enter("", f"{parts.WRAPPERS}.DecoderGraph")
+    step = parts.StepSizes(e, layers, heads, d, **sizes)
+    for path in ("model", "model.model", "model.model.decoder"):
+        e.enter(path)
+    return e, step, (heads, layers, d)
+
+
 def build_decoder(template_model, values: bool = False) -> tuple:
     """(``wrappers.DecoderGraph``'s graph: a decoder step over the self-attention past and the beam-shared cross
     K/V, its bindings)."""
     model, c = template_model, template_model.config
-    heads, layers = c.decoder_attention_heads, c.decoder_layers
-    d = c.d_model // heads
-    e = parts.emitter(model, values, {"zeros_1": (0.0, np.float32)})
+    e, step, (heads, layers, d) = decoder_start(model, values)
     C = e.const
-    e.enter("", f"{parts.WRAPPERS}.DecoderGraph")
-    step = parts.StepSizes(e, layers, heads, d)
-    e.enter("model")
-    e.enter("model.model")
-    e.enter("model.model.decoder")
     x = parts.embedding(e, "model.lm_head.weight", "model.model.decoder.embed_tokens")
     steps = e("Range", [C(0), step.t, C(1)], "arange")
     query_positions = e("Add", [steps, step.past], "add")

@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from elx.exporter.capture import seq2seq_parts as parts
-from elx.exporter.capture.bart_builder import _layer_norm, _layer_start, _mlp, _sublayer
+from elx.exporter.capture.bart_builder import _layer_norm, _layer_start, _mlp, _sublayer, decoder_start
+from elx.exporter.capture.bart_builder import build_cross_kv  # noqa: F401 - BART's: the same cross K/V graph
 from elx.exporter.capture.llama_builder import _head, linear, why_not
 
 CLASSES = ("WhisperForConditionalGeneration",)
@@ -117,27 +118,12 @@ def build_encoder(template_model, values: bool = False) -> tuple:
     return parts.graph(e, inputs, outputs)
 
 
-def build_cross_kv(template_model, values: bool = False) -> tuple:
-    """(``wrappers.CrossKVGraph``'s graph: each decoder layer's cross-attention keys and values, its bindings)."""
-    c = template_model.config
-    heads = c.decoder_attention_heads
-    return parts.build_cross_kv(template_model, values, c.decoder_layers, heads, c.d_model // heads, c.d_model,
-                                lambda i: [f"model.decoder.layers.{i}.encoder_attn.{w}_proj" for w in "kv"])
-
-
 def build_decoder(template_model, values: bool = False) -> tuple:
     """(``wrappers.DecoderGraph``'s graph: a decoder step over the self-attention past and the beam-shared cross
     K/V, its bindings)."""
     model, c = template_model, template_model.config
-    heads, layers = c.decoder_attention_heads, c.decoder_layers
-    d = c.d_model // heads
-    e = parts.emitter(model, values, {"zeros_1": (0.0, np.float32)})
+    e, step, (heads, layers, d) = decoder_start(model, values, reads=whisper_sizes(c.decoder_layers), cross_mask=False)
     C = e.const
-    e.enter("", f"{parts.WRAPPERS}.DecoderGraph")
-    step = parts.StepSizes(e, layers, heads, d, reads=whisper_sizes(layers), cross_mask=False)
-    e.enter("model")
-    e.enter("model.model")
-    e.enter("model.model.decoder")
     x = parts.embedding(e, "model.proj_out.weight", "model.model.decoder.embed_tokens")
     query_positions = e("Add", [e("Range", [C(0), step.t, C(1)], "arange"), step.past], "add")
     # position ids [rows, t]: the step's positions repeated per row, then the table's rows there

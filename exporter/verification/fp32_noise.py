@@ -192,8 +192,6 @@ def _tables_in_float32(model, inside: set) -> list:
     back (3 GB at once, beside the model) was the export's peak, past its memory bound.  A weight stays float32 only
     where every module holding it is a plain ``nn.Linear`` or an ``nn.Embedding`` (scaled by ``embed_scale``: BART's,
     mBART's, M2M100's), so that nothing else reads it in float64."""
-    from torch import nn
-
     holders = {}
     for module in model.modules():
         for key, tensor in module._parameters.items():

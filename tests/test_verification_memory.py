@@ -286,3 +286,32 @@ def test_a_pass_is_verified_with_one_set_of_sessions_loaded_at_a_time(exported, 
     out = apply_passes(exported("t5"), tmp_path / "el", "el")
     assert len(seen) >= 2 and set(seen) == {0}, seen  # before's sessions, then after's, never together
     assert Manifest.load(out).pass_names() == ["el"]
+
+
+def test_audio_cases_share_windows_and_each_is_encoded_once_per_evaluation(exported, model_folders):
+    """Whisper's cases draw their rows from ``AUDIO_WINDOWS`` windows (distinct within each case), and PyTorch's
+    reference encodes each window once per evaluation: the same logits and encoder outputs as encoding every row,
+    a third of the encoder's forwards."""
+    from transformers import WhisperForConditionalGeneration
+
+    from elx.exporter.verification.verify import AUDIO_WINDOWS, RecordedSide, TorchSide, default_shapes, make_case
+    from elx.runners.manifest import Manifest
+
+    manifest = Manifest.load(exported("whisper"))
+    shapes = default_shapes(manifest)
+    cases = [make_case(manifest, shape, 0) for shape in shapes]
+    windows = {row.tobytes() for case in cases for row in case.inputs["input_features"]}
+    assert len(windows) == AUDIO_WINDOWS < sum(shape.batch for shape in shapes)
+    assert all(len({row.tobytes() for row in case.inputs["input_features"]}) == case.shape.batch for case in cases)
+    model = WhisperForConditionalGeneration.from_pretrained(model_folders["whisper"]).eval()
+    calls = []
+    model.get_encoder().register_forward_hook(lambda module, args, output: calls.append(1))
+    side = TorchSide(model, manifest)
+    recorded = RecordedSide(side, manifest, shapes, [0])
+    assert len(calls) == AUDIO_WINDOWS and side.encoded == {}  # once per window; forgotten after the evaluation
+    for case in cases:  # each row encoded alone, nothing kept: the same numbers
+        fresh = TorchSide(model, manifest)
+        fresh._encoded = lambda item: model.get_encoder()(**item).last_hidden_state
+        expected = fresh.run(case, dict(case.past))
+        got = recorded.run(case, dict(case.past))
+        assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])

@@ -259,6 +259,12 @@ class Float64Side:
     def run(self, case, past: dict):
         return self._result(self.side.run(*self._cast(case, past)))
 
+    def forget(self) -> None:
+        """The side's ``forget`` (``verify.TorchSide``: its kept encoder outputs), where it has one."""
+        forget = getattr(self.side, "forget", None)
+        if forget is not None:
+            forget()
+
     def run_together(self, items: list) -> list:
         """The side's ``run_together`` (decoder-only: every case in two forwards) on the cast cases."""
         return [self._result(found) for found in self.side.run_together([self._cast(*item) for item in items])]

@@ -315,3 +315,24 @@ def test_audio_cases_share_windows_and_each_is_encoded_once_per_evaluation(expor
         expected = fresh.run(case, dict(case.past))
         got = recorded.run(case, dict(case.past))
         assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+
+
+def test_a_scaled_embedding_that_computes_something_else_is_converted_instead():
+    """The float32 table is read as "rows times ``embed_scale``" only where the module computes that on a probe;
+    another forward keeps the conversion (its float64 numbers then come from its own code)."""
+    from elx.exporter.verification.fp32_noise import _float64_forward
+
+    class MyScaledWordEmbedding(torch.nn.Embedding):
+        def __init__(self, shift=0.0):
+            super().__init__(10, 4)
+            self.embed_scale, self.shift = 2.0, shift
+
+        def forward(self, ids):
+            return super().forward(ids) * self.embed_scale + self.shift
+
+    assert _float64_forward(MyScaledWordEmbedding(shift=1.0)) is None
+    plain = MyScaledWordEmbedding()
+    forward = _float64_forward(plain)
+    assert forward is not None
+    got = forward(torch.tensor([3, 7]))
+    assert got.dtype == torch.float64 and torch.equal(got, plain.weight[[3, 7]].double() * 2.0)

@@ -31,8 +31,12 @@ from elx.runners.inputs.prompt import Prompt
 
 
 class Model:
-    def __init__(self, manifest: Manifest, backend: Backend, plan: RunPlan | None = None):
+    def __init__(self, manifest: Manifest, backend: Backend, plan: RunPlan | None = None,
+                 audio_scores_bytes: int | None = None):
+        """``audio_scores_bytes``: an audio encoder on host arrays runs as many rows at a time as keep its attention
+        scores and probabilities within this (``encode``); None (the runtime's default): the whole batch."""
         self.manifest, self.backend = manifest, backend
+        self.audio_scores_bytes = audio_scores_bytes
         self.plan = backend.adapt(plan or RunPlan.from_manifest(manifest))
         self._scores = self.plan.logits
         self.returns_log_probs = False  # the scores read are log-softmaxed with n-grams blocked (ngram pass)
@@ -64,7 +68,33 @@ class Model:
 
     # -- once per input ----------------------------------------------------------------------
     def encode(self, inputs: dict) -> EncoderState:
-        """Run the stages on user inputs given by role (``input_ids``, ``attention_mask``, ``input_features``)."""
+        """Run the stages on user inputs given by role (``input_ids``, ``attention_mask``, ``input_features``).
+
+        With ``audio_scores_bytes`` an audio encoder on host arrays runs a few rows at a time (``audio_rows``), its
+        outputs joined: its attention scores and probabilities are rows x heads x frames² each (whisper-base, 30 s:
+        72 MB a row, 432 MB for three rows: the export verification's peak, past its memory bound), and its rows
+        never interact (no padding, no mask).  The runtime keeps the batch whole: one row at a time encoded
+        whisper-base's 4 x 30 s in 2.63 s against 2.31 s batched (medians of 4 on 2 cores)."""
+        batch = int(next(iter(inputs.values())).shape[0])
+        rows = self.audio_rows(inputs)
+        if rows is None or rows >= batch:
+            return self._encode(inputs)
+        parts = [self._encode({role: a[i:i + rows] for role, a in inputs.items()}) for i in range(0, batch, rows)]
+        return EncoderState({k: np.concatenate([p.feeds[k] for p in parts]) for k in parts[0].feeds}, batch,
+                            {k: np.concatenate([p.kept[k] for p in parts]) for k in parts[0].kept})
+
+    def audio_rows(self, inputs: dict) -> int | None:
+        """How many rows of audio features one encoder run takes on a host backend (its scores and probabilities
+        within ``audio_scores_bytes``, at least one); None without a budget, for text inputs, device backends and
+        prompts."""
+        features = inputs.get("input_features")
+        if (self.audio_scores_bytes is None or features is None or self.backend.device_tensors
+                or self.plan.uses_prompt):
+            return None
+        heads, frames = int(self.manifest.dims.get("num_heads") or 1), int(np.shape(features)[-1]) // 2
+        return max(1, self.audio_scores_bytes // (2 * 4 * heads * frames * frames))
+
+    def _encode(self, inputs: dict) -> EncoderState:
         backend = self.backend
         available = {f"{INPUT}{role}": backend.to_device(np.ascontiguousarray(a)) for role, a in inputs.items()}
         prompt = None

@@ -336,3 +336,33 @@ def test_a_scaled_embedding_that_computes_something_else_is_converted_instead():
     assert forward is not None
     got = forward(torch.tensor([3, 7]))
     assert got.dtype == torch.float64 and torch.equal(got, plain.weight[[3, 7]].double() * 2.0)
+
+
+def test_audio_rows_are_encoded_a_few_at_a_time_on_the_host(exported, monkeypatch):
+    """With a budget (the verification's ``RuntimeSide``) an audio encoder on host arrays runs rows in chunks whose
+    attention scores fit it (the export's peak was three 30 s rows' scores at once); the state is the whole
+    batch's, as one run gives it.  The runtime's default keeps the batch whole."""
+    from elx.exporter.verification.verify import AUDIO_SCORES_BYTES, RuntimeSide
+    from elx.runners.backends.ort import OrtBackend
+    from elx.runners.manifest import Manifest
+    from elx.runners.model import Model
+
+    manifest = Manifest.load(exported("whisper"))
+    features = np.random.default_rng(0).standard_normal((3, *manifest.encoder_inputs()["input_features"]["shape"][1:]))
+    inputs = {"input_features": features.astype(np.float32)}
+    per_row = 2 * 4 * manifest.dims["num_heads"] * (features.shape[-1] // 2) ** 2
+    encoded = {}
+    for budget in (per_row, 3 * per_row, None):  # one row a run, all three, no budget
+        model = Model(manifest, OrtBackend(manifest), audio_scores_bytes=budget)
+        runs = []
+        run = model.backend.run
+        monkeypatch.setattr(model.backend, "run", lambda *a, run=run, runs=runs, **k: runs.append(a[0]) or run(*a, **k))
+        encoded[budget] = model.encode(inputs)
+        assert runs.count("encoder") == (3 if budget == per_row else 1) and encoded[budget].batch == 3
+    chunked, whole = encoded[per_row], encoded[None]
+    assert chunked.feeds.keys() == whole.feeds.keys() and chunked.kept.keys() == whole.kept.keys()
+    for key in chunked.feeds:
+        np.testing.assert_allclose(chunked.feeds[key], whole.feeds[key], rtol=1e-5, atol=1e-5)
+    assert RuntimeSide(manifest).model.audio_rows(inputs) == max(1, AUDIO_SCORES_BYTES // per_row)
+    text = Manifest.load(exported("t5"))
+    assert Model(text, OrtBackend(text), audio_scores_bytes=1).audio_rows({"input_ids": np.zeros((3, 4), np.int64)}) is None

@@ -240,6 +240,25 @@ def decoder_start(model, values: bool, **sizes) -> tuple:
     return e, step, (heads, layers, d)
 
 
+def decoder_layer(e, x, lp: str, t, attention, cross, pre: bool):
+    """Decoder layer ``lp``'s three residual sub-layers over ``x`` (its ``attention``, its ``cross``-attention, the
+    feed-forward), normed before (``pre``) or after each; out of the layer's scope."""
+    x = _sublayer(e, x, f"{lp}.self_attn_layer_norm", attention, pre)
+    x = _sublayer(e, x, f"{lp}.encoder_attn_layer_norm", cross, pre)
+    x = _sublayer(e, x, f"{lp}.final_layer_norm", lambda h: _mlp(e, h, lp, t), pre)
+    e.leave()
+    return x
+
+
+def decoder_end(e, x, pre: bool):
+    """The decoder stack's final LayerNorm (pre-LayerNorm stacks), out of ``decoder_start``'s scopes to the model's."""
+    if pre:
+        x = _layer_norm(e, x, "model.model.decoder.layer_norm")
+    e.leave()  # model.model.decoder
+    e.leave()  # model.model
+    return x
+
+
 def build_decoder(template_model, values: bool = False) -> tuple:
     """(``wrappers.DecoderGraph``'s graph: a decoder step over the self-attention past and the beam-shared cross
     K/V, its bindings)."""
@@ -274,14 +293,8 @@ def build_decoder(template_model, values: bool = False) -> tuple:
             o = linear(e, o, t("encoder_attn.out_proj"), f"{ca}.out_proj")
             e.leave()
             return o
-        x = _sublayer(e, x, f"{lp}.self_attn_layer_norm", attention, pre)
-        x = _sublayer(e, x, f"{lp}.encoder_attn_layer_norm", cross, pre)
-        x = _sublayer(e, x, f"{lp}.final_layer_norm", lambda h, lp=lp, t=t: _mlp(e, h, lp, t), pre)
-        e.leave()
-    if pre:
-        x = _layer_norm(e, x, "model.model.decoder.layer_norm")
-    e.leave()  # model.model.decoder
-    e.leave()  # model.model
+        x = decoder_layer(e, x, lp, t, attention, cross, pre)
+    x = decoder_end(e, x, pre)
     bias = "model.final_logits_bias" if getattr(model, "final_logits_bias", None) is not None else None
     _head(e, x, model, True, final_bias=bias)  # (M2M100 has none)
     return parts.graph(e, *parts.decoder_io(layers, heads, d, c.vocab_size))

@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from elx.exporter.capture import seq2seq_parts as parts
-from elx.exporter.capture.bart_builder import _layer_norm, _layer_start, _mlp, _sublayer, decoder_start
+from elx.exporter.capture.bart_builder import _layer_norm, _layer_start, _mlp, _sublayer, decoder_end, \
+    decoder_layer, decoder_start
 from elx.exporter.capture.bart_builder import build_cross_kv  # noqa: F401 - BART's: the same cross K/V graph
 from elx.exporter.capture.llama_builder import _head, linear, why_not
 
@@ -159,13 +160,8 @@ def build_decoder(template_model, values: bool = False) -> tuple:
                        f"{ca}.out_proj")
             e.leave()
             return o
-        x = _sublayer(e, x, f"{lp}.self_attn_layer_norm", attention, True)
-        x = _sublayer(e, x, f"{lp}.encoder_attn_layer_norm", cross, True)
-        x = _sublayer(e, x, f"{lp}.final_layer_norm", lambda h, lp=lp, t=t: _mlp(e, h, lp, t), True)
-        e.leave()
-    x = _layer_norm(e, x, "model.model.decoder.layer_norm")
-    e.leave()  # model.model.decoder
-    e.leave()  # model.model
+        x = decoder_layer(e, x, lp, t, attention, cross, True)
+    x = decoder_end(e, x, True)
     _head(e, x, model, True, path="model.proj_out")
     inputs, outputs = parts.decoder_io(layers, heads, d, c.vocab_size)
     return parts.graph(e, [i for i in inputs if i.name != "encoder_attention_mask"], outputs)

@@ -34,7 +34,7 @@ __all__ = ["ElxError", "Generator", "build_engine", "export", "generate_file", "
 
 def export(model: str, output, *, passes: str | None = None, random_init: bool = False, seed: int = 0,
            force: bool = False, quiet: bool = False, precision: str = "fp32", prompt_cache: str | None = None,
-           progress=None):
+           progress=None, fp32_draws: str = "needed"):
     """Export ``model`` (a local HF folder, a hub id in the local cache, or with ``random_init`` a preset) to
     ``output``: ONNX graphs + ``manifest.json``, passes applied and verified. Returns the folder's path.
     ``precision="fp16"`` converts the verified fp32 graphs last and checks them (``exporter/precision/fp16.py``).
@@ -42,13 +42,16 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
     all beams) or ``"per-beam"`` (HF's layout).  ``progress``: None (default) shows a bar on stderr when it
     is a terminal and nothing otherwise; True also prints one line per stage when it is not; False (or
     ``quiet=True``) prints nothing (``exporter/progress.py``).  ``elx.build_engine`` takes the same.
+    ``fp32_draws``: ``"needed"`` (default) measures fp32's other rounding draws only where the graphs are outside
+    a bar of the first (the same verdict, ``exporter/verification/verify.py``: ``LaterDraws``), ``"all"`` always
+    (the widest bars in the manifest, for passes applied later with ``elx.apply_passes``).
 
     Needs the export extra (PyTorch, transformers): ``pip install 'elx[export]'``."""
     check_arguments("export", locals())  # runners/arguments.py: one line naming a wrong argument
     from elx.exporter.export import export_model
 
     return export_model(model, output, random_init=random_init, passes=passes, seed=seed, force=force, quiet=quiet,
-                        precision=precision, prompt_cache=prompt_cache, progress=progress)
+                        precision=precision, prompt_cache=prompt_cache, progress=progress, fp32_draws=fp32_draws)
 
 
 def __dir__() -> list[str]:

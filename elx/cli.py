@@ -279,6 +279,10 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                         "fp32 (exporter/precision/fp16.py); int8: weight MatMuls on int8 weights, agreement with HF "
                         "recorded (exporter/precision/int8.py)")
     p.add_argument("--force", action="store_true", help="replace an earlier elx export at --output (nothing else)")
+    p.add_argument("--fp32-draws", choices=("needed", "all"), default="needed",
+                   help="PyTorch fp32's other rounding draws (its tolerance per case): only where the graphs are "
+                        "outside a bar of the first (needed, default: the same verdict) or always (all: the widest "
+                        "bars in the manifest, for passes applied later)")
     p.add_argument("--quiet", action="store_true",
                    help="print nothing (default: a progress bar on a terminal, one line per stage otherwise)")
 
@@ -295,7 +299,7 @@ def cmd_export(args) -> int:
 
     export_model(args.model, args.output, random_init=args.random_init, passes=args.passes, seed=args.seed,
                  force=args.force, precision=args.precision, prompt_cache=args.prompt_cache,
-                 progress=_progress(args))
+                 progress=_progress(args), fp32_draws=args.fp32_draws)
     global _written_and_closed
     _written_and_closed = True  # the folder is complete, renamed into place, and every file of it closed
     return 0

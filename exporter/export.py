@@ -31,7 +31,7 @@ from elx.exporter.memory import check_export_memory, free_weights, release_memor
 from elx.exporter.source.locate import locate_model
 from elx.exporter.capture.shared_weights import folder_bytes, store_weights_once
 from elx.exporter.source.load import resolve_model
-from elx.exporter.verification.verify import (default_shapes, require_within_tolerance, tolerance_record,
+from elx.exporter.verification.verify import (DRAWS, default_shapes, require_within_tolerance, tolerance_record,
                                               torch_references, verify_export)
 
 
@@ -323,13 +323,19 @@ def _total_weight(requests: list, precision: str) -> float:
 
 def export_model(model: str, output, random_init: bool = False, passes: str | None = None, seed: int = 0,
                  force: bool = False, quiet: bool = False, precision: str = "fp32",
-                 prompt_cache: str | None = None, progress=None) -> Path:
+                 prompt_cache: str | None = None, progress=None, fp32_draws: str = "needed") -> Path:
     """Export, verify (fp32), apply passes; with ``precision="fp16"`` convert and check last
     (``exporter/precision/fp16_export.py``); store each weight once (``exporter/capture/shared_weights.py``).
     ``prompt_cache`` (decoder-only models: "shared", the default, or "per-beam") picks where the prompt's
     keys/values live (``exporter/capture/decoder_only.py``).  ``progress``: the stages as a bar, plain lines or
-    nothing (``exporter/progress.py``; None: a bar when stderr is a terminal); ``quiet`` says nothing."""
+    nothing (``exporter/progress.py``; None: a bar when stderr is a terminal); ``quiet`` says nothing.
+    ``fp32_draws``: "needed" runs fp32's other rounding draws only where the graphs are outside a bar of the first
+    (``exporter/verification/verify.py``: ``LaterDraws``, the same verdict), "all" always; passes, fp16 and int8
+    run all of them (the passes' bar is the export's largest)."""
     requests = parse_passes(passes)  # validate before any heavy work
+    if fp32_draws not in DRAWS:
+        raise ElxError(f"unknown fp32_draws {fp32_draws!r}; use one of {', '.join(DRAWS)}")
+    draws = fp32_draws if not requests and precision == "fp32" else "all"
     check_precision(precision)
     refusal = precision_refusal([r.name for r in requests], precision)
     if refusal:
@@ -359,7 +365,7 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 threads = ReferenceThreads(still_tracing, capture.weights_writing)
                 with reference_threads(threads()):
                     early["sides"] = torch_references(loaded.model, Manifest(data, folder), report=_side_lines(report),
-                                                      threads=threads)
+                                                      threads=threads, draws=draws)
             capture.while_waiting = references
             try:
                 if form is None:
@@ -395,9 +401,12 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                 threads = ReferenceThreads(writing.writing if writing is not None else None)
                 with (report.stage("verify vs PyTorch", WEIGHTS["verify"], steps=(1 if sides else 3) * cases) as stage,
                       reference_threads(threads())):
+                    # fp32's other rounding draws, where the graphs need them, run on the model loaded again
+                    again = (lambda: resolve_model(model, random_init=random_init, seed=seed).model) \
+                        if draws == "needed" else None
                     verification = verify_export(loaded.model, manifest, release_model=before_graphs,
                                                  report=_case_reporter(report, stage), references=sides,
-                                                 threads=threads)
+                                                 threads=threads, reload_model=again)
                     require_within_tolerance(verification, "exported graphs vs PyTorch")
                     data["verification"]["export"] = verification
                     v = verification

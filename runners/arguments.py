@@ -110,7 +110,7 @@ _POSITIVE, _OPTIONAL_POSITIVE = integer(1), integer(1, optional=True)
 SPECS = {
     "export": {"model": path("a model folder, a hub id or a preset name (a str or pathlib.Path)"), "output": path(), "passes": string(optional=True), "random_init": boolean,
                "seed": integer(0, 2 ** 63 - 1), "force": boolean, "quiet": boolean, "precision": string(),
-               "prompt_cache": string(optional=True)},
+               "prompt_cache": string(optional=True), "fp32_draws": string()},
     "from_folder": {"folder": path(), "backend": string(), "device": string(), "threads": _OPTIONAL_POSITIVE,
                     "device_id": integer(0)},
     "generate": {"settings": settings_object, "track_memory": boolean, "decode": boolean,

@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -47,7 +49,8 @@ def ill_conditioned(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"ill-{layers}")
     model = _ill_conditioned(layers, std)
     model.save_pretrained(root / "hf")
-    folder = elx.export(str(root / "hf"), root / "export", quiet=True)
+    # every draw measured (the export's default measures the others only where the graphs need them: tested below)
+    folder = elx.export(str(root / "hf"), root / "export", quiet=True, fp32_draws="all")
     return model, Manifest.load(folder)
 
 
@@ -168,3 +171,103 @@ def test_the_bar_is_per_case(exported):
     swapped = measure(_Fixed(ref), _Fixed(off), manifest, shapes, bars=[1e-3, 1e-4])
     assert swapped["within"]
     require_within_tolerance(swapped, "graphs")
+
+
+class _Nudged:
+    """The runtime side with ``delta`` added to one logit of the case of shape ``shape`` (graphs that err there)."""
+
+    delta, shape = 0.0, None
+
+    def __init__(self, side):
+        self.side = side
+
+    def __call__(self, *args, **kwargs):
+        inner = self.side(*args, **kwargs)
+        nudge = self
+
+        class Side:
+            def run(self, case, past):
+                scores, encoder = inner.run(case, past)
+                if case.shape == nudge.shape:
+                    scores = scores.copy()
+                    scores[0, 0] += nudge.delta
+                return scores, encoder
+        return Side()
+
+
+def _first_and_all_bars(model, manifest):
+    """Each case's bar from fp32's first rounding draw alone, and from all of them (the ill-conditioned model)."""
+    from elx.exporter.verification.fp32_noise import case_bars
+    from elx.exporter.verification.verify import default_shapes, torch_references
+
+    shapes = default_shapes(manifest)
+    fp32, fp64 = torch_references(model, manifest, shapes, draws="needed")
+    assert fp32.later is not None  # relevant: fp32's error is near the magnitude rule
+    noise = measure(fp64, fp32, manifest, shapes)
+    first = case_bars(noise, noise["tolerance"])
+    recorded = manifest.data["verification"]["tolerance"]["fp32_noise"]["cases"]  # the fixture's: all draws
+    return shapes, first, [c["atol"] for c in recorded]
+
+
+def test_the_draws_only_where_the_graphs_need_them_give_the_verdict_all_of_them_give(ill_conditioned, monkeypatch):
+    """``fp32_draws="needed"`` (``verify.LaterDraws``): graphs within every first-draw bar pass without the other
+    draws (the model is not loaded again); graphs outside a first-draw bar but within the all-draw bar load the
+    model again, run the draws and pass with all-draw bars; beyond the all-draw bar both refuse.  Each verdict is
+    the one measuring every draw first gives."""
+    import copy
+
+    from elx.exporter.verification import verify
+
+    model, manifest = ill_conditioned
+    shapes, first, widest = _first_and_all_bars(model, manifest)
+    gaps = [(w - f, i) for i, (f, w) in enumerate(zip(first, widest))]
+    gap, i = max(gaps)
+    assert gap > 0.05 * first[i]  # the draws widen this case's bar
+    nudged = _Nudged(verify.RuntimeSide)
+    monkeypatch.setattr(verify, "RuntimeSide", nudged)
+    nudged.shape = shapes[i]
+    reloads = []
+
+    def again():
+        reloads.append(1)
+        return copy.deepcopy(model)  # the draws free the model they load
+
+    for where, delta in (("within", 0.0), ("between", (first[i] + widest[i]) / 2), ("beyond", 2 * widest[i])):
+        nudged.delta = delta
+        before = len(reloads)
+        needed = verify.verify_export(model, manifest, reload_model=again)
+        every = verify.verify_export(model, manifest)
+        assert needed["within"] == every["within"] == (where != "beyond"), where
+        assert every["fp32_noise"]["draws"]["run"] == 4
+        if where == "within":
+            assert len(reloads) == before and needed["fp32_noise"]["draws"]["run"] == 1
+            assert [e["tolerance"] for e in needed["shapes"]] == pytest.approx(first, rel=1e-5)  # the rule at fp32's M
+        else:
+            assert len(reloads) == before + 1 and needed["fp32_noise"]["draws"]["run"] == 4
+            assert [e["tolerance"] for e in needed["shapes"]] == pytest.approx([e["tolerance"] for e in every["shapes"]])
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())  # not freed
+
+
+def test_the_export_loads_the_model_again_for_the_draws_it_needs(ill_conditioned, monkeypatch, tmp_path):
+    """The export's wiring (``export.py``): a first-draw bar exceeded loads the model again from its folder, runs
+    the draws and records them; the export with its default ``fp32_draws`` records one draw where none was needed."""
+    import elx
+    from elx.exporter.verification import verify
+
+    model, manifest = ill_conditioned
+    shapes, first, widest = _first_and_all_bars(model, manifest)
+    _, i = max((w - f, i) for i, (f, w) in enumerate(zip(first, widest)))
+    hf = Path(manifest.data["source"]["path"])
+    nudged = _Nudged(verify.RuntimeSide)
+    monkeypatch.setattr(verify, "RuntimeSide", nudged)
+    nudged.shape, nudged.delta = shapes[i], (first[i] + widest[i]) / 2
+    folder = elx.export(str(hf), tmp_path / "needed", quiet=True)
+    record = Manifest.load(folder).data["verification"]["tolerance"]["fp32_noise"]
+    assert record["draws"]["run"] == 4
+    assert [c["atol"] for c in record["cases"]] == pytest.approx(widest)
+    nudged.delta = 0.0
+    folder = elx.export(str(hf), tmp_path / "plain", quiet=True)
+    record = Manifest.load(folder).data["verification"]["tolerance"]["fp32_noise"]
+    assert record["draws"]["run"] == 1 and [c["atol"] for c in record["cases"]] == pytest.approx(first, rel=1e-5)
+    with pytest.raises(ElxError, match="fp32_draws"):
+        elx.export(str(hf), tmp_path / "bad", quiet=True, fp32_draws="some")

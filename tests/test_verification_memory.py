@@ -304,17 +304,24 @@ def test_audio_cases_share_windows_and_each_is_encoded_once_per_evaluation(expor
     assert len(windows) == AUDIO_WINDOWS < sum(shape.batch for shape in shapes)
     assert all(len({row.tobytes() for row in case.inputs["input_features"]}) == case.shape.batch for case in cases)
     model = WhisperForConditionalGeneration.from_pretrained(model_folders["whisper"]).eval()
-    calls = []
+    calls, projections = [], []
     model.get_encoder().register_forward_hook(lambda module, args, output: calls.append(1))
+    model.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(
+        lambda module, args, output: projections.append(args[0].shape[0]))
     side = TorchSide(model, manifest)
     recorded = RecordedSide(side, manifest, shapes, [0])
-    assert len(calls) == AUDIO_WINDOWS and side.encoded == {}  # once per window; forgotten after the evaluation
+    assert len(calls) == AUDIO_WINDOWS and side.encoded == {} and side.crossed == {}  # forgotten after it
+    assert projections == [1] * AUDIO_WINDOWS  # the cross keys/values once per window, one row each
     for case in cases:  # each row encoded alone, nothing kept: the same numbers
         fresh = TorchSide(model, manifest)
-        fresh._encoded = lambda item: model.get_encoder()(**item).last_hidden_state
+        fresh._encoded = lambda item: (object(), model.get_encoder()(**item).last_hidden_state)
         expected = fresh.run(case, dict(case.past))
         got = recorded.run(case, dict(case.past))
         assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+        # and HF's decoder projecting every row's own cross keys/values (no cross cache given): the same function
+        plain = TorchSide(model, manifest)
+        plain._cross = lambda key, encoder: []
+        np.testing.assert_allclose(plain.run(case, dict(case.past))[0], got[0], rtol=0, atol=1e-5)
 
 
 def test_a_scaled_embedding_that_computes_something_else_is_converted_instead():
@@ -366,3 +373,36 @@ def test_audio_rows_are_encoded_a_few_at_a_time_on_the_host(exported, monkeypatc
     assert RuntimeSide(manifest).model.audio_rows(inputs) == max(1, AUDIO_SCORES_BYTES // per_row)
     text = Manifest.load(exported("t5"))
     assert Model(text, OrtBackend(text), audio_scores_bytes=1).audio_rows({"input_ids": np.zeros((3, 4), np.int64)}) is None
+
+
+def test_the_graphs_encode_each_audio_window_once_and_give_the_numbers_of_every_row_encoded(exported, monkeypatch):
+    """``RuntimeSide._encode_row``: with the verification's row-at-a-time audio encoder, each distinct window runs
+    the encoder stages once per side (``AUDIO_WINDOWS`` of them for 8 rows), and every case's scores and encoder
+    output are bit-identical to encoding every row (ONNX Runtime's CPU kernels on the same bytes and shape; the
+    kept state is not written to by the decoder steps)."""
+    import elx.exporter.verification.verify as verify
+    from elx.runners.manifest import Manifest
+    from elx.runners.model import Model
+
+    manifest = Manifest.load(exported("whisper"))
+    frames = manifest.encoder_inputs()["input_features"]["shape"][-1] // 2
+    monkeypatch.setattr(verify, "AUDIO_SCORES_BYTES", 2 * 4 * manifest.dims["num_heads"] * frames ** 2)  # a row
+    shapes = verify.default_shapes(manifest)
+    runs = []
+    encode = Model._encode
+    monkeypatch.setattr(Model, "_encode", lambda self, inputs: runs.append(len(inputs["input_features"])) or
+                        encode(self, inputs))
+    once = verify.RuntimeSide(manifest)
+    every = verify.RuntimeSide(manifest)
+    del every.model._encode  # no memo: each row through the encoder stages (the class's method)
+    first_time = []
+    for shape in shapes:
+        case = verify.make_case(manifest, shape, 0)
+        before = len(runs)
+        got = once.run(case, dict(case.past))
+        mine, before = runs[before:], len(runs)
+        expected = every.run(case, dict(case.past))
+        assert runs[before:] == [1] * case.shape.batch  # every row through the encoder stages
+        assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+        first_time.extend(mine)
+    assert first_time == [1] * verify.AUDIO_WINDOWS and verify.AUDIO_WINDOWS < sum(shape.batch for shape in shapes)

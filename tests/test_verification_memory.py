@@ -288,7 +288,7 @@ def test_a_pass_is_verified_with_one_set_of_sessions_loaded_at_a_time(exported, 
     assert Manifest.load(out).pass_names() == ["el"]
 
 
-def test_audio_cases_share_windows_and_each_is_encoded_once_per_evaluation(exported, model_folders):
+def test_audio_cases_share_windows_and_each_is_encoded_once_per_evaluation(exported, model_folders, monkeypatch):
     """Whisper's cases draw their rows from ``AUDIO_WINDOWS`` windows (distinct within each case), and PyTorch's
     reference encodes each window once per evaluation: the same logits and encoder outputs as encoding every row,
     a third of the encoder's forwards."""
@@ -308,7 +308,13 @@ def test_audio_cases_share_windows_and_each_is_encoded_once_per_evaluation(expor
     model.get_encoder().register_forward_hook(lambda module, args, output: calls.append(1))
     model.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(
         lambda module, args, output: projections.append(args[0].shape[0]))
+    import elx.exporter.verification.verify as verify
+
     side = TorchSide(model, manifest)
+    RecordedSide(side, manifest, shapes, [0])  # the tiny model's outputs are short: each item's rows project theirs
+    assert projections == [case.shape.beams for case in cases for _ in range(case.shape.batch)] and not side.crossed
+    calls.clear(), projections.clear()
+    monkeypatch.setattr(verify, "CROSS_CACHE_BYTES", 1)  # whisper-base's 1500 frames: two rows' are past the budget
     recorded = RecordedSide(side, manifest, shapes, [0])
     assert len(calls) == AUDIO_WINDOWS and side.encoded == {} and side.crossed == {}  # forgotten after it
     assert projections == [1] * AUDIO_WINDOWS  # the cross keys/values once per window, one row each

@@ -336,7 +336,11 @@ class TorchSide:
             # peak (2.1 GB against the issue's bound of 1.58 GB).  Text models' sources are short: an item's beams
             # in one forward.  Each row's logits are those of the same forward on more rows
             chunk = rows_per_forward(encoder, self.layers, beams)
-            scores = [self._rows_scores(case, past, items[r // beams], n, mask, slice(r, r + n))
+            # long encoder outputs (two rows' cross keys/values past the budget: audio) read each output's cross
+            # keys/values projected once (``_cross``); short ones (text) project them in the item's one forward,
+            # which an extra forward per item would cost more than (bart-large's fp64 reference: 6.5 -> 13.0 s)
+            shared = rows_per_forward(encoder, self.layers, 2) < 2
+            scores = [self._rows_scores(case, past, items[r // beams], n, mask, slice(r, r + n), shared)
                       for r, n in _row_chunks(batch, beams, chunk)]
         return torch.cat(scores).numpy(), encoder.numpy()
 
@@ -375,10 +379,11 @@ class TorchSide:
         """Drop the encoder outputs and cross keys/values kept for this evaluation."""
         self.encoded, self.crossed = {}, {}
 
-    def _rows_scores(self, case: Case, past: dict, item_encoded: tuple, n: int, mask, item: slice):
+    def _rows_scores(self, case: Case, past: dict, item_encoded: tuple, n: int, mask, item: slice,
+                     shared: bool = True):
         """The last position's logits of ``n`` rows of one item (``item``: their slice of the case's rows,
-        ``item_encoded`` the item's (key, encoder output)); their cross keys and values are the item's
-        (``_cross``), seen by each row."""
+        ``item_encoded`` the item's (key, encoder output)); ``shared``: their cross keys and values are the item's
+        (``_cross``), seen by each row, else HF's decoder projects them for each row."""
         import torch
         from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
@@ -392,7 +397,8 @@ class TorchSide:
             return hf_decoder_logits(self.model, rows, mask, tokens, use_cache=False)[:, -1, :]
         pairs = [(torch.from_numpy(past[f"past_key_values.{i}.decoder.key"][item]),
                   torch.from_numpy(past[f"past_key_values.{i}.decoder.value"][item])) for i in range(self.layers)]
-        cross = [(k.expand(n, *k.shape[1:]), v.expand(n, *v.shape[1:])) for k, v in self._cross(key, encoder)]
+        cross = [(k.expand(n, *k.shape[1:]), v.expand(n, *v.shape[1:])) for k, v in self._cross(key, encoder)] \
+            if shared else []  # an empty cross cache: HF's decoder projects them
         cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache(cross))
         out = self.model(encoder_outputs=(rows,), attention_mask=mask,
                          decoder_input_ids=torch.from_numpy(case.tokens[item]), past_key_values=cache, use_cache=True)

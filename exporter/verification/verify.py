@@ -323,7 +323,9 @@ class TorchSide:
         mask = inputs.get("attention_mask")
         mask = None if mask is None else mask.repeat_interleave(beams, 0)
         with torch.no_grad():
-            # the encoder once per item, one item at a time, its output repeated per beam, as HF's generate
+            if "input_features" not in inputs:
+                return self._text_scores(case, past, inputs, mask)
+            # audio: the encoder once per item, one item at a time, its output repeated per beam, as HF's generate
             # does (the encoder runs before the inputs are expanded for beams).  Running it on batch × beams
             # rows at once was 2.6x the work of Whisper's four 30 s cases, and their float64 attention
             # matrices held together were the export's memory peak
@@ -342,6 +344,22 @@ class TorchSide:
             shared = rows_per_forward(encoder, self.layers, 2) < 2
             scores = [self._rows_scores(case, past, items[r // beams], n, mask, slice(r, r + n), shared)
                       for r, n in _row_chunks(batch, beams, chunk)]
+        return torch.cat(scores).numpy(), encoder.numpy()
+
+    def _text_scores(self, case: Case, past: dict, inputs: dict, mask):
+        """A text case: its items through the encoder in one forward, its rows through the decoder in as few as
+        ``rows_per_forward`` allows (all of them: text sources are short), as HF's generate runs them (the encoder
+        on the batch, the decoder on batch × beams rows, each item's padding its own and masked).  Each row computes
+        what it computes alone, in another blocking of the same sums.  An item at a time was two forwards per item,
+        each streaming a stack's weights (bart-large: 8 items, the fp64 reference converting every layer per
+        forward)."""
+        import torch
+
+        encoder = self.model.get_encoder()(**inputs).last_hidden_state
+        rows = encoder.repeat_interleave(case.shape.beams, 0)
+        chunk = rows_per_forward(encoder[:1], self.layers, case.rows)
+        scores = [self._rows_scores(case, past, (None, rows[r: r + chunk]), min(chunk, case.rows - r), mask,
+                                    slice(r, r + chunk), shared=False) for r in range(0, case.rows, chunk)]
         return torch.cat(scores).numpy(), encoder.numpy()
 
     def _encoded(self, item: dict) -> tuple:
@@ -388,7 +406,7 @@ class TorchSide:
         from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
         key, encoder = item_encoded
-        rows = encoder.expand(n, -1, -1)
+        rows = encoder if encoder.shape[0] == n else encoder.expand(n, -1, -1)  # the rows' own, or one item's
         mask = None if mask is None else mask[item]
         if self.prefill:
             from elx.exporter.verification.hf_decoding import hf_decoder_logits

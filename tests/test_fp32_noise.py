@@ -263,11 +263,20 @@ def test_the_export_loads_the_model_again_for_the_draws_it_needs(ill_conditioned
     nudged.shape, nudged.delta = shapes[i], (first[i] + widest[i]) / 2
     folder = elx.export(str(hf), tmp_path / "needed", quiet=True)
     record = Manifest.load(folder).data["verification"]["tolerance"]["fp32_noise"]
-    assert record["draws"]["run"] == 4
+    assert record["draws"]["run"] == 4 and not verify.skipped_draws_hint(Manifest.load(folder))
     assert [c["atol"] for c in record["cases"]] == pytest.approx(widest)
     nudged.delta = 0.0
     folder = elx.export(str(hf), tmp_path / "plain", quiet=True)
-    record = Manifest.load(folder).data["verification"]["tolerance"]["fp32_noise"]
+    plain = Manifest.load(folder)
+    record = plain.data["verification"]["tolerance"]["fp32_noise"]
     assert record["draws"]["run"] == 1 and [c["atol"] for c in record["cases"]] == pytest.approx(first, rel=1e-5)
+    # a pass refused against such a folder's bars says what to do
+    from elx.exporter.passes import rewrite
+
+    refused = {"within": False, "max_abs_logits_diff": 1.0, "tolerance": 1e-4, "logits_magnitude": 1.0,
+               "shapes": [{"max_abs_logits_diff": 1.0, "tolerance": 1e-4}]}
+    monkeypatch.setattr(rewrite, "verify_rewrite", lambda before, after, **options: refused)
+    with pytest.raises(ElxError, match="exceeds .*--fp32-draws all"):
+        rewrite.commit(tmp_path / "plain", plain, plain, "pass x")
     with pytest.raises(ElxError, match="fp32_draws"):
         elx.export(str(hf), tmp_path / "bad", quiet=True, fp32_draws="some")

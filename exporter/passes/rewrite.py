@@ -14,7 +14,7 @@ from elx.runners.manifest import Manifest
 
 from elx.exporter.capture.onnx_export import save_model
 from elx.exporter.capture.shared_weights import external_files, subgraphs
-from elx.exporter.verification.verify import require_within_tolerance, verify_rewrite
+from elx.exporter.verification.verify import require_within_tolerance, skipped_draws_hint, verify_rewrite
 
 SHAPE_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
@@ -213,6 +213,12 @@ def commit(folder: Path, before: Manifest, after: Manifest, what: str, **verify_
     """Verify ``after`` against ``before`` (``elx.exporter.verification.verify.verify_rewrite``); on success drop files only
     ``before`` used.  Raises (nothing committed) beyond the tolerance."""
     report = verify_rewrite(before, after, **verify_options)
-    require_within_tolerance(report, what)
+    try:
+        require_within_tolerance(report, what)
+    except ElxError as refusal:
+        hint = skipped_draws_hint(before)
+        if not hint:
+            raise
+        raise ElxError(f"{refusal}{hint}") from None
     drop_unused_files(folder, before, after)
     return report

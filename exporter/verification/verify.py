@@ -739,8 +739,9 @@ def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release
     verdict = _judged(fp32, fp64, graphs, manifest, shapes, seed)
     if fp32.later is not None:
         if verdict["within"]:
-            fp32.draws = {"run": 1, "why": "the graphs are within the first draw's bar on every case; the other "
-                                           "draws can only widen bars (``LaterDraws``)"}
+            fp32.draws = {"run": 1, "skipped": True,
+                          "why": "the graphs are within the first draw's bar on every case; the other draws can only "
+                                 "widen bars (LaterDraws)"}
             fp32.later = None
         else:
             model = reload_model()
@@ -824,6 +825,16 @@ def worst_report(reports: list) -> dict:
     worst = max(reports, key=closeness)
     return {**worst, "within": all(r.get("within", True) for r in reports),
             "shapes": [s for r in reports for s in r["shapes"]]}
+
+
+def skipped_draws_hint(manifest: Manifest) -> str:
+    """For a refusal measured against ``manifest``'s bars: what to do where its export skipped fp32's other rounding
+    draws (``LaterDraws``: its bars are the first draw's, which the other draws could have widened); else ""."""
+    draws = manifest.data.get("verification", {}).get("tolerance", {}).get("fp32_noise", {}).get("draws", {})
+    if not draws.get("skipped"):
+        return ""
+    return ("; this folder's bars are fp32's first rounding draw's (its export needed no other): export again with "
+            "--fp32-draws all, or with this pass, for bars from all of them")
 
 
 def require_within_tolerance(report: dict, what: str) -> None:

@@ -48,6 +48,8 @@ def export(model: str, output, *, passes: str | None = None, random_init: bool =
 
     Needs the export extra (PyTorch, transformers): ``pip install 'elx[export]'``."""
     check_arguments("export", locals())  # runners/arguments.py: one line naming a wrong argument
+    if fp32_draws not in ("needed", "all"):  # before the exporter's imports (torch, transformers: seconds)
+        raise ElxError(f"unknown fp32_draws {fp32_draws!r}; use one of needed, all")
     from elx.exporter.export import export_model
 
     return export_model(model, output, random_init=random_init, passes=passes, seed=seed, force=force, quiet=quiet,

@@ -265,7 +265,7 @@ def test_generate_file_takes_wrong_arguments_as_elx_errors(t5, data_file, tmp_pa
 
 @examples(25)
 @given(name=st.sampled_from(["model", "output", "passes", "random_init", "seed", "force", "quiet", "precision",
-                             "prompt_cache"]), value=WRONG)
+                             "prompt_cache", "fp32_draws"]), value=WRONG)
 def test_export_takes_wrong_arguments_as_elx_errors(tmp_path_factory, name, value):
     """A model no export can find, so that arguments that pass their checks end in ``ElxError`` quickly."""
     args = {"model": str(tmp_path_factory.mktemp("none") / "no-model"),

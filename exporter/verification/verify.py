@@ -36,7 +36,7 @@ from elx.runners.manifest import Manifest
 from elx.runners.model import Model
 from elx.runners.backends.ort import OrtBackend
 from elx.exporter.verification.shapes import DECODER_ONLY_SHAPES, SHAPES, Shape  # noqa: F401 (re-exported)
-from elx.exporter.memory import return_free_pages
+from elx.exporter.memory import free_weights, return_free_pages
 
 # -- the fp32 tolerance -----------------------------------------------------------------------------------
 # Two float32 evaluations of the same network (PyTorch's kernels, ONNX Runtime's; or the graphs before and
@@ -128,6 +128,15 @@ def make_case(manifest: Manifest, shape: Shape, seed: int) -> Case:
     return Case(shape, inputs, tokens, past, history, prefix)
 
 
+def _inputs_digest(inputs: dict) -> str:
+    """A digest of inputs by role: their names, dtypes and bytes (the key of a memo of their encoder output)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for role in sorted(inputs):
+        array = np.ascontiguousarray(inputs[role])
+        digest.update(role.encode() + str(array.dtype).encode() + array.tobytes())
+    return digest.hexdigest()
+
+
 class _AudioRows:
     """A ``Model``'s encoder stages on one audio row, run once per distinct row: the verification's cases draw their
     rows from ``AUDIO_WINDOWS`` windows (``_pooled_windows``), and its runtime side encodes audio a row at a time
@@ -147,10 +156,7 @@ class _AudioRows:
         features = inputs.get("input_features")
         if features is None or np.shape(features)[0] != 1:
             return type(model)._encode(model, inputs)
-        digest = hashlib.blake2b(digest_size=16)
-        for role in sorted(inputs):
-            digest.update(role.encode() + np.ascontiguousarray(inputs[role]).tobytes())
-        key = digest.hexdigest()
+        key = _inputs_digest(inputs)
         if key not in self.rows:
             self.rows[key] = type(model)._encode(model, inputs)
         state = self.rows[key]
@@ -366,10 +372,8 @@ class TorchSide:
         """The encoder's output for one item and its key, computed once per evaluation: an audio case's rows repeat
         windows that other cases encoded (``_pooled_windows``).  Kept by the item's bytes, dtype and attention
         kernel, until ``forget`` (``RecordedSide``: after each evaluation)."""
-        digest = hashlib.blake2b(digest_size=16)
-        for role in sorted(item):
-            digest.update(role.encode() + str(item[role].dtype).encode() + item[role].numpy().tobytes())
-        key = (digest.hexdigest(), getattr(self.model.config, "_attn_implementation", None))
+        key = (_inputs_digest({role: a.numpy() for role, a in item.items()}),
+               getattr(self.model.config, "_attn_implementation", None))
         if key not in self.encoded:
             self.encoded[key] = self.model.get_encoder()(**item).last_hidden_state
         return key, self.encoded[key]
@@ -748,8 +752,6 @@ def verify_export(model, manifest: Manifest, shapes=None, seed: int = 0, release
             try:
                 fp32.later.run(model, fp64, fp32, None, report)
             finally:
-                from elx.exporter.memory import free_weights
-
                 free_weights(model)
                 model = None
             verdict = _judged(fp32, fp64, graphs, manifest, shapes, seed)

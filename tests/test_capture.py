@@ -287,9 +287,11 @@ def test_the_child_never_tears_down_the_parents_garbage(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not __import__("elx.exporter.capture.parallel", fromlist=["x"]).parallel_allowed(),
                     reason="one core, or no fork")
-def test_a_small_model_traced_whole_has_its_step_graph_traced_by_the_second_process(tmp_path):
-    """A model traced whole (here 2 layers): the second process traces its decoder.onnx whole while this one goes
-    on; the graph is the one this process traces, byte for byte, and the child's files are gone."""
+def test_a_small_model_traced_whole_has_its_step_graph_traced_by_the_second_process(tmp_path, monkeypatch):
+    """A model traced whole (here 2 layers, builders off): the second process traces its decoder.onnx whole while
+    this one goes on; the graph is the one this process traces, byte for byte, and the child's files are gone.  With
+    the builders on (the default) the same model's graph is built whole from its weights instead, traces nothing, and
+    gives the traced graph's outputs bit for bit."""
     import torch
 
     from elx.exporter.capture.onnx_export import decoder_spec, save_model, trace
@@ -304,8 +306,9 @@ def test_a_small_model_traced_whole_has_its_step_graph_traced_by_the_second_proc
     def make_spec(m):
         return decoder_spec(m, family)[0]
 
-    for run in ("parallel", "here"):
+    for run in ("parallel", "here", "built"):
         (tmp_path / run).mkdir()
+    monkeypatch.setenv("ELX_TEMPLATE_BUILDER", "0")
     lines = []
     capture = Capture(model, family, tmp_path / "parallel", report=lines.append)
     try:
@@ -319,6 +322,18 @@ def test_a_small_model_traced_whole_has_its_step_graph_traced_by_the_second_proc
     assert any("(in a second process)" in line for line in lines), lines
     files = {run: {p.name: p.read_bytes() for p in (tmp_path / run).iterdir()} for run in ("parallel", "here")}
     assert files["parallel"] == files["here"] and "decoder.onnx" in files["here"]
+
+    monkeypatch.setenv("ELX_TEMPLATE_BUILDER", "1")
+    lines = []
+    capture = Capture(model, family, tmp_path / "built", report=lines.append)
+    try:
+        capture.prefetch(make_spec, tmp_path / "built" / "decoder.onnx")  # nothing to trace: no second process
+        capture.export(make_spec, tmp_path / "built" / "decoder.onnx")
+    finally:
+        capture.close()
+    assert capture.records["decoder.onnx"]["method"] == "built", capture.records
+    assert not any("second process" in line or "traced" in line for line in lines), lines
+    assert _same_outputs(tmp_path / "built" / "decoder.onnx", tmp_path / "here" / "decoder.onnx")
 
 def test_a_failing_wait_job_stops_the_second_process(tmp_path):
     """``Capture.while_waiting`` runs once where the export would wait for the template; if it fails, the child is

@@ -377,12 +377,12 @@ def test_disk_full_simulated(tmp_path, capsys, model_folders, monkeypatch):
 
 @pytest.fixture()
 def tiny_disk(tmp_path):
-    """A 600 kB tmpfs (root only): too small for the tiny T5's graphs."""
+    """A 200 kB tmpfs (root only): too small for the tiny T5's export (0.5 MB: its graphs and weights.data)."""
     mount = tmp_path / "tiny"
     mount.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     yield mount

@@ -22,8 +22,10 @@ prompt width from the last layer's prompt value, rows from layer 1's past key), 
 grouped-query reshapes (computed once, in layer 0's scope; a product by one key/value head left out, as torch
 does), the static one-token step shapes, and onnxscript's
 folding rule for the head's transpose (a tied head larger than 8192 values is shared with the embedding's Gather
-and kept as a Transpose node; every other weight is stored transposed).  Nodes carry no ``value_info`` (shapes of
-intermediate values), which nothing downstream reads for these graphs.
+and kept as a Transpose node; every other weight is stored transposed).  The prefill records the shapes of its values
+as a trace does (``value_shapes.shaped``: ``unpad`` finds the rows [batch, sequence, features] by them; without
+them ``--pass unpad`` refused every stitched Llama until the 20th session); the step graph carries none, which
+nothing downstream reads.
 
 **When.**  ``applies(model)`` says why not where the template would differ: another class (Phi-3's fused
 projections, Gemma's embedding scale and shifted norms, GPT-NeoX, ...), another activation or rotary type, a rotary
@@ -434,7 +436,11 @@ def build_step(template_model, values: bool = False,
 
 
 def prefill_graph(e, layers: int, kv: int, d: int, vocab: int) -> tuple:
-    """(the prefill template's model: ``e``'s nodes and initializers with its inputs and outputs, its bindings)."""
+    """(the prefill template's model: ``e``'s nodes and initializers with its inputs and outputs and the shapes of
+    its values, as a trace records them: ``unpad`` reads which values are rows [batch, sequence, features]; its
+    bindings)."""
+    from elx.exporter.capture.value_shapes import shaped
+
     kv_shape = ["batch", kv, "prompt_sequence", d]
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "prompt_sequence"])
               for n in ("input_ids", "attention_mask", "position_ids")]
@@ -442,7 +448,7 @@ def prefill_graph(e, layers: int, kv: int, d: int, vocab: int) -> tuple:
     for i in range(layers):
         outputs += [helper.make_tensor_value_info(f"present.{i}.{w}", TensorProto.FLOAT, kv_shape)
                     for w in ("key", "value")]
-    return _model(e, inputs, outputs)
+    return shaped(_model(e, inputs, outputs))
 
 
 def step_graph(e, layers: int, kv: int, d: int, vocab: int) -> tuple:

@@ -23,7 +23,7 @@ so the child needs no pickling and no second import.  What makes it safe:
 The template's graph comes back as an ONNX file (its tensors in a data file beside it) in the staged export
 folder, read once and removed.  ``ELX_CAPTURE_PARALLEL=0`` turns this off.
 
-A model traced whole (3 layers or fewer per stack, or refused by the stitcher) gets the same: the child traces its
+A model traced whole (3 layers or fewer per stack and no builder for it, or refused by the stitcher) gets the same: the child traces its
 step graph (``decoder.onnx``) whole while the parent traces the others, where the model's weights are at most
 ``WHOLE_BYTES`` (the child's graph holds them all, written and read back).  Measured on the 2-core AMD machine,
 ``tests/conftest.py``'s tiny models (one process then two, the same graphs byte for byte): T5 34.0 -> 26.6 s,
@@ -50,7 +50,7 @@ import onnx
 
 STALL_SECONDS = 60.0
 POLL_SECONDS = 0.2
-# A model traced whole (3 layers or fewer per stack, or one the stitcher refuses) has its step graph traced by the
+# A model traced whole (3 layers or fewer per stack and no builder, or one the stitcher refuses) has its step graph traced by the
 # second process too, where its weights take at most this many bytes: that graph holds every weight, written to a
 # file by the child and read back (a template's layers are synthetic and few).  Tiny T5, encoder and cross K/V here
 # while the decoder traces there (2-core machine): 49 -> 35 s.

@@ -28,7 +28,13 @@ and OPT (16th), T5, BART, Marian and mBART (17th): ``exporter/capture/builders.p
 the trace does (checked canonically against it), in milliseconds where the real SmolLM2-135M's took 11.7 + 19.9 s
 of tracing, GPT-2's 8.9 + 17.3 s and t5-base's three ~20 s on two cores.
 
-**When not.**  A model with 3 layers or fewer per stack is traced whole (nothing to save), and so is a model
+**Shallow models built whole.**  A model with 3 layers or fewer per stack has nothing to stitch; where a builder
+describes it, it is its own template (``Template.whole``) and each graph a builder writes is built from its own
+weights (milliseconds, where tracing a 2-layer model's graph takes 15-25 s on two cores), the other graphs traced
+whole.  The built graph computes what the trace does (``tests/test_capture.py`` compares their outputs bit for bit;
+node for node it differs only in which input each symbolic size is read from, as a stitched graph does).
+
+**When not.**  A shallow model no builder describes is traced whole (nothing to save), and so is a model
 whose template does not fit the stitcher's description (layers of several types, a layer-dependent constant, a
 weight folded into a form the binding does not know): ``Capture`` says why and traces whole.  ``ELX_CAPTURE``
 ``=trace`` forces whole-model tracing (for comparisons), ``=stitch`` makes a refusal an error (for tests).
@@ -102,7 +108,9 @@ class Capture:
             try:
                 self._template = make_template(self.model, TEMPLATE_LAYERS)
             except TooShallow as err:
-                self._refusal = f"traced whole: {err}"
+                self._template = _whole_model_template(self.model)
+                if self._template is None:
+                    self._refusal = f"traced whole: {err}"
             except NotStitchable as err:
                 self._refused(f"traced whole: {err}")
         return self._template
@@ -174,7 +182,11 @@ class Capture:
             spec = make_spec(template.model)
             if self._builder(spec) is not None:  # built here when its graph is exported: milliseconds, no cache
                 return
-            key = self._cache_key(spec, path.name)
+            if not template.whole:
+                key = self._cache_key(spec, path.name)
+        if template.whole:  # a shallow model's graph no builder writes: traced whole
+            self._prefetch_whole(make_spec, path)
+            return
         cached = _from_cache(key) if key else None
         if cached is not None:
             self._cached[path.name] = cached
@@ -212,6 +224,9 @@ class Capture:
         path = Path(path)
         real = make_spec(self.model)
         template = self._get_template()
+        if template is not None and template.whole and not self._builds_whole(make_spec):
+            template = None  # a shallow model's graph no builder writes: traced whole
+            self.records[path.name] = {"why": "traced whole: no builder writes this graph of a shallow model"}
         if template is not None:
             started = time.perf_counter()
             try:
@@ -234,6 +249,13 @@ class Capture:
         self.records[path.name] = {"method": "traced", "why": why, "seconds": round(time.perf_counter() - started, 1),
                                    **how}
         return written
+
+    def _builds_whole(self, make_spec) -> bool:
+        """A builder writes this graph of a shallow model (``Template.whole``)."""
+        import torch
+
+        with torch.random.fork_rng():  # the spec's example inputs draw from torch's generator: leave it as it was
+            return self._builder(make_spec(self._template.model)) is not None
 
     def _builder(self, spec):
         """The template builder module that builds ``spec``'s template (``exporter/capture/builders.py``)
@@ -336,7 +358,8 @@ class Capture:
             started = time.perf_counter()
             model, self._bound[name] = builders.build(builder, spec.module, self._template.model)
             built = time.perf_counter() - started
-            self.report(f"{name}: built its {TEMPLATE_LAYERS}-layer template from the weights in {built:.1f} s "
+            what = "built whole" if self._template.whole else f"built its {TEMPLATE_LAYERS}-layer template"
+            self.report(f"{name}: {what} from the weights in {built:.1f} s "
                         f"(exporter/capture/{builder.__name__.rsplit('.', 1)[-1]}.py)")
             return model, built, "built"
         key = self._cache_key(spec, name)
@@ -409,11 +432,33 @@ class Capture:
         order_io(model, io_names, real.input_names, real.output_names)
         _check_every_layer_read(model, bindings, template)
         bind_weights(model, bindings, weights, tensors)
+        if template.whole:
+            self.records[name] = {"method": "built", "why": f"{template.layers} layers or fewer per stack: built whole "
+                                  "from the weights, nothing to stitch"}
+            return model
         self.records[name] = {"method": "stitched", "template_layers": TEMPLATE_LAYERS,
                               "template_trace_seconds": round(traced, 1),
                               "template_traced_in_parallel": where == "second process",
                               "template_from_cache": where == "cache", "template_built": where == "built"}
         return model
+
+
+def _whole_model_template(model):
+    """A model of ``TEMPLATE_LAYERS`` layers or fewer per stack as its own template (``Template.whole``), where a
+    builder of ``exporter/capture/builders.py`` describes it: its graphs are then built from its own weights, the
+    stitcher copying no layer, instead of traced whole (a 2-layer model's trace takes 15-25 s a graph on the 2-core
+    machines, its build milliseconds).  None (trace it whole) where no builder applies, builders are off
+    (``ELX_TEMPLATE_BUILDER=0``) or the model has no layer stack."""
+    from elx.exporter.capture import builders, llama_builder
+    from elx.exporter.capture.template import Template, stacks_of
+
+    if not llama_builder.enabled():
+        return None
+    builder = builders.for_model(model)
+    stacks = stacks_of(model)
+    if builder is None or not stacks or builder.applies(model) is not None:
+        return None
+    return Template(model, {stack: (count, count) for stack, count in stacks.items()}, whole=True)
 
 
 def _from_cache(key: str):

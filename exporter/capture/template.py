@@ -10,7 +10,8 @@ PyTorch's meta device (nothing allocated), then given its tensors:
   exporter derives from one of them names it unambiguously (``exporter/capture/weights.py``); the stitcher
   then points it at the user's layer (``exporter/capture/stitch.py``).
 
-A model whose stacks have ``TEMPLATE_LAYERS`` layers or fewer is traced whole (there is nothing to save).
+A model whose stacks have ``TEMPLATE_LAYERS`` layers or fewer has nothing to stitch: built whole from its own weights where a
+builder describes it (``stitched._whole_model_template``), else traced whole.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def stacks_of(model) -> dict:
 class Template:
     model: torch.nn.Module  # the few-layer HF model (its layers' weights synthetic)
     stacks: dict  # {stack path in the HF model: (template layers, the user's model's layers)}
+    whole: bool = False  # the model itself, shallow enough to be built whole (``capture/stitched.py``)
 
     @property
     def layers(self) -> int:

@@ -12,8 +12,8 @@ on: the elx source (the bytes of every module of ``elx``, ``elx.exporter``, ``el
 torch, transformers, onnx and onnxscript, the graph's file name, the template model's class, config and attention
 implementation, the wrapper's class, input and output names, example shapes and dtypes and dynamic axes, and the
 bytes of every tensor the template takes from the model (embeddings, head, norms, buffers: its layers' tensors are
-synthetic, drawn from a fixed seed).  A graph traced whole (a model of 3 layers or fewer per stack, or one the
-stitcher refuses) is kept the same way, keyed by the bytes of all the model's tensors, where they take at most a
+synthetic, drawn from a fixed seed).  A graph traced whole (a model of 3 layers or fewer per stack no builder
+describes, or one the stitcher refuses) is kept the same way, keyed by the bytes of all the model's tensors, where they take at most a
 tenth of the cache (``whole_graph_key``): the distilled and tiny checkpoints whose export is mostly the trace.  A hit gives the graph the trace gave, byte for byte, and the export goes on
 exactly as after a trace (stitching, the verification against PyTorch in full).  Beside it, the template's
 bindings (which initializer holds which model tensor: ``exporter/capture/weights.py``'s ``bind``, a function of

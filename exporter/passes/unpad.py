@@ -259,6 +259,11 @@ def _width(tensor) -> int:
         widths = [_width(t) for t in producer.inputs if t.name and constant_shape(t) is None]
         if widths:
             return max(widths)
+    for consumer in tensor.outputs:  # the rows a product with a constant weight reads (a built graph's attention
+        # output, whose shape ONNX's inference leaves open past the grouped-query reshapes)
+        weight = _weight(consumer) if consumer.inputs and consumer.inputs[0] is tensor else None
+        if weight is not None:
+            return int(weight[0])
     raise ElxError(f"pass unpad: the width of {tensor.name} is unknown; report this model")
 
 

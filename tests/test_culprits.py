@@ -32,7 +32,8 @@ def search(alone: dict, together, skip_bad=True):
     returns (kept layer indices, the candidates verified, the layers left out with their reasons)."""
     verified = []
 
-    def verify(after, layers, seed):
+    def verify(after, layers, seed, probe=False):
+        assert probe == after.probe  # single-layer probes say so (a pass may run them on fewer cases)
         errors = [alone[i] for i in after.layers]
         diff = errors[0] if len(errors) == 1 else together(errors)
         if seed == 0 and not after.probe:
@@ -94,3 +95,16 @@ def test_random_errors_end_within_the_limit_or_refuse(seed):
 def test_without_skip_bad_the_worst_layer_is_named():
     with pytest.raises(culprits.ElxError, match=r"decoder layer 1: max abs logits diff 0.0004"):
         search({0: 1e-5, 1: 4e-4, 2: 2e-5}, culprits.rss_estimate, skip_bad=False)
+
+
+def test_a_decoder_only_probe_runs_the_cases_that_read_the_prompt_cache_in_a_few_forwards():
+    """slim=skip-bad's single-layer probes on a decoder-only export run the cases with at most one cached token
+    before the step (``slim_rope.probe_shapes``): 5 of the 25 forwards the five cases take on a prefilled side."""
+    from elx.exporter.passes.slim_rope import probe_shapes
+    from elx.exporter.verification.shapes import DECODER_ONLY_SHAPES
+
+    chosen = probe_shapes(DECODER_ONLY_SHAPES)
+    assert chosen and set(chosen) < set(DECODER_ONLY_SHAPES) and all(s.past <= 1 for s in chosen)
+    forwards = lambda shapes: sum(1 + s.past + 1 for s in shapes)  # noqa: E731 - the prompt, each prefix token, the step
+    assert (forwards(chosen), forwards(DECODER_ONLY_SHAPES)) == (5, 25)
+    assert probe_shapes(DECODER_ONLY_SHAPES[3:4]) == DECODER_ONLY_SHAPES[3:4]  # none that short: all of them

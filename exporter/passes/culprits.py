@@ -58,8 +58,9 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     """Rewrite the layers not in ``bad``, verify, and on an accuracy failure find the culprit layers.
 
     ``candidate(layers, suffix) -> Manifest`` writes graphs with those layers rewritten (file
-    names carry ``suffix``); ``verify(after, layers, seed) -> report`` compares them with ``manifest``
-    (run at every one of ``VERIFY_SEEDS``; the worst counts, and must be within ``verify_limit``).
+    names carry ``suffix``); ``verify(after, layers, seed, probe=False) -> report`` compares them with ``manifest``
+    (run at every one of ``VERIFY_SEEDS``; the worst counts, and must be within ``verify_limit``; ``probe``: a
+    single-layer probe, which only ranks, where a pass may run fewer cases: ``_errors_alone``).
     Refuses naming a layer unless ``skip_bad``; then layers are left out (joining ``bad``, in
     place), worst first by their error when rewritten alone, until the rest verifies (``_left_out``: as many at
     once as the root-sum-square of the others' errors alone asks, then one at a time).
@@ -149,13 +150,14 @@ def _errors_alone(folder: Path, manifest: Manifest, name: str, layers: list, can
 
     A probe ranks; it is never adopted, so one seed is enough (a layer beyond the limit at one seed is beyond it
     at three; one within it at one seed may still be left out by the search when the rest does not verify at
-    three).  At SmolLM2-1.7B a probe at three seeds took 90 s (45 s of it running the cases), 24 probes an hour."""
+    three), and a pass may run it on fewer cases (``verify(..., probe=True)``: ``slim_rope.PROBE_SHAPES``).  At
+    SmolLM2-1.7B a probe at three seeds took 90 s (45 s of it running the cases), 24 probes an hour."""
     alone = {}
     started = time.perf_counter()
     for done, layer in enumerate(layers, 1):
         probe = candidate([layer], f"{name}-probe")
         try:
-            diff = verify(probe, [layer], VERIFY_SEEDS[0])["max_abs_logits_diff"]
+            diff = verify(probe, [layer], VERIFY_SEEDS[0], probe=True)["max_abs_logits_diff"]
         finally:
             remove_new_files(folder, manifest, probe)
         alone[layer.index] = diff if np.isfinite(diff) else float("inf")  # NaN counts as the worst

@@ -338,7 +338,7 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
         after, done, report = verified_rewrite(
             folder, manifest, NAME, "decoder self-attention", layers, bad, skip_bad,
             candidate=lambda todo, suffix: _candidate(manifest, pass_file(step_file, suffix), todo),
-            verify=lambda candidate, todo, seed: verify_rewrite(
+            verify=lambda candidate, todo, seed, probe=False: verify_rewrite(
                 manifest, candidate, seed=seed, reference=reference, sides=sides,
                 past_from=consistent_past(todo, heads, d_kv, seed + 1)))
     adopt(folder, manifest, after)

@@ -30,7 +30,7 @@ class Candidate:
 def search(alone: dict, together, skip_bad=True):
     """Run ``verified_rewrite`` with each layer's error ``alone[i]`` and ``together(errors)`` the error of a set;
     returns (kept layer indices, the candidates verified, the layers left out with their reasons)."""
-    verified = []
+    verified, seeds = [], {}
 
     def verify(after, layers, seed, probe=False):
         assert probe == after.probe  # single-layer probes say so (a pass may run them on fewer cases)
@@ -38,6 +38,8 @@ def search(alone: dict, together, skip_bad=True):
         diff = errors[0] if len(errors) == 1 else together(errors)
         if seed == 0 and not after.probe:
             verified.append(after.layers)
+        if not after.probe:
+            seeds.setdefault(after.layers, []).append(seed)
         return {"max_abs_logits_diff": diff, "tolerance": 2 * LIMIT, "shapes": [], "within": diff <= 2 * LIMIT}
 
     bad = {}
@@ -45,6 +47,8 @@ def search(alone: dict, together, skip_bad=True):
     after, kept, report = culprits.verified_rewrite("/nonexistent", Candidate([]), "slim", "decoder", layers, bad,
                                                     skip_bad, Candidate, verify)
     assert report["max_abs_logits_diff"] <= LIMIT and after.layers == tuple(layer.index for layer in kept)
+    # the adopted candidate ran every seed; one beyond the limit (the same error at every seed here) only the first
+    assert all(seeds[c] == (list(culprits.VERIFY_SEEDS) if c == after.layers else [0]) for c in seeds), seeds
     return [layer.index for layer in kept], verified, bad
 
 

@@ -182,8 +182,7 @@ class Capture:
             spec = make_spec(template.model)
             if self._builder(spec) is not None:  # built here when its graph is exported: milliseconds, no cache
                 return
-            if not template.whole:
-                key = self._cache_key(spec, path.name)
+            key = None if template.whole else self._cache_key(spec, path.name)
         if template.whole:  # a shallow model's graph no builder writes: traced whole
             self._prefetch_whole(make_spec, path)
             return
@@ -224,7 +223,7 @@ class Capture:
         path = Path(path)
         real = make_spec(self.model)
         template = self._get_template()
-        if template is not None and template.whole and not self._builds_whole(make_spec):
+        if template is not None and template.whole and self._builder(real) is None:  # ``real``: the template's spec
             template = None  # a shallow model's graph no builder writes: traced whole
             self.records[path.name] = {"why": "traced whole: no builder writes this graph of a shallow model"}
         if template is not None:
@@ -249,13 +248,6 @@ class Capture:
         self.records[path.name] = {"method": "traced", "why": why, "seconds": round(time.perf_counter() - started, 1),
                                    **how}
         return written
-
-    def _builds_whole(self, make_spec) -> bool:
-        """A builder writes this graph of a shallow model (``Template.whole``)."""
-        import torch
-
-        with torch.random.fork_rng():  # the spec's example inputs draw from torch's generator: leave it as it was
-            return self._builder(make_spec(self._template.model)) is not None
 
     def _builder(self, spec):
         """The template builder module that builds ``spec``'s template (``exporter/capture/builders.py``)

@@ -27,7 +27,9 @@ os.environ["ELX_CACHE_DIR"] = _SESSION_CACHE
 os.environ["ELX_TEMPLATE_CACHE"] = "1"
 
 # -- the CI slice ------------------------------------------------------------------------------------------
-# CI must stay under 40 minutes on the 2-core machine: it runs one case of each kind.  The cases below repeat
+# CI must stay under 40 minutes on the 2-core machine: it runs one case of each kind, in two pytest-xdist workers
+# (the README's command: ``-n 2 --dist loadfile``; each worker has its own session, so a session fixture's exports
+# are made once per worker that uses them; 21st session, this VM: 1870 s in one process, 1282 s in two).  The cases below repeat
 # a kind another test already runs in CI (named after each), and run only with ELX_LONG_TESTS=1.  Measured
 # with `pytest --durations=0` (issue 23-28 merge, 2026-11-25): together about a third of the suite's time.  Session 14 (suite 2275 s
 # here, CI 2517 s) moved whisper-biased el-self generation and the fp16 release case (~60 s).

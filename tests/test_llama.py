@@ -264,6 +264,7 @@ PRESETS = {  # name: (architecture, layers, d_model, heads, key/value heads, hea
     "qwen2.5-0.5b": ("Qwen2ForCausalLM", 24, 896, 14, 2, 64, True),
     "phi-3-mini": ("Phi3ForCausalLM", 32, 3072, 32, 32, 96, False),
     "llama-3.2-1b": ("LlamaForCausalLM", 16, 2048, 32, 8, 64, True),
+    "gemma-2b": ("GemmaForCausalLM", 18, 2048, 8, 1, 256, True),
 }
 
 

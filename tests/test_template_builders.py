@@ -1,17 +1,18 @@
-"""Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, T5,
+"""Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, GPT-2, OPT, T5,
 BART, Marian, mBART, Pegasus, M2M100/NLLB, Whisper; issue 41) are the traced templates node for node, and an export built on them verifies against
 PyTorch.
 
 The comparison is canonical: op types, attributes, inputs by structure (constants by value, weights by their bytes),
 module scopes (what the stitcher and int8's per-layer rule read); value names and node order may differ.  A
 transformers, torch or onnxscript upgrade that changes the traced graph fails here first (every case with
-ELX_LONG_TESTS=1: ``tools/check_transformers_range.sh`` runs them; CI: Llama, Flan-T5, Marian, M2M100, Whisper).  No timing is asserted.
+ELX_LONG_TESTS=1: ``tools/check_transformers_range.sh`` runs them; CI: Llama, Gemma, Phi-3, Flan-T5, Marian, M2M100, Whisper).  No timing is asserted.
 (``tests/test_capture.py`` traces Llama's templates, ``ELX_TEMPLATE_BUILDER=0``, for the trace's own tests.)
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 
 import onnx
@@ -30,7 +31,10 @@ def canonical(model: onnx.ModelProto, names: dict | None = None) -> tuple[Counte
         names[value.name] = "input:" + value.name
     for tensor in graph.initializer:
         array = numpy_helper.to_array(tensor)
-        named = "" if tensor.name.startswith("val_") else tensor.name  # the exporter's own names say nothing
+        # the exporter's own names say nothing: ``val_*``, and a folded constant named after its node (Gemma's
+        # ``1 + w``: ``add_119``)
+        named = "" if tensor.name.startswith("val_") or re.fullmatch(r"[a-z]+(_[a-z]+)*_[0-9]+", tensor.name) \
+            else tensor.name
         digest = hashlib.sha1(array.dtype.str.encode() + repr(array.shape).encode() + array.tobytes()).hexdigest()
         names[tensor.name] = f"initializer:{named}:{digest}"
     nodes = Counter()
@@ -57,6 +61,14 @@ CONFIGS = [
     pytest.param("qwen2", {}, id="qwen2-biases-tied", marks=LONG_ONLY),  # non-zero q/k/v biases, MHA, tied head
     # q/k RMSNorm per head, head_dim 16 != hidden / heads
     pytest.param("qwen3", {}, id="qwen3-head-norms", marks=LONG_ONLY),
+    # Gemma: embeddings scaled by sqrt(d), RMSNorms by 1 + w (folded), GELU's tanh form, MQA, head_dim 16 != d / h,
+    # a tied head of more than 8192 values (as every real Gemma's)
+    pytest.param("gemma", dict(vocab_size=300), id="gemma-shifted-norms-gelu-large-tied-head"),
+    # Phi-3: fused q/k/v and gate/up products sliced and split, half the head rotated (partial_rotary_factor 0.5),
+    # grouped-query (as Phi-3-medium; its queries grouped by a view, not Llama's computed rows)
+    pytest.param("phi3", dict(num_key_value_heads=2), id="phi3-fused-partial-rotary-gqa"),
+    # Phi-3-mini's: all of the head rotated (the slicing folded away), MHA
+    pytest.param("phi3", dict(partial_rotary_factor=1.0), id="phi3-full-rotary-mha", marks=LONG_ONLY),
     # a tied head of more than 8192 values (kept a Transpose by the optimizer, as GPT-2's 50257 x 768), n_inner set
     # (CI time: GPT-2's and OPT's built exports run in CI, verified against PyTorch with their Gemm heads; their
     # canonical comparisons with the trace run with ELX_LONG_TESTS=1, as before a transformers upgrade)
@@ -190,10 +202,13 @@ def _row_shapes(model) -> dict:
 def test_models_the_builder_does_not_describe_are_named_with_the_reason():
     from elx.exporter.capture import llama_builder
 
-    for family in ("llama", "mistral", "qwen2", "qwen3"):
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"):
         assert llama_builder.applies(BUILDERS[family]().eval()) is None, family
-    assert "Phi3ForCausalLM" in llama_builder.applies(BUILDERS["phi3"]().eval())  # fused q/k/v: another graph
-    assert "GemmaForCausalLM" in llama_builder.applies(BUILDERS["gemma"]().eval())
+    assert "GPTNeoXForCausalLM" in llama_builder.applies(BUILDERS["gpt_neox"]().eval())  # another graph
+    longrope = dict(rope_type="longrope", short_factor=[1.0] * 2, long_factor=[2.0] * 2,
+                    original_max_position_embeddings=64)
+    assert "rotary type longrope" in llama_builder.applies(BUILDERS["phi3"](rope_scaling=longrope).eval())
+    assert "activation gelu_new" in llama_builder.applies(BUILDERS["gemma"](hidden_act="gelu_new").eval())
     assert "activation gelu" in llama_builder.applies(BUILDERS["llama"](hidden_act="gelu").eval())
     scaled = BUILDERS["llama"](rope_scaling=dict(rope_type="linear", factor=2.0)).eval()
     assert "rotary type linear" in llama_builder.applies(scaled)
@@ -207,7 +222,7 @@ def test_gpt2_models_the_builder_does_not_describe_are_named_with_the_reason():
     from elx.exporter.capture import builders, gpt2_builder
 
     assert builders.for_model(BUILDERS["gpt2"]().eval()) is gpt2_builder
-    assert builders.for_model(BUILDERS["gemma"]().eval()) is None  # no builder: traced
+    assert builders.for_model(BUILDERS["gpt_neox"]().eval()) is None  # no builder: traced
     for overrides, why in ((dict(activation_function="relu"), "activation relu"),
                            (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
                            (dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
@@ -272,6 +287,7 @@ def test_opt_models_the_builder_does_not_describe_are_named_with_the_reason():
 
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen3", {}), ("mistral", {}),
+                                             ("gemma", dict(vocab_size=300)), ("phi3", dict(num_key_value_heads=2)),
                                              # tied heads of more than 8192 values: the optimizer keeps a Transpose
                                              ("qwen2", dict(vocab_size=300)), ("gpt2", dict(vocab_size=300)),
                                              ("opt", dict(vocab_size=300)), ("t5", dict(vocab_size=300)),
@@ -314,7 +330,8 @@ def test_an_export_on_built_templates_verifies_and_says_so(family, overrides, tm
         passed = json.loads((apply_passes(out, tmp_path / "unpad", passes, quiet=True) / "manifest.json").read_text())
         assert passed["graphs"][graph]["file"] == f"{graph}.unpad.onnx"
         assert passed["verification"]["export"]["within"] is True
-    if overrides:  # the tied head over the last position: a Gemm on the embedding, no Transpose for ORT to fold
+    if "vocab_size" in overrides:  # the tied head over the last position: a Gemm on the embedding, no Transpose for ORT
+        # to fold
         graph = onnx.load(str(tmp_path / "out" / ("decoder.onnx" if seq2seq else "prefill.onnx")),
                           load_external_data=False).graph
         logits = next(n for n in graph.node if "logits" in n.output)

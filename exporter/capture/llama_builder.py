@@ -1,12 +1,15 @@
-"""The prefill and shared-prompt step templates of the Llama-architecture families (Llama, Mistral, Qwen2, Qwen3)
-built from the weights, without torch.export (issue 41).
+"""The prefill and shared-prompt step templates of the Llama-architecture families (Llama, Mistral, Qwen2, Qwen3,
+Gemma, Phi-3) built from the weights, without torch.export (issue 41).
 
 **Why.**  A first export's critical path is tracing its two 3-layer templates (``exporter/capture/stitched.py``):
 on the real SmolLM2-135M, 11.7 s (prefill) and 19.9 s (step) on two cores at once, most of it torch.export's
 symbolic-shape work per FX node, whatever the model's size.  onnxruntime-genai's builder writes its graphs from
 the weights in seconds; this module does the same for the templates of ``LlamaForCausalLM`` and the classes that
 share its graph (``CLASSES``: Mistral's is Llama's; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per query and key
-head): milliseconds, since it writes no weight values (stitching binds the model's own tensors).
+head, Gemma its embeddings scaled by sqrt(d), RMSNorms scaling by ``1 + w`` (folded, bound as ``w`` shifted:
+``exporter/capture/weights.py``) and GELU's tanh form, Phi-3 its fused ``qkv_proj`` and ``gate_up_proj`` (one
+product each, sliced and split as HF does) and a rotation over part of each head where ``partial_rotary_factor`` <
+1): milliseconds, since it writes no weight values (stitching binds the model's own tensors).
 
 **Same graph.**  The nodes are those ``trace`` writes for ``decoder_only.PrefillGraph`` and
 ``SharedPromptStepGraph`` over the template model (HF's Llama modules with elx's attention: ``capture/attention.py``,
@@ -27,8 +30,8 @@ as a trace does (``value_shapes.shaped``: ``unpad`` finds the rows [batch, seque
 them ``--pass unpad`` refused every stitched Llama until the 20th session); the step graph carries none, which
 nothing downstream reads.
 
-**When.**  ``applies(model)`` says why not where the template would differ: another class (Phi-3's fused
-projections, Gemma's embedding scale and shifted norms, GPT-NeoX, ...), another activation or rotary type, a rotary
+**When.**  ``applies(model)`` says why not where the template would differ: another class (GPT-NeoX's parallel
+residual and per-head fused q/k/v, ...), another activation (``ACTIVATIONS``: SiLU and GELU's tanh form) or rotary type, a rotary
 attention factor, ``pretraining_tp``; those templates are traced (``stitched.py``), as everything is
 with ``ELX_TEMPLATE_BUILDER=0``.  A transformers, torch or onnxscript upgrade that changes the traced graph shows in
 the canonical test before it reaches a user.
@@ -74,16 +77,18 @@ class Emitter:
             self.consts[key] = name
         return self.consts[key]
 
-    def weight(self, name: str, source: str, transposed: bool = False) -> str:
-        """Initializer ``name`` holding the model tensor ``source`` (the wrapper's name), transposed or not."""
-        from elx.exporter.capture.weights import IDENTITY, TRANSPOSE, Binding
+    def weight(self, name: str, source: str, transposed: bool = False, shift: float = 0.0) -> str:
+        """Initializer ``name`` holding the model tensor ``source`` (the wrapper's name), transposed or not, or plus
+        the constant ``shift`` (Gemma's ``1 + w``, as onnxscript's optimizer folds it)."""
+        from elx.exporter.capture.weights import IDENTITY, SHIFT, TRANSPOSE, Binding
 
         source, tensor = self.sources[source]
-        self.bindings[name] = Binding(source, TRANSPOSE if transposed else IDENTITY)
+        binding = Binding(source, SHIFT, shift) if shift else Binding(source, TRANSPOSE if transposed else IDENTITY)
+        self.bindings[name] = binding
         shape = tuple(reversed(tensor.shape)) if transposed else tuple(tensor.shape)
         if self.values:
-            array = tensor.detach().numpy()
-            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array.T if transposed else array), name))
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(binding.apply(tensor.detach().numpy())),
+                                                      name))
         else:
             self.inits.append(TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape))  # as the cache's bound
         return name
@@ -135,10 +140,25 @@ class Emitter:
         self.scope.pop()
 
 
+SHIFTED_NORMS = ("GemmaRMSNorm",)  # RMSNorms that scale by ``1 + w``, after the normalized values
+
+
+def norm_weight(e, path: str, name: str | None = None) -> str:
+    """The initializer the RMSNorm at ``path`` scales by: its ``weight`` (named ``name``, else as the model names it),
+    or, for a norm that scales by ``1 + w`` (``SHIFTED_NORMS``), ``1 + weight`` folded (onnxscript's optimizer does,
+    naming it after the node: the builder's name starts with ``val_``, the exporter's own, as the trace's canonical
+    comparison reads names)."""
+    source = f"{path}.weight"
+    if type(e.module(path)).__name__ in SHIFTED_NORMS:
+        return e.weight(f"val_shifted_{path}.weight", source, shift=1.0)
+    return e.weight(name or source, source)
+
+
 def rms_norm(e, x, weight_name, eps, path, out=None):
-    """The RMSNorm at ``path`` (its own epsilon where it keeps one, else ``eps``); its output named ``out`` where
-    given (a graph output)."""
+    """The RMSNorm at ``path`` (its own epsilon where it keeps one, else ``eps``) scaling by the initializer
+    ``weight_name`` (``norm_weight``); its output named ``out`` where given (a graph output)."""
     eps = float(getattr(e.module(path), "variance_epsilon", eps))
+    shifted = type(e.module(path)).__name__ in SHIFTED_NORMS
     e.enter(path)
     p = e("Pow", [x, e.const(2.0, np.float32)], "pow")
     m = e("ReduceMean", [p, e.const([-1])], "mean", dict(noop_with_empty_axes=0, keepdims=1))
@@ -146,7 +166,7 @@ def rms_norm(e, x, weight_name, eps, path, out=None):
     s = e("Sqrt", [a], "rsqrt")
     r = e("Reciprocal", [s], "rsqrt")
     y = e("Mul", [x, r], "mul")
-    y = e("Mul", [weight_name, y], "mul", out=out)
+    y = e("Mul", [y, weight_name] if shifted else [weight_name, y], "mul", out=out)  # HF's operand order
     e.leave()
     return y
 
@@ -157,7 +177,19 @@ def head_norm(e, y, lp, which, eps):
     path = f"{lp}.self_attn.{which}_norm"
     if not hasattr(e.module(f"{lp}.self_attn"), f"{which}_norm"):
         return y
-    return rms_norm(e, y, e.weight(f"{path}.weight", f"{path}.weight"), eps, path)
+    return rms_norm(e, y, norm_weight(e, path), eps, path)
+
+
+def projections(e, h, t, lp: str, heads: int, kv: int, d: int) -> tuple:
+    """Layer ``lp``'s query, key and value projections of ``h`` (before the heads' reshape): three products, or one
+    of Phi-3's fused ``qkv_proj`` sliced along the features as HF slices it."""
+    if not hasattr(e.module(f"{lp}.self_attn"), "qkv_proj"):
+        return tuple(linear(e, h, t(f"self_attn.{w}_proj"), f"{lp}.self_attn.{w}_proj") for w in "qkv")
+    fused, C = linear(e, h, t("self_attn.qkv_proj"), f"{lp}.self_attn.qkv_proj"), e.const
+    ends = (heads * d, (heads + kv) * d)
+    return (e("Slice", [fused, C([0]), C([ends[0]]), C([2]), C([1])], "slice"),
+            e("Slice", [fused, C([ends[0]]), C([ends[1]]), C([2]), C([1])], "slice"),
+            e("Slice", [fused, C([ends[1]]), C([INT64_MAX]), C([2]), C([1])], "slice"))
 
 
 def linear(e, x, weight_t, path, fx="linear"):
@@ -202,8 +234,11 @@ def build_prefill(template_model, values: bool = False,
     heads, kv, d, layers, tied = _dims(model)
     e, b_shape, p_shape, mask = prefill_start(model, values, wrapper_class)
     grouped = kv != heads
+    # Phi-3's queries (sliced from the fused product) are grouped by a view over [batch, kv, -1, d]; the others' by
+    # an unsafe view whose rows torch computes from the sizes (b h p d // b kv d)
+    sliced = hasattr(e.module("model.model.layers.0.self_attn"), "qkv_proj")
     if grouped:
-        b = e("Squeeze", [b_shape], "sym_size_int", hook=True)
+        b = None if sliced else e("Squeeze", [b_shape], "sym_size_int", hook=True)
         p = e("Squeeze", [p_shape], "sym_size_int", hook=True)
         p2 = e("Pow", [p, e.const(2)], "pow", hook=True)
         p_sq_over_p = e("Div", [p2, p], "floordiv", hook=True)
@@ -212,21 +247,24 @@ def build_prefill(template_model, values: bool = False,
     shared = {}
     for i in range(layers):
         lp, h, t = _layer_start(e, x, i, eps)
-        q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
+        q, k, v = projections(e, h, t, lp, heads, kv, d)
         if "view" not in shared:
             shared["view"] = e("Concat", [b_shape, p_shape, e.const([-1]), e.const([d])], "view", dict(axis=0))
         q = e("Transpose", [head_norm(e, e("Reshape", [q, shared["view"]], "view", dict(allowzero=1)), lp, "q", eps)],
               "transpose", dict(perm=[0, 2, 1, 3]))
-        k = linear(e, h, t("self_attn.k_proj"), f"{lp}.self_attn.k_proj")
         k = e("Transpose", [head_norm(e, e("Reshape", [k, shared["view"]], "view", dict(allowzero=1)), lp, "k", eps)],
               "transpose", dict(perm=[0, 2, 1, 3]))
-        v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
         v = e("Transpose", [e("Reshape", [v, shared["view"]], "view", dict(allowzero=1))], "transpose",
               dict(perm=[0, 2, 1, 3]), out=f"present.{i}.value")
         q = rope(q)
         k = rope(k, out=f"present.{i}.key")
         scaling = e.const(np.float32(d ** -0.5), np.float32)
-        if grouped:
+        if grouped and sliced:
+            if "grouped_q" not in shared:
+                shared["grouped_q"] = e("Concat", [b_shape, e.const([kv]), e.const([-1]), e.const([d])], "view",
+                                        dict(axis=0))
+            qg = e("Reshape", [q, shared["grouped_q"]], "view", dict(allowzero=1))
+        if grouped and not sliced:
             if "grouped_q" not in shared:
                 m1 = e("Mul", [b, e.const(heads)], "mul")
                 m1 = e("Mul", [m1, p], "mul")
@@ -238,6 +276,7 @@ def build_prefill(template_model, values: bool = False,
                 shared["grouped_q"] = e("Concat", [b_shape, e.const([kv]), rows, e.const([d])], "_unsafe_view",
                                         dict(axis=0))
             qg = e("Reshape", [q, shared["grouped_q"]], "_unsafe_view", dict(allowzero=1))
+        if grouped:
             s = e("MatMul", [qg, e("Transpose", [k], "transpose", dict(perm=[0, 1, 3, 2]))], "matmul")
             if "scores" not in shared:
                 shared["scores"] = e("Concat", [b_shape, e.const([heads]), p_shape, e.const([-1])], "view",
@@ -264,8 +303,7 @@ def build_prefill(template_model, values: bool = False,
         e.leave()
         x = _residual_and_mlp(e, x, o, lp, t, eps)
         e.leave()
-    e.weight("model.model.norm.weight", "model.model.norm.weight")
-    x = rms_norm(e, x, "model.model.norm.weight", eps, "model.model.norm")
+    x = rms_norm(e, x, norm_weight(e, "model.model.norm"), eps, "model.model.norm")
     e.leave()  # model.model
     _head(e, x, model, tied)
     return prefill_graph(e, layers, kv, d, c.vocab_size)
@@ -412,13 +450,11 @@ def build_step(template_model, values: bool = False,
     C = e.const
     for i in range(layers):
         lp, h, t = _layer_start(e, x, i, eps)
-        q = linear(e, h, t("self_attn.q_proj"), f"{lp}.self_attn.q_proj")
+        q, k, v = projections(e, h, t, lp, heads, kv, d)
         q = e("Transpose", [head_norm(e, e("Reshape", [q, C([-1, 1, heads, d])], "view", dict(allowzero=1)), lp, "q",
                                       eps)], "transpose", dict(perm=[0, 2, 1, 3]))
-        k = linear(e, h, t("self_attn.k_proj"), f"{lp}.self_attn.k_proj")
         k = e("Transpose", [head_norm(e, e("Reshape", [k, C([-1, 1, kv, d])], "view", dict(allowzero=1)), lp, "k",
                                       eps)], "transpose", dict(perm=[0, 2, 1, 3]))
-        v = linear(e, h, t("self_attn.v_proj"), f"{lp}.self_attn.v_proj")
         v = e("Transpose", [e("Reshape", [v, C([-1, 1, kv, d])], "view", dict(allowzero=1))], "transpose",
               dict(perm=[0, 2, 1, 3]))
         q = rope(q)
@@ -428,8 +464,7 @@ def build_step(template_model, values: bool = False,
         e.leave()
         x = _residual_and_mlp(e, x, o, lp, t, eps)
         e.leave()
-    e.weight("model.model.norm.weight", "model.model.norm.weight")
-    x = rms_norm(e, x, "model.model.norm.weight", eps, "model.model.norm")
+    x = rms_norm(e, x, norm_weight(e, "model.model.norm"), eps, "model.model.norm")
     e.leave()
     _head(e, x, model, tied)
     return step_graph(e, layers, kv, d, c.vocab_size)
@@ -486,21 +521,28 @@ def _dims(model) -> tuple:
 
 class Rotary:
     """``rope(y, out=None)``: the rotary embedding of ``y`` [.., heads, seq, d] (rotate-half), its cos and sin
-    unsqueezed over the heads at the first call (layer 0's attention scope, as the trace makes them)."""
+    unsqueezed over the heads at the first call (layer 0's attention scope, as the trace makes them).  Where the
+    rotation covers ``rotary`` < ``d`` features (Phi-3's ``partial_rotary_factor``) the rest pass unrotated:
+    ``Concat(rope(y[..., :rotary]), y[..., rotary:])``; over all of them the optimizer drops that slicing."""
 
-    def __init__(self, e, cos, sin, half: int):
-        self.e, self.cos, self.sin, self.half, self.unsqueezed = e, cos, sin, half, None
+    def __init__(self, e, cos, sin, rotary: int, d: int):
+        self.e, self.cos, self.sin, self.rotary, self.d, self.unsqueezed = e, cos, sin, rotary, d, None
 
     def __call__(self, y, out=None):
-        e, C, half = self.e, self.e.const, self.half
+        e, C, half = self.e, self.e.const, self.rotary // 2
         if self.unsqueezed is None:
             self.unsqueezed = tuple(e("Unsqueeze", [t, C([1])], "unsqueeze") for t in (self.cos, self.sin))
         cos, sin = self.unsqueezed
+        partial = self.rotary < self.d
+        if partial:
+            rest = e("Slice", [y, C([self.rotary]), C([INT64_MAX]), C([3]), C([1])], "slice")
+            y = e("Slice", [y, C([0]), C([self.rotary]), C([3]), C([1])], "slice")
         a = e("Mul", [y, cos], "mul")
         s1 = e("Slice", [y, C([0]), C([half]), C([3]), C([1])], "slice")
         s2 = e("Slice", [y, C([half]), C([INT64_MAX]), C([3]), C([1])], "slice")
         rot = e("Concat", [e("Neg", [s2], "neg"), s1], "cat", dict(axis=-1))
-        return e("Add", [a, e("Mul", [rot, sin], "mul")], "add", out=out)
+        y = e("Add", [a, e("Mul", [rot, sin], "mul")], "add", out=None if partial else out)
+        return e("Concat", [y, rest], "cat", dict(axis=-1), out=out) if partial else y
 
 
 def _embedding_and_rotary(e, model, tied):
@@ -512,6 +554,11 @@ def _embedding_and_rotary(e, model, tied):
     e.weight(embed_name, "model.model.embed_tokens.weight")
     e.enter("model.model.embed_tokens")
     x = e("Gather", [embed_name, "input_ids"], "embedding", dict(axis=0))
+    scale = getattr(e.module("model.model.embed_tokens"), "embed_scale", None)
+    if scale is not None:  # Gemma's sqrt(d): a constant of the graph (a buffer the config sets), by the buffer's name
+        name = "model.model.embed_tokens.embed_scale"
+        e.inits.append(numpy_helper.from_array(scale.detach().numpy().astype(np.float32), name))
+        x = e("Mul", [x, name], "mul")
     e.leave()
     e.enter("model.model.rotary_emb")
     inv = e.weight("model.model.rotary_emb.inv_freq", "model.model.rotary_emb.inv_freq")
@@ -521,7 +568,7 @@ def _embedding_and_rotary(e, model, tied):
     emb = e("Concat", [freqs, freqs], "cat", dict(axis=-1))
     cos, sin = e("Cos", [emb], "cos"), e("Sin", [emb], "sin")
     e.leave()
-    return x, Rotary(e, cos, sin, _dims(model)[2] // 2)
+    return x, Rotary(e, cos, sin, 2 * e.module("model.model.rotary_emb").inv_freq.numel(), _dims(model)[2])
 
 
 def _layer_start(e, x, i: int, eps: float):
@@ -529,9 +576,7 @@ def _layer_start(e, x, i: int, eps: float):
     the weight ``name`` of the layer stored transposed (as the exporter folds ``linear``'s transpose)."""
     lp = f"model.model.layers.{i}"
     e.enter(lp)
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        e.weight(f"{lp}.{norm}.weight", f"{lp}.{norm}.weight")
-    h = rms_norm(e, x, f"{lp}.input_layernorm.weight", eps, f"{lp}.input_layernorm")
+    h = rms_norm(e, x, norm_weight(e, f"{lp}.input_layernorm"), eps, f"{lp}.input_layernorm")
     e.enter(f"{lp}.self_attn")
     return lp, h, lambda name: e.weight(f"val_w{i}_{name}", f"{lp}.{name}.weight", transposed=True)
 
@@ -539,16 +584,39 @@ def _layer_start(e, x, i: int, eps: float):
 def _residual_and_mlp(e, x, attention, lp, t, eps):
     """Layer ``lp``'s residual add, post-attention norm, SwiGLU MLP and second residual add."""
     x = e("Add", [x, attention], "add")
-    h = rms_norm(e, x, f"{lp}.post_attention_layernorm.weight", eps, f"{lp}.post_attention_layernorm")
+    post = f"{lp}.post_attention_layernorm"
+    h = rms_norm(e, x, norm_weight(e, post), eps, post)
     e.enter(f"{lp}.mlp")
-    gate = linear(e, h, t("mlp.gate_proj"), f"{lp}.mlp.gate_proj")
-    e.enter(f"{lp}.mlp.act_fn")
-    gate = e("Mul", [gate, e("Sigmoid", [gate], "silu")], "silu")
-    e.leave()
-    up = linear(e, h, t("mlp.up_proj"), f"{lp}.mlp.up_proj")
-    y = linear(e, e("Mul", [gate, up], "mul"), t("mlp.down_proj"), f"{lp}.mlp.down_proj")
+    if hasattr(e.module(f"{lp}.mlp"), "gate_up_proj"):  # Phi-3: one product, chunked; up * act(gate)
+        fused = linear(e, h, t("mlp.gate_up_proj"), f"{lp}.mlp.gate_up_proj")
+        gate, up = e("Split", [fused], "split", dict(axis=2, num_outputs=2), outputs=2, bare=True)
+        hidden = e("Mul", [up, activation(e, gate, f"{lp}.mlp.activation_fn")], "mul")
+    else:
+        gate = activation(e, linear(e, h, t("mlp.gate_proj"), f"{lp}.mlp.gate_proj"), f"{lp}.mlp.act_fn")
+        hidden = e("Mul", [gate, linear(e, h, t("mlp.up_proj"), f"{lp}.mlp.up_proj")], "mul")
+    y = linear(e, hidden, t("mlp.down_proj"), f"{lp}.mlp.down_proj")
     e.leave()
     return e("Add", [x, y], "add")
+
+
+ACTIVATIONS = {"SiLUActivation": "silu", "GELUTanh": "gelu"}  # HF's activation module: the trace's fx name
+
+
+def activation(e, x, path: str):
+    """The activation module at ``path`` over ``x`` as torch decomposes it (``ACTIVATIONS``): SiLU as ``x *
+    sigmoid(x)``; GELU's tanh form (Gemma's ``gelu_pytorch_tanh``) as ``x * 0.5 * (1 + tanh(sqrt(2/pi) * (x +
+    0.044715 x^3)))``, its constants in float32."""
+    fx = ACTIVATIONS[type(e.module(path)).__name__]
+    e.enter(path)
+    if fx == "silu":
+        y = e("Mul", [x, e("Sigmoid", [x], fx)], fx)
+    else:
+        f32 = np.float32
+        inner = e("Add", [x, e("Mul", [e.const(0.044715, f32), e("Pow", [x, e.const(3.0, f32)], fx)], fx)], fx)
+        t = e("Tanh", [e("Mul", [e.const(np.sqrt(2 / np.pi), f32), inner], fx)], fx)
+        y = e("Mul", [x, e("Mul", [e.const(0.5, f32), e("Add", [t, e.const(1.0, f32)], fx)], fx)], fx)
+    e.leave()
+    return y
 
 
 def _head(e, x, model, tied, final_bias: str | None = None, path: str = "model.lm_head"):
@@ -576,7 +644,8 @@ def _head(e, x, model, tied, final_bias: str | None = None, path: str = "model.l
 # the classes whose templates are the same nodes over the same module tree (canonically checked against the trace:
 # ``tests/test_llama_builder.py``): Mistral is Llama's graph; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per query
 # and key head (``linear``, ``head_norm``)
-CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+           "Phi3ForCausalLM")
 
 
 def enabled() -> bool:
@@ -598,13 +667,18 @@ def applies(model) -> str | None:
         heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
         return {
-            f"activation {c.hidden_act}": c.hidden_act != "silu",
+            f"activation {c.hidden_act}": type(_activation_module(model.model.layers[0].mlp)).__name__
+            not in ACTIVATIONS,
             f"rotary type {rope.get('rope_type')}": rope.get("rope_type", "default") not in ("default", "llama3"),
             "rotary attention factor": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) != 1.0,
             "pretraining_tp": getattr(c, "pretraining_tp", 1) not in (None, 1),
             "query heads not a multiple of the key/value heads": heads % kv != 0,
         }
     return why_not(model, CLASSES, checks)
+
+
+def _activation_module(mlp):
+    return getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3's is ``activation_fn``
 
 
 def why_not(model, classes, checks) -> str | None:

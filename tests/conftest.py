@@ -18,8 +18,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # (45-60 s on the 2-core machines; 2.5-5 s from the cache, byte for byte the same graphs:
 # tests/test_template_cache.py).  Since the 20th session the tiny models a builder describes (T5, BART, Marian,
 # mBART, Pegasus, M2M100, Whisper, Llama, Mistral, Qwen2/3, GPT-2, OPT) are built whole instead, in milliseconds
-# (exporter/capture/stitched.py; the full suite 2797 -> 1870 s on the same kind of VM); FSMT and GPT-NeoX
-# are still traced (Gemma and Phi-3 built since the 21st session).  Tests of the trace itself turn the builders and the cache off (tests/test_capture.py,
+# (exporter/capture/stitched.py; the full suite 2797 -> 1870 s on the same kind of VM); FSMT is still
+# traced (Gemma, Phi-3 and GPT-NeoX built since the 21st session).  Tests of the trace itself turn the builders and the cache off (tests/test_capture.py,
 # ELX_TEMPLATE_BUILDER=0); tests/test_template_cache.py uses a folder of its own.
 _SESSION_CACHE = tempfile.mkdtemp(prefix="elx-tests-cache-")
 atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)

@@ -1,11 +1,12 @@
-"""Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, GPT-2, OPT, T5,
-BART, Marian, mBART, Pegasus, M2M100/NLLB, Whisper; issue 41) are the traced templates node for node, and an export built on them verifies against
-PyTorch.
+"""Templates built from the weights (``exporter/capture/builders.py``: Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3,
+GPT-NeoX, GPT-2, OPT, T5, BART, Marian, mBART, Pegasus, M2M100/NLLB, Whisper; issue 41) are the traced templates node
+for node, and an export built on them verifies against PyTorch.
 
 The comparison is canonical: op types, attributes, inputs by structure (constants by value, weights by their bytes),
 module scopes (what the stitcher and int8's per-layer rule read); value names and node order may differ.  A
 transformers, torch or onnxscript upgrade that changes the traced graph fails here first (every case with
-ELX_LONG_TESTS=1: ``tools/check_transformers_range.sh`` runs them; CI: Llama, Gemma, Phi-3, Flan-T5, Marian, M2M100, Whisper).  No timing is asserted.
+ELX_LONG_TESTS=1: ``tools/check_transformers_range.sh`` runs them; CI: Llama, Gemma, Phi-3, GPT-NeoX, Flan-T5,
+Marian, M2M100, Whisper).  No timing is asserted.
 (``tests/test_capture.py`` traces Llama's templates, ``ELX_TEMPLATE_BUILDER=0``, for the trace's own tests.)
 """
 from __future__ import annotations
@@ -69,6 +70,9 @@ CONFIGS = [
     pytest.param("phi3", dict(num_key_value_heads=2), id="phi3-fused-partial-rotary-gqa"),
     # Phi-3-mini's: all of the head rotated (the slicing folded away), MHA
     pytest.param("phi3", dict(partial_rotary_factor=1.0), id="phi3-full-rotary-mha", marks=LONG_ONLY),
+    # GPT-NeoX (Pythia): LayerNorms, biased fused q/k/v viewed per head and split, a quarter of each head rotated,
+    # parallel residual, exact GELU, untied head
+    pytest.param("gpt_neox", {}, id="gpt-neox-parallel-residual"),
     # a tied head of more than 8192 values (kept a Transpose by the optimizer, as GPT-2's 50257 x 768), n_inner set
     # (CI time: GPT-2's and OPT's built exports run in CI, verified against PyTorch with their Gemm heads; their
     # canonical comparisons with the trace run with ELX_LONG_TESTS=1, as before a transformers upgrade)
@@ -218,11 +222,24 @@ def test_models_the_builder_does_not_describe_are_named_with_the_reason():
     assert builders.build(llama_builder, object(), BUILDERS["llama"]().eval()) is None  # a wrapper not built
 
 
+def test_gpt_neox_models_the_builder_does_not_describe_are_named_with_the_reason():
+    from elx.exporter.capture import builders, neox_builder
+
+    assert builders.for_model(BUILDERS["gpt_neox"]().eval()) is neox_builder
+    assert neox_builder.applies(BUILDERS["gpt_neox"]().eval()) is None
+    for overrides, why in ((dict(use_parallel_residual=False), "sequential residual"),
+                           (dict(hidden_act="relu"), "activation relu"),
+                           (dict(attention_bias=False), "no attention biases"),
+                           (dict(tie_word_embeddings=True), "tied to the embedding"),
+                           (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), "rotary type linear")):
+        assert why in neox_builder.applies(BUILDERS["gpt_neox"](**overrides).eval()), why
+
+
 def test_gpt2_models_the_builder_does_not_describe_are_named_with_the_reason():
     from elx.exporter.capture import builders, gpt2_builder
 
     assert builders.for_model(BUILDERS["gpt2"]().eval()) is gpt2_builder
-    assert builders.for_model(BUILDERS["gpt_neox"]().eval()) is None  # no builder: traced
+    assert builders.for_model(BUILDERS["fsmt"]().eval()) is None  # no builder: traced
     for overrides, why in ((dict(activation_function="relu"), "activation relu"),
                            (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
                            (dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
@@ -288,6 +305,7 @@ def test_opt_models_the_builder_does_not_describe_are_named_with_the_reason():
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen3", {}), ("mistral", {}),
                                              ("gemma", dict(vocab_size=300)), ("phi3", dict(num_key_value_heads=2)),
+                                             ("gpt_neox", {}),
                                              # tied heads of more than 8192 values: the optimizer keeps a Transpose
                                              ("qwen2", dict(vocab_size=300)), ("gpt2", dict(vocab_size=300)),
                                              ("opt", dict(vocab_size=300)), ("t5", dict(vocab_size=300)),

@@ -2,17 +2,18 @@
 
 Each module has ``CLASSES`` (the model classes it describes), ``applies(model)`` (None, or why its templates are traced)
 and the builders of its wrappers' templates (``WRAPPERS``; ``build_X(template_model, values)``): decoder-only
-modules ``decoder_only.PrefillGraph``'s and ``SharedPromptStepGraph``'s (the per-beam step is traced); encoder-decoder
+modules (Llama, Mistral, Qwen2/3, Gemma, Phi-3; GPT-NeoX; GPT-2; OPT) ``decoder_only.PrefillGraph``'s and
+``SharedPromptStepGraph``'s (the per-beam step is traced); encoder-decoder
 modules (T5; BART, Marian, mBART, Pegasus, M2M100/NLLB; Whisper) the encoder's, cross K/V's and decoder step's
 (``capture/wrappers.py``; their shared parts: ``seq2seq_parts.py``).  ``ELX_TEMPLATE_BUILDER``
 (``llama_builder.enabled``) switches them all.  ``exporter/capture/stitched.py`` asks ``for_model`` and ``build``.
 """
 from __future__ import annotations
 
-from elx.exporter.capture import bart_builder, gpt2_builder, llama_builder, opt_builder, t5_builder, \
+from elx.exporter.capture import bart_builder, gpt2_builder, llama_builder, neox_builder, opt_builder, t5_builder, \
     whisper_builder
 
-MODULES = (llama_builder, gpt2_builder, opt_builder, t5_builder, bart_builder, whisper_builder)
+MODULES = (llama_builder, neox_builder, gpt2_builder, opt_builder, t5_builder, bart_builder, whisper_builder)
 # the wrapper classes whose templates a builder may write, and the function that does (where the module has it)
 WRAPPERS = {"PrefillGraph": "build_prefill", "SharedPromptStepGraph": "build_step",  # decoder-only
             "EncoderGraph": "build_encoder", "CrossKVGraph": "build_cross_kv", "DecoderGraph": "build_decoder"}

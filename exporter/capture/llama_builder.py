@@ -30,8 +30,8 @@ as a trace does (``value_shapes.shaped``: ``unpad`` finds the rows [batch, seque
 them ``--pass unpad`` refused every stitched Llama until the 20th session); the step graph carries none, which
 nothing downstream reads.
 
-**When.**  ``applies(model)`` says why not where the template would differ: another class (GPT-NeoX's parallel
-residual and per-head fused q/k/v, ...), another activation (``ACTIVATIONS``: SiLU and GELU's tanh form) or rotary type, a rotary
+**When.**  ``applies(model)`` says why not where the template would differ: another class (GPT-NeoX's:
+``neox_builder.py``), another activation (``ACTIVATIONS``: SiLU and GELU's tanh form) or rotary type, a rotary
 attention factor, ``pretraining_tp``; those templates are traced (``stitched.py``), as everything is
 with ``ELX_TEMPLATE_BUILDER=0``.  A transformers, torch or onnxscript upgrade that changes the traced graph shows in
 the canonical test before it reaches a user.
@@ -84,6 +84,9 @@ class Emitter:
 
         source, tensor = self.sources[source]
         binding = Binding(source, SHIFT, shift) if shift else Binding(source, TRANSPOSE if transposed else IDENTITY)
+        if tensor.numel() < 2:  # as ``bind`` has it: a single value is a constant of the graph, not a bound weight
+            self.inits.append(numpy_helper.from_array(binding.apply(tensor.detach().numpy()), name))
+            return name
         self.bindings[name] = binding
         shape = tuple(reversed(tensor.shape)) if transposed else tuple(tensor.shape)
         if self.values:
@@ -143,15 +146,14 @@ class Emitter:
 SHIFTED_NORMS = ("GemmaRMSNorm",)  # RMSNorms that scale by ``1 + w``, after the normalized values
 
 
-def norm_weight(e, path: str, name: str | None = None) -> str:
-    """The initializer the RMSNorm at ``path`` scales by: its ``weight`` (named ``name``, else as the model names it),
-    or, for a norm that scales by ``1 + w`` (``SHIFTED_NORMS``), ``1 + weight`` folded (onnxscript's optimizer does,
-    naming it after the node: the builder's name starts with ``val_``, the exporter's own, as the trace's canonical
-    comparison reads names)."""
+def norm_weight(e, path: str) -> str:
+    """The initializer the RMSNorm at ``path`` scales by: its ``weight``, named as the model names it, or, for a norm
+    that scales by ``1 + w`` (``SHIFTED_NORMS``), ``1 + weight`` folded (onnxscript's optimizer does, naming it after
+    its node: the builder's name starts with ``val_``, the exporter's own, as the canonical comparison reads names)."""
     source = f"{path}.weight"
     if type(e.module(path)).__name__ in SHIFTED_NORMS:
         return e.weight(f"val_shifted_{path}.weight", source, shift=1.0)
-    return e.weight(name or source, source)
+    return e.weight(source, source)
 
 
 def rms_norm(e, x, weight_name, eps, path, out=None):
@@ -560,15 +562,21 @@ def _embedding_and_rotary(e, model, tied):
         e.inits.append(numpy_helper.from_array(scale.detach().numpy().astype(np.float32), name))
         x = e("Mul", [x, name], "mul")
     e.leave()
-    e.enter("model.model.rotary_emb")
-    inv = e.weight("model.model.rotary_emb.inv_freq", "model.model.rotary_emb.inv_freq")
+    return x, rotary(e, "model.model.rotary_emb", _dims(model)[2])
+
+
+def rotary(e, path: str, d: int) -> Rotary:
+    """The rotary embedding module at ``path`` (its cos and sin tables at ``position_ids``), as ``Rotary`` over heads
+    of ``d`` features (the rotated ones: twice its frequencies)."""
+    e.enter(path)
+    inv = e.weight(f"{path}.inv_freq", f"{path}.inv_freq")
     pos = e("Unsqueeze", ["position_ids", e.const([2])], "unsqueeze")
     pos = e("Cast", [pos], "_to_copy", dict(to=TensorProto.FLOAT))
     freqs = e("Mul", [pos, inv], "mul")
     emb = e("Concat", [freqs, freqs], "cat", dict(axis=-1))
     cos, sin = e("Cos", [emb], "cos"), e("Sin", [emb], "sin")
     e.leave()
-    return x, Rotary(e, cos, sin, 2 * e.module("model.model.rotary_emb").inv_freq.numel(), _dims(model)[2])
+    return Rotary(e, cos, sin, 2 * e.module(path).inv_freq.numel(), d)
 
 
 def _layer_start(e, x, i: int, eps: float):
@@ -582,7 +590,8 @@ def _layer_start(e, x, i: int, eps: float):
 
 
 def _residual_and_mlp(e, x, attention, lp, t, eps):
-    """Layer ``lp``'s residual add, post-attention norm, SwiGLU MLP and second residual add."""
+    """Layer ``lp``'s residual add, post-attention norm, gated MLP (``activation(gate) * up``; Phi-3's gate and up from
+    one product) and second residual add."""
     x = e("Add", [x, attention], "add")
     post = f"{lp}.post_attention_layernorm"
     h = rms_norm(e, x, norm_weight(e, post), eps, post)
@@ -599,19 +608,23 @@ def _residual_and_mlp(e, x, attention, lp, t, eps):
     return e("Add", [x, y], "add")
 
 
-ACTIVATIONS = {"SiLUActivation": "silu", "GELUTanh": "gelu"}  # HF's activation module: the trace's fx name
+ACTIVATIONS = ("SiLUActivation", "GELUTanh")  # HF's activation modules the Llama-family templates are built with
 
 
 def activation(e, x, path: str):
-    """The activation module at ``path`` over ``x`` as torch decomposes it (``ACTIVATIONS``): SiLU as ``x *
-    sigmoid(x)``; GELU's tanh form (Gemma's ``gelu_pytorch_tanh``) as ``x * 0.5 * (1 + tanh(sqrt(2/pi) * (x +
-    0.044715 x^3)))``, its constants in float32."""
-    fx = ACTIVATIONS[type(e.module(path)).__name__]
+    """The activation module at ``path`` over ``x`` as torch decomposes it: SiLU as ``x * sigmoid(x)``; exact GELU
+    (GPT-NeoX's) as ``x * 0.5 * (1 + erf(x / sqrt(2)))``; GELU's tanh form (Gemma's ``gelu_pytorch_tanh``) as ``x *
+    0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))``; the constants in float32."""
+    kind = type(e.module(path)).__name__
+    fx = "silu" if kind == "SiLUActivation" else "gelu"
+    f32 = np.float32
     e.enter(path)
-    if fx == "silu":
+    if kind == "SiLUActivation":
         y = e("Mul", [x, e("Sigmoid", [x], fx)], fx)
+    elif kind == "GELUActivation":
+        erf = e("Erf", [e("Div", [x, e.const(np.sqrt(2.0), f32)], fx)], fx)
+        y = e("Mul", [x, e("Mul", [e.const(0.5, f32), e("Add", [erf, e.const(1.0, f32)], fx)], fx)], fx)
     else:
-        f32 = np.float32
         inner = e("Add", [x, e("Mul", [e.const(0.044715, f32), e("Pow", [x, e.const(3.0, f32)], fx)], fx)], fx)
         t = e("Tanh", [e("Mul", [e.const(np.sqrt(2 / np.pi), f32), inner], fx)], fx)
         y = e("Mul", [x, e("Mul", [e.const(0.5, f32), e("Add", [t, e.const(1.0, f32)], fx)], fx)], fx)

@@ -211,6 +211,14 @@ def prefill_start(model, values: bool, wrapper_class: str) -> tuple:
     return (e, *prompt_mask(e))
 
 
+def step_start(model, values: bool, wrapper_class: str, layers: int, heads: int, kv: int, d: int) -> tuple:
+    """(an ``Emitter`` inside the shared-prompt step wrapper's scope, and its ``StepSizes``: every decoder-only
+    family whose step wrapper computes them alike: Llama's architecture, GPT-NeoX, OPT)."""
+    e = Emitter(model, values)
+    e.enter("", wrapper_class)
+    return e, StepSizes(e, layers, heads, kv, d)
+
+
 def prompt_mask(e):
     """The prefill wrapper's sizes and additive causal mask over ``attention_mask``: (batch [1], width [1], mask
     [batch, 1, width, width]) as the trace writes them (every decoder-only family alike)."""
@@ -443,9 +451,7 @@ def build_step(template_model, values: bool = False,
     """The shared-prompt step template (``decoder_only.SharedPromptStepGraph``)."""
     model, c = template_model, template_model.config
     heads, kv, d, layers, tied = _dims(model)
-    e = Emitter(model, values)
-    e.enter("", wrapper_class)
-    step = StepSizes(e, layers, heads, kv, d)
+    e, step = step_start(model, values, wrapper_class, layers, heads, kv, d)
     x, rope = _embedding_and_rotary(e, model, tied)
     eps = float(c.rms_norm_eps)
     scaling = e.const(np.float32(d ** -0.5), np.float32)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from elx.exporter.capture.gpt2_builder import _layer_norm, _once
-from elx.exporter.capture.llama_builder import (Emitter, StepSizes, _head, activation, linear, prefill_graph,
-                                                prefill_start, rotary, step_graph, why_not)
+from elx.exporter.capture.llama_builder import (_head, activation, linear, prefill_graph, prefill_start, rotary,
+                                                step_graph, step_start, why_not)
 
 CLASSES = ("GPTNeoXForCausalLM",)
 
@@ -91,10 +91,11 @@ def _finish(e, x, model):
     _head(e, x, model, False)
 
 
-def _rename_value(e, i: int, v: str) -> None:
-    """The split's value output is the graph's ``present.i.value`` (the trace names it so)."""
-    split = e.nodes[-1] if v in e.nodes[-1].output else next(n for n in e.nodes if v in n.output)
+def _rename_value(e, i: int, v: str) -> str:
+    """The prefill's split writes the value head as the graph output ``present.i.value`` (the trace names it so)."""
+    split = next(n for n in reversed(e.nodes) if v in n.output)
     split.output[list(split.output).index(v)] = f"present.{i}.value"
+    return f"present.{i}.value"
 
 
 def build_prefill(template_model, values: bool = False,
@@ -109,8 +110,7 @@ def build_prefill(template_model, values: bool = False,
     scaling = C(np.float32(n.d ** -0.5), np.float32)
 
     def attention(q, k, v, i):
-        _rename_value(e, i, v)
-        v = f"present.{i}.value"
+        v = _rename_value(e, i, v)
         q, k = rope(q), rope(k, out=f"present.{i}.key")
         s = e("MatMul", [q, e("Transpose", [k], "transpose", dict(perm=[0, 1, 3, 2]))], "matmul")
         s = e("Add", [e("Mul", [s, scaling], "mul"), mask], "add")
@@ -128,10 +128,8 @@ def build_step(template_model, values: bool = False,
                wrapper_class="elx.exporter.capture.decoder_only.SharedPromptStepGraph") -> tuple:
     """The shared-prompt step template (``decoder_only.SharedPromptStepGraph``) over GPT-NeoX ``template_model``."""
     model, n = template_model, _Dims(template_model)
-    e = Emitter(model, values)
+    e, step = step_start(model, values, wrapper_class, n.layers, n.heads, n.heads, n.d)
     C = e.const
-    e.enter("", wrapper_class)
-    step = StepSizes(e, n.layers, n.heads, n.heads, n.d)
     x, rope = _start(e, n)
     scaling = C(np.float32(n.d ** -0.5), np.float32)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from elx.exporter.capture.gpt2_builder import _layer_norm, _once
-from elx.exporter.capture.llama_builder import (Emitter, StepSizes, _head, linear, prefill_graph, prefill_start,
-                                                step_graph, why_not)
+from elx.exporter.capture.llama_builder import (_head, linear, prefill_graph, prefill_start, step_graph, step_start,
+                                                why_not)
 
 CLASSES = ("OPTForCausalLM",)
 
@@ -143,10 +143,8 @@ def build_step(template_model, values: bool = False,
                wrapper_class="elx.exporter.capture.decoder_only.SharedPromptStepGraph") -> tuple:
     """The shared-prompt step template (``decoder_only.SharedPromptStepGraph``) over OPT ``template_model``."""
     model, n = template_model, _Dims(template_model)
-    e = Emitter(model, values)
+    e, step = step_start(model, values, wrapper_class, n.layers, n.heads, n.heads, n.d)
     C = e.const
-    e.enter("", wrapper_class)
-    step = StepSizes(e, n.layers, n.heads, n.heads, n.d)
     x = _embeddings(e, n, lambda: C([-1, 1]))
     heads_view = lambda: C([-1, 1, n.heads, n.d])  # noqa: E731
 

@@ -27,12 +27,13 @@ from elx.exporter.passes import check_model_kind, check_not_applied, parse_passe
 from elx.exporter.passes.catalog import precision_refusal, prompt_cache_refusal
 from elx.exporter.precision.fp16_export import check_precision, fp16_checks, refuse_fp16
 from elx.exporter.progress import WEIGHTS, Progress, pass_lines
-from elx.exporter.memory import check_export_memory, free_weights, release_memory
+from elx.exporter.memory import (check_export_memory, collector_skips_existing_objects, free_weights,
+                                 release_memory)
 from elx.exporter.source.locate import locate_model
 from elx.exporter.capture.shared_weights import folder_bytes, store_weights_once
 from elx.exporter.source.load import resolve_model
-from elx.exporter.verification.verify import (DRAWS, default_shapes, require_within_tolerance, tolerance_record,
-                                              torch_references, verify_export)
+from elx.exporter.verification.verify import (DRAWS, cases_kept, default_shapes, require_within_tolerance,
+                                              tolerance_record, torch_references, verify_export)
 
 
 def _as_list(value):
@@ -344,7 +345,8 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
         raise ElxError(f"unknown --prompt-cache {prompt_cache!r}; use one of {', '.join(PROMPT_CACHE_FORMS)}")
     output = check_output(output, force)
     started = time.perf_counter()
-    with Progress("elx export", _total_weight(requests, precision), "none" if quiet else progress) as report:
+    with (collector_skips_existing_objects(), cases_kept(),
+          Progress("elx export", _total_weight(requests, precision), "none" if quiet else progress) as report):
         with staged_folder(output, force) as folder:  # locked: a second export to the same output is refused
             with report.stage(f"load {model}", WEIGHTS["load"]) as stage:
                 check_export_memory(locate_model(model, random_init), precision)  # before any weight is read

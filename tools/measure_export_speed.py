@@ -22,7 +22,9 @@ converters need), which every system then reads: elx too, so that no row times a
 * ``elx-trace``: the same with ``ELX_CAPTURE=trace``: every layer traced by ``torch.onnx.export(dynamo=True)``,
   the mechanism before ``exporter/capture/`` (verification the same);
 * ``elx-int8`` / ``elx-slim``: ``--precision int8`` / ``--pass slim=skip-bad`` on top of the export (first exports);
-* ``genai``: ``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`` (decoder-only models);
+* ``elx+PASS``: ``--pass PASS`` on top of the export (``elx+el``, ``elx+el-self``, ``elx+unpad``; first exports);
+* ``genai``: ``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`` (decoder-only models and
+  Whisper: the builder's ``WhisperModel``, encoder and decoder built from the weights);
 * ``ct2``: ``ct2-transformers-converter --model HF --output_dir OUT --force`` (fp32 weights; a BART folder through
   ``ct2_folder``'s config shim: the converter reads a key transformers 5 dropped).
 
@@ -132,9 +134,10 @@ def measure_round(args, systems: list, round_: int) -> list:
         folder = hf_folder(name, source or None, args.work)
         weights = weight_bytes(folder)
         architecture = (folder / "config.json").read_text()  # as save_pretrained wrote it
-        decoder_only = "CausalLM" in architecture or "LMHeadModel" in architecture
+        # GenAI's builder (0.18) builds decoder-only models and Whisper; no other encoder-decoder family
+        genai_builds = "CausalLM" in architecture or "LMHeadModel" in architecture or "Whisper" in architecture
         for system in systems:
-            if system == "genai" and not decoder_only:
+            if system == "genai" and not genai_builds:
                 continue
             out = args.work / "out" / f"{name}-{system}"
             shutil.rmtree(out, ignore_errors=True)
@@ -148,6 +151,8 @@ def measure_round(args, systems: list, round_: int) -> list:
                 # every system reads the same HF folder (a preset's random init is not export time)
                 cmd = [sys.executable, "-m", "elx", "export", "--model", str(folder), "--output", str(out), "--force"]
                 cmd += {"elx-int8": ["--precision", "int8"], "elx-slim": ["--pass", "slim=skip-bad"]}.get(system, [])
+                if "+" in system:  # elx+PASS: ``--pass PASS`` (one pass; ``elx+slim=skip-bad``, ``elx+el-self``)
+                    cmd += ["--pass", system.partition("+")[2]]
                 if system == "elx-trace":
                     env["ELX_CAPTURE"] = "trace"
                 if system == "elx-traced":

@@ -505,3 +505,30 @@ def test_other_families_stitch_to_the_traced_graph(family, passes, tmp_path, mon
     if passes is not None:
         out = apply_passes(outs["stitch"], tmp_path / "passes", passes)
         assert Manifest.load(out).data["passes"][-1]["name"] == passes.split("=")[0]
+
+
+def test_the_collector_skips_what_exists_inside_the_block_and_takes_it_back_after():
+    """``collector_skips_existing_objects`` (an export's whole run): objects made before it are frozen (a full
+    collection walks only what the export made), garbage made inside is still collected, and after it every object
+    is the collector's again; inside a block that froze already (the traces' child) it does nothing."""
+    import gc
+    import weakref
+
+    from elx.exporter.memory import collector_skips_existing_objects
+
+    class Node:
+        pass
+
+    assert gc.get_freeze_count() == 0
+    with collector_skips_existing_objects():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with collector_skips_existing_objects():
+            assert gc.get_freeze_count() == frozen  # nested: nothing more
+        cycle = Node()
+        cycle.self = cycle
+        alive = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert alive() is None  # made inside: collected
+    assert gc.get_freeze_count() == 0

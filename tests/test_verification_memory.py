@@ -416,3 +416,34 @@ def test_the_graphs_encode_each_audio_window_once_and_give_the_numbers_of_every_
         assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
         first_time.extend(mine)
     assert first_time == [1] * verify.AUDIO_WINDOWS and verify.AUDIO_WINDOWS < sum(shape.batch for shape in shapes)
+
+
+def test_cases_kept_hands_out_the_same_case_as_copies_keyed_by_what_it_reads(exported):
+    """``cases_kept``: inside it each case is made once and copies are handed out (a caller writing to one changes
+    no other); a manifest whose cache entries differ (a pass's new layout) gets its own case; outside it nothing is
+    kept."""
+    import elx.exporter.verification.verify as verify
+    from elx.runners.manifest import Manifest
+
+    manifest = Manifest.load(exported("whisper"))
+    shape = verify.default_shapes(manifest)[1]
+    fresh = verify.make_case(manifest, shape, 0)
+    calls = []
+    new_case = verify._new_case
+    with verify.cases_kept():
+        verify._new_case = lambda *args: calls.append(1) or new_case(*args)
+        try:
+            first = verify.make_case(manifest, shape, 0)
+            first.tokens[:] = 0
+            first.inputs["input_features"][:] = 0
+            second = verify.make_case(manifest, shape, 0)
+            other = copy.deepcopy(manifest.data)
+            other["cache"]["self"][0]["shape"] = [*other["cache"]["self"][0]["shape"][:-1], 3]
+            changed = verify.make_case(Manifest(other, manifest.folder), shape, 0)
+        finally:
+            verify._new_case = new_case
+    assert calls == [1, 1]  # the first case once, the changed manifest's once
+    assert np.array_equal(second.tokens, fresh.tokens) and np.array_equal(second.inputs["input_features"],
+                                                                          fresh.inputs["input_features"])
+    assert changed.past[other["cache"]["self"][0]["input"]].shape[-1] == 3
+    assert verify._kept_cases.get() is None

@@ -23,6 +23,7 @@ last-position scores, and the max abs difference must stay within the fp32 toler
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import hashlib
 import inspect
@@ -112,33 +113,33 @@ AUDIO_SCORES_BYTES = 128 << 20  # an audio encoder's attention scores per run in
 AUDIO_WINDOWS = 2  # the distinct feature windows (Whisper's 30 s) the cases' rows are drawn from (``_pooled_windows``)
 
 
-_kept_cases: dict | None = None  # (what make_case reads, shape, seed) -> Case, inside ``cases_kept``
+# (what make_case reads, shape, seed) -> Case, inside ``cases_kept`` (per thread: a context variable)
+_kept_cases: contextvars.ContextVar = contextvars.ContextVar("elx_kept_cases", default=None)
 
 
 @contextlib.contextmanager
 def cases_kept():
     """Inside the block, ``make_case`` computes each case once and hands out copies: an export asks for every case
     ~7 times (each side, each measure; whisper-base's four: 28 calls, 0.5 s of random audio windows)."""
-    global _kept_cases
-    outer = _kept_cases
-    _kept_cases = {} if outer is None else outer
+    token = _kept_cases.set(_kept_cases.get() if _kept_cases.get() is not None else {})
     try:
         yield
     finally:
-        _kept_cases = outer
+        _kept_cases.reset(token)
 
 
 def make_case(manifest: Manifest, shape: Shape, seed: int) -> Case:
     """The case of ``shape`` and ``seed`` for ``manifest``'s graphs: a function of the manifest's inputs, tokens,
     padding side, dims and cache entries alone (kept by them inside ``cases_kept``; a copy each call: callers may
     write to what they get)."""
-    if _kept_cases is None:
+    kept = _kept_cases.get()
+    if kept is None:
         return _new_case(manifest, shape, seed)
     key = (json.dumps([manifest.encoder_inputs(), manifest.tokens, manifest.data.get("padding_side"), manifest.dims,
                        manifest.cache_entries], sort_keys=True, default=str), shape, seed)
-    if key not in _kept_cases:
-        _kept_cases[key] = _new_case(manifest, shape, seed)
-    return copy.deepcopy(_kept_cases[key])
+    if key not in kept:
+        kept[key] = _new_case(manifest, shape, seed)
+    return copy.deepcopy(kept[key])
 
 
 def _new_case(manifest: Manifest, shape: Shape, seed: int) -> Case:
@@ -416,8 +417,9 @@ class TorchSide:
         own decoder computes and caches them (its first step on one row, an empty cross cache), once per
         evaluation and encoder output.  Every row of every case drawn from that output reads them instead of
         projecting its own copy: an item's beams are rows of the same encoder output, and Whisper's cases draw
-        their rows from three windows (21 rows, 3 windows: the cross projections of 1500 frames were most of
-        whisper-base's PyTorch decoder work, fp32 4.4 of 7.8 s, fp64 10.4 of 18.2 s; now 2.5 and 6.6 s).  Held per evaluation: 3 windows' (whisper-base: 37 MB each in fp32)."""
+        their rows from ``AUDIO_WINDOWS`` windows (21 rows, then 3 windows: the cross projections of 1500 frames
+        were most of whisper-base's PyTorch decoder work, fp32 4.4 of 7.8 s, fp64 10.4 of 18.2 s; then 2.5 and
+        6.6 s).  Held per evaluation: a window's each (whisper-base: 37 MB in fp32)."""
         import torch
         from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 

@@ -237,3 +237,58 @@ def test_initializer_views_and_transposes_are_the_bytes_of_numpy():
     nan = np.array([np.nan, 1.0], dtype=np.float32)
     assert _equal(nan.copy(), nan, "identity")  # a weight's bytes, NaN included
     assert not _equal(np.array([0.0, 1.0], dtype=np.float32), np.array([-0.0, 1.0], dtype=np.float32), "identity")
+
+
+def _with_new_tensors(folder: Path, graph: str, changed: str, same: bool) -> tuple[str, int]:
+    """``graph``'s first large external initializer put inside the graph (its own bytes where ``same``, else other
+    bytes), and a new 4 KiB initializer added; returns (that initializer's name, its offset before)."""
+    from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    path = folder / Manifest.load(folder).graphs[graph]["file"]
+    model = onnx.load(str(path), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if uses_external_data(t) and t.name == changed) if changed else \
+        next(t for t in model.graph.initializer if uses_external_data(t))
+    offset = int({e.key: e.value for e in tensor.external_data}["offset"])
+    load_external_data_for_tensor(tensor, str(folder))
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
+    if not same:
+        tensor.raw_data = bytes(b ^ 1 for b in tensor.raw_data)
+    model.graph.initializer.append(numpy_helper.from_array(
+        np.random.default_rng(0).standard_normal(1024).astype(np.float32), "new_4k"))
+    onnx.save_model(model, str(path))
+    return tensor.name, offset
+
+
+def test_new_tensors_are_appended_where_every_stored_weight_is_still_read(exported, tmp_path):
+    """``_appended`` (a pass that keeps every weight: unpad, fused-norm): ``weights.data`` is kept, a tensor equal to
+    stored bytes is pointed at them, new bytes are appended; the layout rules hold.  A folder where a range is no
+    longer read (a weight replaced) is rewritten whole instead: nothing unread is kept."""
+    from elx.exporter.capture.shared_weights import store_weights_once
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(exported("gpt2"), folder)
+    before, inode = (folder / WEIGHTS_FILE).read_bytes(), (folder / WEIGHTS_FILE).stat().st_ino
+    name, offset = _with_new_tensors(folder, "decoder", "", same=True)
+    manifest = Manifest.load(folder)
+    manifest.data["weights"] = store_weights_once(folder, manifest)
+    manifest.save(folder)
+    check_stored_once(folder)
+    after = (folder / WEIGHTS_FILE).read_bytes()
+    assert after[:len(before)] == before and len(before) < len(after) <= len(before) + PAGE + 4096
+    assert (folder / WEIGHTS_FILE).stat().st_ino == inode  # the file kept, not written anew
+    model = onnx.load(str(folder / manifest.graphs["decoder"]["file"]), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.name == name)
+    assert int({e.key: e.value for e in tensor.external_data}["offset"]) == offset  # back at its bytes
+
+    folder = tmp_path / "t5"
+    shutil.copytree(exported("t5"), folder)
+    size, inode = (folder / WEIGHTS_FILE).stat().st_size, (folder / WEIGHTS_FILE).stat().st_ino
+    _with_new_tensors(folder, "cross_kv", "", same=False)  # its old bytes: read by no graph now
+    manifest = Manifest.load(folder)
+    manifest.data["weights"] = store_weights_once(folder, manifest)
+    manifest.save(folder)
+    check_stored_once(folder)
+    assert (folder / WEIGHTS_FILE).stat().st_size <= size + PAGE + 4096
+    assert (folder / WEIGHTS_FILE).stat().st_ino != inode  # written anew

@@ -261,34 +261,42 @@ def _with_new_tensors(folder: Path, graph: str, changed: str, same: bool) -> tup
     return tensor.name, offset
 
 
-def test_new_tensors_are_appended_where_every_stored_weight_is_still_read(exported, tmp_path):
-    """``_appended`` (a pass that keeps every weight: unpad, fused-norm): ``weights.data`` is kept, a tensor equal to
-    stored bytes is pointed at them, new bytes are appended; the layout rules hold.  A folder where a range is no
-    longer read (a weight replaced) is rewritten whole instead: nothing unread is kept."""
+def _all_values(folder: Path) -> dict:
+    """(graph file, initializer name) -> its bytes, wherever they are stored."""
+    from elx.exporter.capture.shared_weights import values
+
+    found = {}
+    for file in graph_files(Manifest.load(folder)):
+        for tensor in onnx.load(str(folder / file), load_external_data=False).graph.initializer:
+            found[file, tensor.name] = values(tensor, folder).tobytes()
+    return found
+
+
+@pytest.mark.parametrize("family,graph,same", [("gpt2", "decoder", True), ("t5", "cross_kv", False)])
+def test_weights_data_is_brought_to_what_the_graphs_read_in_place(exported, tmp_path, family, graph, same):
+    """``_kept_in_place``: after a pass, ``weights.data`` is kept (the same file), the ranges no graph reads any more
+    are dropped (the later ones moved down, zeros between), a tensor equal to stored bytes is pointed at them and
+    new bytes are appended; the layout rules hold and every graph reads the same values as before.  GPT-2: a pass
+    that keeps every weight (unpad) plus a new tensor; T5: a replaced weight (its old bytes read by no graph)."""
     from elx.exporter.capture.shared_weights import store_weights_once
 
-    folder = tmp_path / "gpt2"
-    shutil.copytree(exported("gpt2"), folder)
+    folder = tmp_path / family
+    shutil.copytree(exported(family), folder)
     before, inode = (folder / WEIGHTS_FILE).read_bytes(), (folder / WEIGHTS_FILE).stat().st_ino
-    name, offset = _with_new_tensors(folder, "decoder", "", same=True)
+    name, offset = _with_new_tensors(folder, graph, "", same=same)
+    expected = _all_values(folder)
     manifest = Manifest.load(folder)
     manifest.data["weights"] = store_weights_once(folder, manifest)
     manifest.save(folder)
     check_stored_once(folder)
+    assert _all_values(folder) == expected
     after = (folder / WEIGHTS_FILE).read_bytes()
-    assert after[:len(before)] == before and len(before) < len(after) <= len(before) + PAGE + 4096
     assert (folder / WEIGHTS_FILE).stat().st_ino == inode  # the file kept, not written anew
-    model = onnx.load(str(folder / manifest.graphs["decoder"]["file"]), load_external_data=False)
+    model = onnx.load(str(folder / manifest.graphs[graph]["file"]), load_external_data=False)
     tensor = next(t for t in model.graph.initializer if t.name == name)
-    assert int({e.key: e.value for e in tensor.external_data}["offset"]) == offset  # back at its bytes
-
-    folder = tmp_path / "t5"
-    shutil.copytree(exported("t5"), folder)
-    size, inode = (folder / WEIGHTS_FILE).stat().st_size, (folder / WEIGHTS_FILE).stat().st_ino
-    _with_new_tensors(folder, "cross_kv", "", same=False)  # its old bytes: read by no graph now
-    manifest = Manifest.load(folder)
-    manifest.data["weights"] = store_weights_once(folder, manifest)
-    manifest.save(folder)
-    check_stored_once(folder)
-    assert (folder / WEIGHTS_FILE).stat().st_size <= size + PAGE + 4096
-    assert (folder / WEIGHTS_FILE).stat().st_ino != inode  # written anew
+    if same:  # nothing dropped: the bytes before untouched, the copy pointed back at them, 4 KiB appended
+        assert after[:len(before)] == before and len(before) < len(after) <= len(before) + PAGE + 4096
+        assert int({e.key: e.value for e in tensor.external_data}["offset"]) == offset
+    else:  # the replaced weight's bytes are gone
+        old = before[offset: offset + len(expected[manifest.graphs[graph]["file"], name])]
+        assert old not in after and len(after) <= len(before) + 2 * PAGE + 4096

@@ -70,6 +70,7 @@ def graph_files(manifest: Manifest) -> list[str]:
 
 
 SAMPLED_ABOVE = 1 << 22  # bytes: larger strings are keyed by samples of them
+MOVE_BYTES = 1 << 24  # the bytes moved at once within weights.data (``_kept_in_place``)
 
 
 def bytes_key(data: memoryview) -> bytes:
@@ -99,7 +100,7 @@ class ByteStore:
     where the bytes of a range of a data file went, for a store whose source files do not change while it is written
     (``store_weights_once``): the same range read again is the same bytes, placed without a read, a hash or a
     comparison (the real SmolLM2-135M's prefill and decoder read every weight twice); ``unkeyed``: ranges the file
-    held before (``_appended``), length -> offsets, keyed the first time a string of that length is placed."""
+    held before (``_kept_in_place``), length -> offsets, keyed the first time a string of that length is placed."""
 
     handle: object
     offsets: dict = field(default_factory=dict)  # (digest, length) -> offset
@@ -283,11 +284,12 @@ def store_weights_once(folder, manifest: Manifest) -> dict:
     Streamed: one tensor's bytes at a time are in memory (read from the graph or its data file, placed in the
     new file), the graphs being rewritten hold none; the old ``weights.data`` is read while the new one is
     written beside it, and replaced when every graph is done.  A folder already so (``_stored_once``) is left as
-    it is."""
+    it is; one whose graphs read ranges of ``weights.data`` and a few tensors besides (after a pass) has the file
+    brought to that in place (``_kept_in_place``)."""
     folder = Path(folder)
     already = _stored_once(folder, manifest)
     if already is None:
-        already = _appended(folder, manifest)
+        already = _kept_in_place(folder, manifest)
     if already is not None:
         return already
     target, partial = folder / WEIGHTS_FILE, folder / f".{WEIGHTS_FILE}.{os.getpid()}.partial"
@@ -335,50 +337,56 @@ def store_weights_once(folder, manifest: Manifest) -> dict:
             "tensors": store.references, "min_bytes": MIN_BYTES}
 
 
-def _appended(folder: Path, manifest: Manifest) -> dict | None:
-    """The ``weights`` record after the few tensors that are not in ``weights.data`` (inline or in another data
-    file: the new weights of a pass) are placed in it, equal bytes pointed at, new ones appended; the file kept, not
-    rewritten.  Only where every byte range of the file is still read by a graph, as ``_stored_once`` checks (a pass
-    that keeps every weight: unpad, fused-norm; the real SmolLM2-135M's 538 MB were rewritten in 5.7-9.5 s for 0.1
-    MB of new tensors); None otherwise (bytes no graph reads any more: the whole file is rewritten)."""
+def _kept_in_place(folder: Path, manifest: Manifest) -> dict | None:
+    """The ``weights`` record after ``weights.data`` is brought to what the graphs read, in place: the ranges they
+    read moved down over the bytes no graph reads any more (a graph a pass replaced), the file cut after the last,
+    then the tensors that are not in it (inline or in another data file: a pass's new weights) placed: equal bytes
+    pointed at (keyed by length, lazily), new ones appended.  A pass that keeps every weight (unpad, fused-norm)
+    moves nothing (the real SmolLM2-135M's 538 MB were written anew in 5.7-9.5 s for 0.1 MB of new tensors).  The
+    folder is a staged one (``exporter/atomic.py``): a failure midway leaves nothing.  None where the graphs are not
+    simple enough to say so (nested graphs, a string tensor or a length not written outside a graph, ranges that
+    overlap): the file is then written anew."""
     target = folder / WEIGHTS_FILE
     if not target.is_file():
         return None
-    models, ranges, references, rest = {}, set(), 0, []
+    models, reads, rest = {}, [], []
     for file in graph_files(manifest):
         model = models[file] = onnx.load(str(folder / file), load_external_data=False)
         if any(True for _ in subgraphs(model.graph)):
             return None
         for tensor in model.graph.initializer:
             external = uses_external_data(tensor)
-            if tensor.data_type == TensorProto.STRING:
+            source = _source(tensor, folder) if external else None
+            if tensor.data_type == TensorProto.STRING or (external and source is None):
                 if external:
                     return None
                 continue
-            source = _source(tensor, folder) if external else None
             if source is not None and source[1] == WEIGHTS_FILE:
-                ranges.add(source[2:])
-                references += 1
+                reads.append((file, tensor, source[2], source[3]))
             elif external or len(tensor.raw_data) >= MIN_BYTES:
-                if external and source is None:
-                    return None
                 rest.append((file, tensor))
-    if not rest:
-        return None  # nothing to add: ``_stored_once`` said why the file is not as it should be
-    end = 0
-    for offset, length in sorted(ranges):
-        if offset < end or offset - end >= alignment(length) or length < MIN_BYTES:
-            return None
-        end = offset + length
-    if end != target.stat().st_size:
+    ranges = sorted({(offset, length) for _, _, offset, length in reads})
+    if any(later < offset + length for (offset, length), (later, _) in zip(ranges, ranges[1:])) or any(
+            length < MIN_BYTES for _, length in ranges) or (ranges and sum(ranges[-1]) > target.stat().st_size):
         return None
-    reader, changed, read_from = _Reader(folder), set(), set()
+    changed, read_from, reader = set(), set(), _Reader(folder)
     try:
         with open(target, "r+b") as handle:
-            store = ByteStore(handle, sources={}, references=references, distinct=len(ranges))
-            for offset, length in sorted(ranges):
+            fd, end, moved = handle.fileno(), 0, {}
+            for offset, length in ranges:
+                new = -(-end // alignment(length)) * alignment(length)  # <= offset: only unread bytes go
+                os.pwrite(fd, bytes(new - end), end)  # the gap: zeros
+                for done in range(0, length if new != offset else 0, MOVE_BYTES):  # forward: new < offset
+                    os.pwrite(fd, os.pread(fd, min(MOVE_BYTES, length - done), offset + done), new + done)
+                moved[offset, length], end = new, new + length
+            handle.truncate(end)
+            for file, tensor, offset, length in reads:
+                if moved[offset, length] != offset:
+                    point_external(tensor, moved[offset, length], length)
+                    changed.add(file)
+            store = ByteStore(handle, sources={}, references=len(reads), distinct=len(ranges))
+            for (_, length), offset in moved.items():
                 store.unkeyed.setdefault(length, []).append(offset)
-                store.sources[(str(folder), WEIGHTS_FILE, offset, length)] = offset
             for file, tensor in rest:
                 if uses_external_data(tensor):
                     read_from.add(_source(tensor, folder)[1])
@@ -393,10 +401,12 @@ def _appended(folder: Path, manifest: Manifest) -> dict | None:
         files = [spec[key] for key in ("file", "tensorrt_file") if spec.get(key)]
         spec["external_data"] = [WEIGHTS_FILE] if any(external_files(models[f]) for f in files) else []
     for name in read_from - {WEIGHTS_FILE}:
-        if Path(name).name == name:
+        if Path(name).name == name:  # a data file beside the graphs (elx writes no other kind)
             (folder / name).unlink(missing_ok=True)
-    return {"file": WEIGHTS_FILE, "bytes": size, "distinct_tensors": store.distinct, "tensors": store.references,
-            "min_bytes": MIN_BYTES}
+    if not size:
+        target.unlink()
+    return {"file": WEIGHTS_FILE if size else None, "bytes": size, "distinct_tensors": store.distinct,
+            "tensors": store.references, "min_bytes": MIN_BYTES}
 
 
 def folder_bytes(folder) -> int:

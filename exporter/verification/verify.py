@@ -464,7 +464,7 @@ class TorchSide:
 def _viewed_cache(pairs: list, rows: int):
     """A ``DynamicCache`` holding each layer's one-row (keys, values) as views over ``rows`` rows: nothing copied
     (filled through ``DynamicCache(pairs)``, every row's would be concatenated into a new tensor each forward:
-    whisper-base's 12 of 1500 frames, 73 ms of a 217 ms float64 forward).  The attention reads the views."""
+    whisper-base's 12 tensors of 1500 frames, 73 ms of a 217 ms float64 forward).  The attention reads the views."""
     from transformers.cache_utils import DynamicCache
 
     cache = DynamicCache([(k[..., :0, :], v[..., :0, :]) for k, v in pairs])  # its layers, initialized and empty

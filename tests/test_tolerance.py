@@ -145,3 +145,34 @@ def test_preset_exports(preset, tmp_path):
     print(f"{preset}: max abs logits diff {report['max_abs_logits_diff']:.3g}, max |logit| "
           f"{report['logits_magnitude']:.4g}, tolerance {report['tolerance']:.3g}")
     assert report["max_abs_logits_diff"] <= report["tolerance"] == verification["tolerance"]["atol"]
+
+
+def test_an_encoders_bar_is_its_own_fp32_error_times_the_multiple_never_below_the_logits_bar():
+    """``tolerance_record``'s ``encoder_atol`` and ``elx compare``'s encoder check: the real whisper-base's encoder
+    output is 2.4e-4 from fp64 in PyTorch fp32 itself while its logits' bar is 2.24e-4, so the logits' bar refused a
+    correct export; the encoder's bar is NOISE_MULTIPLE x its own error, at least the logits' bar, and only the
+    encoder's bar changes."""
+    from types import SimpleNamespace
+
+    from elx.exporter.verification.compare import CompareReport
+    from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE
+    from elx.exporter.verification.verify import encoder_tolerance, tolerance_record
+
+    def report(encoder):
+        noise = {"max_torch_fp32_vs_fp64": 4.8e-5, "max_torch_fp32_vs_fp64_encoder": encoder}
+        return {"tolerance": 2.24e-4, "shapes": [], "fp32_noise": noise}
+
+    record = tolerance_record(58.6, report(2.43e-4))
+    assert record["encoder_atol"] == pytest.approx(NOISE_MULTIPLE * 2.43e-4) and record["atol"] == pytest.approx(2.24e-4)
+    assert tolerance_record(58.6, report(1e-6))["encoder_atol"] == record["atol"]  # never below the logits' bar
+    assert "encoder_atol" not in tolerance_record(58.6, report(float("nan")))
+    assert encoder_tolerance(SimpleNamespace(data={"verification": {"tolerance": record}})) == record["encoder_atol"]
+
+    def compared(encoder_diff, encoder_atol):
+        return CompareReport([], encoder_diff, None, None, {}, atol=record["atol"], encoder_atol=encoder_atol)
+
+    assert compared(2.39e-4, record["encoder_atol"]).passed
+    assert not compared(2.39e-4, None).passed  # the logits' bar alone: refused
+    beyond = compared(1.5e-3, record["encoder_atol"])
+    assert not beyond.passed and "encoder output max abs diff 0.0015 exceeds the tolerance 0.000972" in beyond.problems[0]
+    assert not compared(float("nan"), record["encoder_atol"]).passed

@@ -413,12 +413,12 @@ def export_model(model: str, output, random_init: bool = False, passes: str | No
                     data["verification"]["export"] = verification
                     v = verification
                     data["verification"]["tolerance"] = tolerance_record(v["logits_magnitude"], v)
-                    encoder = (f", encoder {v['max_abs_encoder_diff']:.2e}"
-                               if "max_abs_encoder_diff" in v else " (prefill and step)")
+                    encoder = (f"; encoder output {v['max_abs_encoder_diff']:.2e} (tolerance "
+                               f"{v['encoder_tolerance']:.2e})" if "encoder_tolerance" in v else " (prefill and step)")
                     noise = v["fp32_noise"]["max_torch_fp32_vs_fp64"]
-                    stage.detail = (f"max abs logits diff {v['max_abs_logits_diff']:.2e}{encoder} (tolerance "
+                    stage.detail = (f"max abs logits diff {v['max_abs_logits_diff']:.2e} (tolerance "
                                     f"{v['tolerance']:.2e} at max |logit| {v['logits_magnitude']:.3g}; "
-                                    f"PyTorch fp32 vs fp64 {noise:.2e})")
+                                    f"PyTorch fp32 vs fp64 {noise:.2e}){encoder}")
             if precision == "fp32":  # passes verify graphs against graphs: HF's model goes first (6.8 GB at
                 loaded.model = None  # SmolLM2-1.7B, beside the passes' sessions and the weights stored once)
                 release_memory()

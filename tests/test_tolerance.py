@@ -176,3 +176,53 @@ def test_an_encoders_bar_is_its_own_fp32_error_times_the_multiple_never_below_th
     beyond = compared(1.5e-3, record["encoder_atol"])
     assert not beyond.passed and "encoder output max abs diff 0.0015 exceeds the tolerance 0.000972" in beyond.problems[0]
     assert not compared(float("nan"), record["encoder_atol"]).passed
+
+
+class _Offset:
+    """A side whose logits and encoder output are another side's plus fixed offsets (a fake fp32, fp64 or graphs
+    side for ``_judged``: it reads ``spread``, the other rounding draws' worst, as ``RecordedSide`` has it)."""
+
+    spread = None
+
+    def __init__(self, side, logits: float = 0.0, encoder: float = 0.0):
+        self.side, self.logits, self.encoder = side, logits, encoder
+
+    def run(self, case, past):
+        scores, encoder = self.side.run(case, past)
+        return scores + np.float32(self.logits), encoder + np.float32(self.encoder)
+
+
+def test_the_exports_verdict_judges_the_encoder_output_by_its_own_bar(large_logits):
+    """An encoder output beyond its bar (NOISE_MULTIPLE x PyTorch fp32's own encoder error, at least the logits'
+    bar) refuses the export even where every logit is within its bar; within it, the verdict is as before.  A
+    pass's check (``measure`` with ``encoder_floor``) holds the encoder to at least the export's encoder bar."""
+    from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE
+    from elx.exporter.verification.verify import (RuntimeSide, _judged, default_shapes, encoder_tolerance, measure,
+                                                  worst_report)
+
+    manifest = Manifest.load(large_logits)
+    shapes = default_shapes(manifest)[:2]
+    graphs = RuntimeSide(manifest)
+    logits_bar = manifest.data["verification"]["tolerance"]["atol"]
+    noise = 2 * logits_bar  # PyTorch fp32's own encoder error, made larger than the logits' bar
+    fp64, fp32 = _Offset(graphs), _Offset(graphs, encoder=noise)
+
+    within = _judged(fp32, fp64, _Offset(graphs, encoder=noise + 3 * noise), manifest, shapes, 0)
+    assert within["encoder_tolerance"] == pytest.approx(NOISE_MULTIPLE * noise, rel=1e-3) and within["encoder_within"]
+    assert within["within"] and within["fp32_noise"]["max_torch_fp32_vs_fp64_encoder"] == pytest.approx(noise, rel=1e-3)
+    require_within_tolerance(within, "exported graphs vs PyTorch")
+
+    beyond = _judged(fp32, fp64, _Offset(graphs, encoder=noise + 5 * noise), manifest, shapes, 0)
+    assert beyond["max_abs_logits_diff"] <= beyond["tolerance"] and not beyond["encoder_within"]
+    assert not beyond["within"]
+    with pytest.raises(ElxError, match=r"encoder output's max abs diff \S+ exceeds \S+ \(its fp32 tolerance; "
+                                       r"PyTorch's own fp32 encoder error is \S+\) although the logits are within"):
+        require_within_tolerance(beyond, "exported graphs vs PyTorch")
+
+    bar = encoder_tolerance(manifest)  # a pass: at least the export's encoder bar
+    kept = measure(graphs, _Offset(graphs, encoder=0.5 * bar), manifest, shapes, encoder_floor=bar)
+    moved = measure(graphs, _Offset(graphs, encoder=2 * bar), manifest, shapes, encoder_floor=bar)
+    assert kept["within"] and not moved["within"] and moved["max_abs_logits_diff"] == 0.0
+    assert not worst_report([kept, moved])["encoder_within"]  # the encoder's numbers from the run nearest its bar
+    recorded = measure(graphs, _Offset(graphs, encoder=2 * bar), manifest, shapes)  # no floor: recorded, not judged
+    assert recorded["within"] and "encoder_tolerance" not in recorded and recorded["max_abs_encoder_diff"] > bar

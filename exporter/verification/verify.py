@@ -90,10 +90,18 @@ def tolerance_record(magnitude: float, report: dict | None = None) -> dict:
         record["atol"] = max(record["atol"], report["tolerance"])
         encoder = report["fp32_noise"].get("max_torch_fp32_vs_fp64_encoder")
         if encoder is not None and np.isfinite(encoder):
-            from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE
-
-            record["encoder_atol"] = max(record["atol"], NOISE_MULTIPLE * float(encoder))
+            record["encoder_atol"] = encoder_bar(record["atol"], encoder)
     return record
+
+
+def encoder_bar(logits_bar: float, encoder_noise: float | None) -> float:
+    """An encoder output's bar: ``NOISE_MULTIPLE`` times PyTorch fp32's own encoder error against fp64 on the same
+    cases, never below the logits' bar (``logits_bar``); the logits' bar alone where the error is unknown."""
+    from elx.exporter.verification.fp32_noise import NOISE_MULTIPLE
+
+    if encoder_noise is None or not np.isfinite(encoder_noise):
+        return float(logits_bar)
+    return max(float(logits_bar), NOISE_MULTIPLE * float(encoder_noise))
 
 
 def encoder_tolerance(manifest: Manifest) -> float:
@@ -607,14 +615,16 @@ def _real_positions(encoder: np.ndarray, case: Case) -> np.ndarray:
 
 
 def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int = 0, past_from=None,
-            expect=None, bars=None, floor: float = 0.0) -> dict:
+            expect=None, bars=None, floor: float = 0.0, encoder_floor: float | None = None) -> dict:
     """Run both sides on the same cases; the report records the max abs logits (and encoder) difference.
 
     ``past_from(past) -> past`` maps the reference's random past to the candidate's cache layout;
     ``expect(scores, case) -> scores`` maps the reference's scores to what the candidate returns.
     Each case's bar is the magnitude rule (``logits_tolerance`` of the largest reference logit), at least
     ``floor``, and at least ``bars[i]`` for the i-th shape (the export's per-case bars from fp32's own error:
-    ``exporter/verification/fp32_noise.py``); ``within`` says whether every case is within its bar."""
+    ``exporter/verification/fp32_noise.py``); ``within`` says whether every case is within its bar.  With
+    ``encoder_floor`` (a number), the encoder output is judged too: within ``encoder_tolerance``, the largest of
+    that floor and the logits' bars (``judge_encoder``); without it, its difference is only recorded."""
     worst, worst_encoder, per_shape, scale, magnitude = 0.0, None, [], 0.0, 0.0
     for shape in shapes:
         case = make_case(manifest, shape, seed)
@@ -644,7 +654,17 @@ def measure(reference, candidate, manifest: Manifest, shapes=SHAPES, seed: int =
               "tolerance": max(e["tolerance"] for e in per_shape), "within": within, "shapes": per_shape}
     if worst_encoder is not None:
         report["max_abs_encoder_diff"] = worst_encoder
+        if encoder_floor is not None:
+            judge_encoder(report, max(encoder_floor, report["tolerance"]))
     return report
+
+
+def judge_encoder(report: dict, bar: float) -> None:
+    """The report's encoder output held to ``bar`` (``encoder_tolerance``, ``encoder_within``; NaN is never
+    within); ``within`` becomes false where it is not."""
+    report["encoder_tolerance"] = float(bar)
+    report["encoder_within"] = bool(report["max_abs_encoder_diff"] <= bar)
+    report["within"] = bool(report["within"] and report["encoder_within"])
 
 
 def closeness(report: dict) -> float:
@@ -841,14 +861,19 @@ def _judged(fp32, fp64, graphs, manifest: Manifest, shapes, seed: int) -> dict:
                             "max_graphs_vs_fp64": against_fp64["max_abs_logits_diff"]}
     if noise.get("max_abs_encoder_diff") is not None:  # the encoder's own (``tolerance_record``: ``encoder_atol``)
         report["fp32_noise"]["max_torch_fp32_vs_fp64_encoder"] = noise["max_abs_encoder_diff"]
+    if report.get("max_abs_encoder_diff") is not None:  # the encoder judged by its own fp32 error, as the logits
+        judge_encoder(report, encoder_bar(report["tolerance"], noise.get("max_abs_encoder_diff")))
     return report
 
 
 def verify_rewrite(before: Manifest, after: Manifest, shapes=None, seed: int = 0, past_from=None, expect=None,
-                   no_repeat_ngram_size: int = 0, reference: RuntimeSide | None = None, sides=None) -> dict:
+                   no_repeat_ngram_size: int = 0, reference: RuntimeSide | None = None, sides=None,
+                   with_encoder: bool = True) -> dict:
     """The graphs after a pass against the graphs before it (``reference`` reuses loaded sessions; ``sides``, a
     ``CandidateSides``, loads ``after``'s once for all the seeds it is verified at).  The bar is at least the
-    export's own (``logits_tolerance(before)``: on a deep model, widened by fp32's measured error).
+    export's own (``logits_tolerance(before)``: on a deep model, widened by fp32's measured error); the encoder
+    output's at least the export's encoder bar (``encoder_tolerance(before)``; ``with_encoder=False``: recorded,
+    not judged, for graphs in another precision).
 
     Without a loaded ``reference`` (and no ``past_from``, which rewrites each case's past as it runs), ``before``'s
     results are recorded and its sessions released before ``after``'s load (``RecordedSide``): the two sets of
@@ -860,7 +885,8 @@ def verify_rewrite(before: Manifest, after: Manifest, shapes=None, seed: int = 0
         if past_from is None:
             reference = RecordedSide(reference, before, shapes, [seed])
     side = sides(after) if sides is not None else RuntimeSide(after, no_repeat_ngram_size)
-    return measure(reference, side, before, shapes, seed, past_from, expect, floor=logits_tolerance(before))
+    return measure(reference, side, before, shapes, seed, past_from, expect, floor=logits_tolerance(before),
+                   encoder_floor=encoder_tolerance(before) if with_encoder else None)
 
 
 class CandidateSides:
@@ -891,8 +917,14 @@ def worst_report(reports: list) -> dict:
     """One report from several runs (e.g. at several seeds): the numbers (and tolerance) of the one nearest its
     tolerance, every shape listed.  NaN is worst."""
     worst = max(reports, key=closeness)
-    return {**worst, "within": all(r.get("within", True) for r in reports),
-            "shapes": [s for r in reports for s in r["shapes"]]}
+    merged = {**worst, "within": all(r.get("within", True) for r in reports),
+              "shapes": [s for r in reports for s in r["shapes"]]}
+    judged = [r for r in reports if "encoder_tolerance" in r]
+    if judged:  # the encoder's numbers from the run nearest its encoder bar (NaN nearest)
+        nearest = max(judged, key=lambda r: r["max_abs_encoder_diff"] / r["encoder_tolerance"]
+                      if np.isfinite(r["max_abs_encoder_diff"]) else np.inf)
+        merged.update({k: nearest[k] for k in ("max_abs_encoder_diff", "encoder_tolerance", "encoder_within")})
+    return merged
 
 
 def skipped_draws_hint(manifest: Manifest) -> str:
@@ -910,6 +942,13 @@ def require_within_tolerance(report: dict, what: str) -> None:
     within = report.get("within", report["max_abs_logits_diff"] <= report["tolerance"])
     if within and report["max_abs_logits_diff"] <= report["tolerance"]:  # the second test also catches NaN
         return
+    if not report.get("encoder_within", True) and report["max_abs_logits_diff"] <= report["tolerance"] and \
+            all(e["max_abs_logits_diff"] <= e.get("tolerance", report["tolerance"]) for e in report["shapes"]):
+        noise = report.get("fp32_noise", {}).get("max_torch_fp32_vs_fp64_encoder")
+        because = f"; PyTorch's own fp32 encoder error is {noise:.3g}" if noise is not None else ""
+        raise ElxError(f"{what}: the encoder output's max abs diff {report['max_abs_encoder_diff']:.3g} exceeds "
+                       f"{report['encoder_tolerance']:.3g} (its fp32 tolerance{because}) although the logits are "
+                       "within theirs; nothing was written (report this model and pass)")
     shapes = [e for e in report["shapes"] if "tolerance" in e] or [dict(report)]
     worst = max(shapes, key=lambda e: e["max_abs_logits_diff"] / e["tolerance"] if e["tolerance"] > 0 and
                 np.isfinite(e["max_abs_logits_diff"]) else np.inf)

@@ -112,3 +112,102 @@ def test_a_decoder_only_probe_runs_the_cases_that_read_the_prompt_cache_in_a_few
     forwards = lambda shapes: sum(1 + s.past + 1 for s in shapes)  # noqa: E731 - the prompt, each prefix token, the step
     assert (forwards(chosen), forwards(DECODER_ONLY_SHAPES)) == (5, 25)
     assert probe_shapes(DECODER_ONLY_SHAPES[3:4]) == DECODER_ONLY_SHAPES[3:4]  # none that short: all of them
+
+
+@dataclass(frozen=True)
+class Analysed:
+    """A layer a pass analysed: its fp32 reconstruction error of V (``slim_math.analyse``'s stats)."""
+
+    index: int
+    error: float
+
+    @property
+    def analysis(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(stats={"reconstruction_max_abs": {"fp32": self.error}})
+
+
+def estimated_search(alone: dict, scores: dict, together, skip_bad=True):
+    """``verified_rewrite(estimate=True)`` on layers whose static scores are ``scores``, measured as ``alone`` and
+    ``together`` (as ``search``); returns (kept, the candidates verified, bad, the probes run)."""
+    verified, probes = [], []
+
+    def verify(after, layers, seed, probe=False):
+        errors = [alone[i] for i in after.layers]
+        if after.probe:
+            probes.append(after.layers)
+            return {"max_abs_logits_diff": errors[0], "tolerance": 2 * LIMIT, "shapes": []}
+        diff = together(errors)
+        if seed == 0:
+            verified.append(after.layers)
+        return {"max_abs_logits_diff": diff, "tolerance": 2 * LIMIT, "shapes": [], "within": diff <= 2 * LIMIT}
+
+    bad, layers = {}, [Analysed(i, scores[i]) for i in sorted(alone)]
+    after, kept, report = culprits.verified_rewrite("/nonexistent", Candidate([]), "slim", "decoder", layers, bad,
+                                                    skip_bad, Candidate, verify, estimate=True)
+    assert report["max_abs_logits_diff"] <= LIMIT and after.layers == tuple(layer.index for layer in kept)
+    return [layer.index for layer in kept], verified, bad, probes
+
+
+def test_estimated_errors_alone_replace_the_probes():
+    """Scores proportional to the 1.7B's measured errors alone: no layer is probed, and the search ends on the
+    layers the probes' search ends on, in one round fewer: the scale comes from the all-layers candidate's measured
+    error, which holds the 10% by which these errors add above the root-sum-square (the probes' 9-layer proposal
+    failed on it)."""
+    scores = {i: 1e-3 * e for i, e in SMOLLM2_17B.items()}  # a reconstruction error of V, in other units
+    together = lambda e: 1.1 * culprits.rss_estimate(e)  # noqa: E731 - errors add 10% above the estimate
+    kept, verified, bad, probes = estimated_search(SMOLLM2_17B, scores, together)
+    probed, verified_probed, _ = search(SMOLLM2_17B, together)
+    assert probes == [] and [len(v) for v in verified] == [24, 8] and [len(v) for v in verified_probed] == [24, 9, 8]
+    assert together([SMOLLM2_17B[i] for i in kept]) <= LIMIT and kept == probed
+    assert all(reason.startswith("left out: estimated max abs logits diff ") for reason in bad.values())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_estimates_off_by_a_factor_still_end_on_a_verified_set(seed):
+    """Scores that rank the layers only roughly (each the error alone times a factor up to 3x either way, as the
+    reconstruction error against the probes on bart-large and a 30-layer model): the search still ends on a set
+    within the limit, or refuses; nothing kept was left out; no probe runs."""
+    rng = np.random.default_rng(seed)
+    alone = {i: float(e) for i, e in enumerate(rng.lognormal(np.log(2e-5), 1.2, size=int(rng.integers(2, 16))))}
+    scores = {i: e * float(np.exp(rng.uniform(-1.1, 1.1))) for i, e in alone.items()}
+    power = float(rng.uniform(1.0, 2.0))
+    together = lambda e: float(np.sum(np.asarray(e) ** power) ** (1 / power))  # noqa: E731
+    if together(list(alone.values())) <= LIMIT or min(alone.values()) > LIMIT:
+        return  # nothing to search / nothing can be kept: the probe search's tests cover both
+    try:
+        kept, verified, bad, probes = estimated_search(alone, scores, together)
+    except culprits.ElxError as refusal:
+        assert "no decoder layer is accurate enough" in str(refusal)
+        return
+    assert kept and together([alone[i] for i in kept]) <= LIMIT
+    assert not set(kept) & set(bad) and set(kept) | set(bad) == set(alone)
+    # the estimate's one proposal was adopted, or every layer was probed after it (the probes' search)
+    assert (probes == [] and len(verified) == 2) or sorted(probes) == [(i,) for i in sorted(alone)], (probes, verified)
+
+
+def test_an_estimate_that_misses_a_layer_falls_back_to_the_probes():
+    """SmolLM2-1.7B's dims: the first layer errs far beyond what its reconstruction error predicts.  The estimate's
+    proposal keeps it and is rejected; then every layer is probed and the search ends where the probes' own does."""
+    scores = {i: e for i, e in SMOLLM2_17B.items()}
+    scores[0] = SMOLLM2_17B[0] / 20
+    kept, verified, bad, probes = estimated_search(SMOLLM2_17B, scores, culprits.rss_estimate)
+    assert 0 in verified[1] and len(probes) == len(SMOLLM2_17B)
+    probed, _, _ = search(SMOLLM2_17B, culprits.rss_estimate)
+    assert kept == probed and 0 in bad
+
+
+def test_without_skip_bad_one_probe_names_the_worst_estimated_layer():
+    alone = {0: 1e-5, 1: 4e-4, 2: 2e-5}
+    with pytest.raises(culprits.ElxError, match=r"decoder layer 1: max abs logits diff 0.0004 exceeds"):
+        estimated_search(alone, {0: 1.0, 1: 30.0, 2: 2.0}, culprits.rss_estimate, skip_bad=False)
+
+
+def test_a_layer_without_a_score_means_probes():
+    """Estimates only where every layer has its number (``static_scores``); a non-finite one counts as the worst."""
+    assert culprits.static_scores([Analysed(0, 1e-6), Layer(1)]) is None
+    assert culprits.static_scores([Analysed(0, 1e-6), Analysed(1, "inf")]) == {0: 1e-6, 1: float("inf")}
+    estimated = culprits.estimated_alone({0: 3.0, 1: 4.0, 2: float("inf")}, [Layer(0), Layer(1), Layer(2)], 1e-4)
+    assert estimated[0] == pytest.approx(6e-5) and estimated[1] == pytest.approx(8e-5) and estimated[2] == np.inf
+    assert all(v == np.inf for v in culprits.estimated_alone({0: 1.0}, [Layer(0)], float("nan")).values())

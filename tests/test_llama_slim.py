@@ -124,6 +124,7 @@ def test_a_candidates_graphs_die_before_the_next_candidate(qwen2_exports, tmp_pa
     monkeypatch.setattr(slim_rope, "load_graph", tracked_load)
     monkeypatch.setattr(slim_rope, "candidate", tracked_candidate)
     monkeypatch.setattr(culprits, "verify_limit", lambda report: 0.0)
+    monkeypatch.setattr(culprits, "static_scores", lambda layers: None)  # the probes: a candidate per layer
     with pytest.raises(ElxError, match="no decoder self-attention layer is accurate enough"):
         apply_passes(qwen2_exports["shared"], tmp_path / "none", "slim=skip-bad")
     layers = Manifest.load(qwen2_exports["shared"]).dims["num_decoder_layers"]

@@ -336,9 +336,26 @@ def test_singular_layer_refused(exported, workdir):
     assert json.loads((folder / "manifest.json").read_text()) == Manifest.load(original).data
 
 
-def test_the_layer_search_says_a_line_per_layer(exported, workdir, capsys):
-    """Issue 41: the per-layer search ran silent for 15 minutes on SmolLM2-1.7B.  Each step now says a line:
-    the candidate with every layer, each layer measured alone (with the time left), the layers left out."""
+def test_the_layer_search_says_a_line_per_step(exported, workdir, capsys):
+    """Issue 41: the per-layer search ran silent for 15 minutes on SmolLM2-1.7B.  Each step now says a line: the
+    candidate with every layer, how the errors alone are estimated (no layer is probed), the layers left out."""
+    _, original = exported("bad_t5")
+    apply_passes(original, workdir / "bad_skip_estimated", "slim=skip-bad", quiet=False, progress="plain")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elx passes: pass slim: ")]
+    said = [line.removeprefix("elx passes: pass slim: ") for line in lines]
+    assert said[0].startswith("2 decoder self-attention layers rewritten: max abs logits diff ")
+    assert said[1].startswith("beyond the limit: each layer's error alone estimated from its fp32 reconstruction "
+                              "error of V, scaled to the ") and said[1].endswith(" of the 2 together")
+    assert said[2].startswith("layers 0, 1 left out; the other 1: max abs logits diff ")
+    assert said[3].startswith("verified, max abs logits diff ") and len(said) == 4  # the stage's own line
+
+
+def test_a_probe_search_says_a_line_per_layer(exported, workdir, capsys, monkeypatch):
+    """The search for a pass without estimates (``culprits.static_scores`` None): each layer measured alone, with
+    the time left."""
+    from elx.exporter.passes import culprits
+
+    monkeypatch.setattr(culprits, "static_scores", lambda layers: None)
     _, original = exported("bad_t5")
     apply_passes(original, workdir / "bad_skip_lines", "slim=skip-bad", quiet=False, progress="plain")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elx passes: pass slim: ")]

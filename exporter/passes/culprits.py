@@ -2,9 +2,24 @@
 
 A per-layer rewrite (slim, slim-cross) may be exact in principle yet lose accuracy in fp32 on
 some layers (ill-conditioned weights).  ``verified_rewrite`` rewrites every layer that passed the
-pass's own checks and verifies the result; beyond the tolerance it measures each layer rewritten
-alone and either refuses naming the worst layer, or (``skip-bad``) leaves layers out, worst first,
+pass's own checks and verifies the result; beyond the tolerance it estimates or measures each layer's
+error rewritten alone and either refuses naming the worst layer, or (``skip-bad``) leaves layers out, worst first,
 until the rest verifies.  Candidates that are not kept are deleted; nothing else stays written.
+
+Which layers to leave out (``skip-bad``) is decided from each layer's error alone.  A pass that analysed its
+layers (``estimate=True``: slim, slim-cross) estimates it without running anything: the layer's fp32 reconstruction
+error of V from K (``slim_math.reconstruction_errors``, on random states), scaled so that the root-sum-square of the
+candidate's layers is the error measured with all of them rewritten (``estimated_alone``).  Measured against
+verifying each layer rewritten alone (a probe per layer: 114 s of the 209 s ``slim=skip-bad`` took on a 30-layer
+model with SmolLM2-135M's dims, 75 of 167 s on bart-large, ~230 s on SmolLM2-1.7B dims), the estimate ranks the
+layers as the probes do (Spearman 0.93 on the 30-layer model, 0.97 on bart-large; cond(W_K) ranks them as well)
+and proposed the same layers in its first round on bart-large, and on the 30-layer model the 22 layers the probes
+reached in their second round (``docs/measurements/export_speed_2026-12-02.md``).  It is one proposal, verified
+like any candidate; where it is rejected the layers are probed as before.  On SmolLM2-1.7B's dims (24 layers,
+Spearman 0.66) the errors alone run from 13.5x their estimates at the first layer to 0.3x at the last (an early
+layer's error goes through every later one): the proposal kept the first layer and was rejected, and the probes
+(``_errors_alone``) decided, as they do for a pass without such numbers.  Without ``skip-bad`` one probe of the
+worst-estimated layer names it in the refusal.
 
 Acceptance is stricter than the tolerance: each candidate that may be kept is verified at ``VERIFY_SEEDS`` (the
 error varies with the inputs more than one sample shows; a single-layer probe, which only ranks, at the first
@@ -55,7 +70,7 @@ def remove_new_files(folder: Path, before: Manifest, after: Manifest) -> None:
 
 
 def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, layers: list, bad: dict,
-                     skip_bad: bool, candidate, verify) -> tuple[Manifest, list, dict]:
+                     skip_bad: bool, candidate, verify, estimate: bool = False) -> tuple[Manifest, list, dict]:
     """Rewrite the layers not in ``bad``, verify, and on an accuracy failure find the culprit layers.
 
     ``candidate(layers, suffix) -> Manifest`` writes graphs with those layers rewritten (file
@@ -64,7 +79,9 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     single-layer probe, which only ranks, where a pass may run fewer cases: ``_errors_alone``).
     Refuses naming a layer unless ``skip_bad``; then layers are left out (joining ``bad``, in
     place), worst first by their error when rewritten alone, until the rest verifies (``_left_out``: as many at
-    once as the root-sum-square of the others' errors alone asks, then one at a time).
+    once as the root-sum-square of the others' errors alone asks, then one at a time).  ``estimate``: first one
+    candidate from the errors alone estimated from the layers' own numbers (``static_scores``, where every layer has
+    one: ``_estimated_round``); the probes only where it is rejected.
     Returns (the verified manifest, the rewritten layers, the report); nothing else stays written.
     """
     if bad and not skip_bad:
@@ -84,6 +101,12 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     if report["max_abs_logits_diff"] <= limit:
         return after, todo, report
     remove_new_files(folder, manifest, after)
+    scores = static_scores(todo) if estimate else None
+    if scores is not None and np.isfinite(report["max_abs_logits_diff"]):  # NaN together: the probes find it
+        found = _estimated_round(folder, manifest, name, where, todo, bad, skip_bad, candidate, verify, scores, report)
+        if found is not None:
+            return found
+        pass_line("the estimate missed: measuring each layer instead")
     pass_line(f"beyond the limit: measuring each of the {len(todo)} layers rewritten alone")
     alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
     worst = max(alone, key=lambda i: alone[i])
@@ -93,12 +116,22 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
                   f"max abs logits diff {together:.3g} with all layers exceeds {limit_text} "
                   f"(this layer alone: {alone[worst]:.3g}, the largest)")
         raise refuse(name, where, worst, detail)
+    return _search(folder, manifest, name, where, todo, bad, candidate, verify, report, alone,
+                   lambda index, report: (f"max abs logits diff {alone[index]:.3g} exceeds {limit_text}"
+                                          if alone[index] > limit else
+                                          f"left out: with the other layers the max abs logits diff reached "
+                                          f"{report['max_abs_logits_diff']:.3g} (this layer alone: "
+                                          f"{alone[index]:.3g})"))
+
+
+def _search(folder: Path, manifest: Manifest, name: str, where: str, todo: list, bad: dict, candidate, verify,
+            report: dict, alone: dict, why) -> tuple[Manifest, list, dict]:
+    """Leave layers out (``_left_out`` by ``alone``, the errors alone measured; ``why(index, report)`` the reason
+    recorded in ``bad``) and verify the rest, until a candidate is within the limit."""
+    limit, limit_text = verify_limit(report), _limit_text(report)
     while todo:
         for layer in _left_out(todo, alone, limit):
-            bad[layer.index] = (f"max abs logits diff {alone[layer.index]:.3g} exceeds {limit_text}"
-                                if alone[layer.index] > limit else
-                                f"left out: with the other layers the max abs logits diff reached "
-                                f"{report['max_abs_logits_diff']:.3g} (this layer alone: {alone[layer.index]:.3g})")
+            bad[layer.index] = why(layer.index, report)
             alone[layer.index] = -1.0  # handled
         todo = [layer for layer in todo if layer.index not in bad]
         if not todo:
@@ -113,6 +146,70 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
         remove_new_files(folder, manifest, after)
     raise ElxError(f"pass {name}: no {where} layer is accurate enough to rewrite (max abs logits diff beyond "
                    f"{limit_text}); nothing was written")
+
+
+def static_scores(layers: list) -> dict | None:
+    """{layer index: its fp32 reconstruction error of V from K} (``slim_math.reconstruction_errors``: the
+    layer's ``analysis``; inf where it overflowed), or None where a layer has none."""
+    scores = {}
+    for layer in layers:
+        analysis = getattr(layer, "analysis", None)
+        error = (analysis.stats.get("reconstruction_max_abs") or {}).get("fp32") if analysis is not None else None
+        if error is None:
+            return None
+        scores[layer.index] = float(error) if not isinstance(error, str) else float("inf")
+    return scores
+
+
+def estimated_alone(scores: dict, layers: list, measured: float) -> dict:
+    """Each layer's error alone, estimated: its score scaled so that ``rss_estimate`` of ``layers``' estimates is
+    ``measured`` (their error together); inf for a layer whose score is not finite, and for every layer where
+    the measured error is NaN or the scores are all zero."""
+    finite = [scores[layer.index] for layer in layers if np.isfinite(scores[layer.index])]
+    total = rss_estimate(finite)
+    scale = measured / total if total > 0 and np.isfinite(measured) else float("inf")
+    return {layer.index: scale * scores[layer.index] if np.isfinite(scores[layer.index]) and np.isfinite(scale)
+            else float("inf") for layer in layers}
+
+
+def _estimated_round(folder: Path, manifest: Manifest, name: str, where: str, todo: list, bad: dict,
+                     skip_bad: bool, candidate, verify, scores: dict, report: dict):
+    """One candidate from the estimated errors alone (``estimated_alone``): the layers ``_left_out`` proposes left
+    out, the rest verified at every seed.  Returns ``verified_rewrite``'s triple where it is within the limit (the
+    layers left out join ``bad``), None where it is not (the probes decide then: the estimate missed a layer; on
+    SmolLM2-1.7B's dims the first layer's error alone is 13.5x its estimate, an early layer's error going through
+    every later one).  Without ``skip_bad`` it refuses, naming the worst-estimated
+    layer with its error alone measured (one probe)."""
+    limit, limit_text = verify_limit(report), _limit_text(report)
+    together = report["max_abs_logits_diff"]
+    alone = estimated_alone(scores, todo, together)
+    if not skip_bad:
+        worst = max(todo, key=lambda layer: alone[layer.index])
+        measured = _errors_alone(folder, manifest, name, [worst], candidate, verify)[worst.index]
+        detail = (f"max abs logits diff {measured:.3g} exceeds {limit_text}" if measured > limit else
+                  f"max abs logits diff {together:.3g} with all layers exceeds {limit_text} (this layer alone: "
+                  f"{measured:.3g}, the largest estimated)")
+        raise refuse(name, where, worst.index, detail)
+    left = _left_out(todo, alone, limit)
+    rest = [layer for layer in todo if layer not in left]
+    if not rest:
+        return None
+    pass_line(f"beyond the limit: each layer's error alone estimated from its fp32 reconstruction error of V, "
+              f"scaled to the {together:.3g} of the {len(todo)} together")
+    started = time.perf_counter()
+    after = candidate(rest, name)
+    found, _ = _verify_seeds(verify, after, rest)
+    out = ", ".join(str(i) for i in sorted({*bad, *(layer.index for layer in left)}))
+    pass_line(f"layers {out} left out; the other {len(rest)}: max abs logits diff "
+              f"{found['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
+    if found["max_abs_logits_diff"] <= limit:
+        for layer in left:
+            bad[layer.index] = (f"left out: estimated max abs logits diff {alone[layer.index]:.3g} alone (its fp32 "
+                                f"reconstruction error of V {scores[layer.index]:.3g}, scaled to the {together:.3g} "
+                                f"of {len(todo)} layers together; limit {limit_text})")
+        return after, rest, found
+    remove_new_files(folder, manifest, after)
+    return None
 
 
 def rss_estimate(errors) -> float:

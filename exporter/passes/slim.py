@@ -340,7 +340,8 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
             candidate=lambda todo, suffix: _candidate(manifest, pass_file(step_file, suffix), todo),
             verify=lambda candidate, todo, seed, probe=False: verify_rewrite(
                 manifest, candidate, seed=seed, reference=reference, sides=sides,
-                past_from=consistent_past(todo, heads, d_kv, seed + 1)))
+                past_from=consistent_past(todo, heads, d_kv, seed + 1)),
+            estimate=True)
     adopt(folder, manifest, after)
     return record(NAME, argument, layers, done, bad, report,
                   cache="keys only: past_key_values.{i}.decoder.key [rows, h, P, d_kv] (full-width K split "

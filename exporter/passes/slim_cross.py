@@ -167,7 +167,8 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
             folder, manifest, NAME, WHERE, layers, bad, skip_bad,
             candidate=lambda todo, suffix: _candidate(manifest, todo, suffix),
             verify=lambda candidate, todo, seed, probe=False: verify_rewrite(manifest, candidate, seed=seed,
-                                                                             reference=reference, sides=sides))
+                                                                             reference=reference, sides=sides),
+            estimate=True)
     adopt(folder, manifest, after)
     return record(NAME, argument, layers, done, bad, report,
                   cache="cross keys only: past_key_values.{i}.encoder.key [batch, h, N, d_kv] from cross_kv; "

@@ -493,7 +493,8 @@ def apply(folder: Path, manifest: Manifest, argument: str | None) -> dict:
             folder, manifest, NAME, "decoder self-attention", layers, bad, skip_bad,
             candidate=lambda todo, suffix: candidate(manifest, todo, suffix),
             verify=lambda after, todo, seed, probe=False: measure(reference, sides(after), manifest,
-                                                                  probe_shapes(shapes) if probe else shapes, seed))
+                                                                  probe_shapes(shapes) if probe else shapes, seed),
+            estimate=True)
     adopt(folder, manifest, after)
     record = slim.record(NAME, argument, layers, done, bad, report,
                          cache="keys only, before RoPE: past_key_values.{i}.key [rows, h, P, d_kv] (and the prompt's "

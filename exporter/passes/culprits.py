@@ -15,11 +15,11 @@ model with SmolLM2-135M's dims, 75 of 167 s on bart-large, ~230 s on SmolLM2-1.7
 layers as the probes do (Spearman 0.93 on the 30-layer model, 0.97 on bart-large; cond(W_K) ranks them as well)
 and proposed the same layers in its first round on bart-large, and on the 30-layer model the 22 layers the probes
 reached in their second round (``docs/measurements/export_speed_2026-12-02.md``).  It is one proposal, verified
-like any candidate; where it is rejected the layers are probed as before.  On SmolLM2-1.7B's dims (24 layers,
-Spearman 0.66) the errors alone run from 13.5x their estimates at the first layer to 0.3x at the last (an early
-layer's error goes through every later one): the proposal kept the first layer and was rejected, and the probes
-(``_errors_alone``) decided, as they do for a pass without such numbers.  Without ``skip-bad`` one probe of the
-worst-estimated layer names it in the refusal.
+like any candidate; where it is rejected, the layers it kept are probed (``_errors_alone``, as every layer is for a
+pass without such numbers) and the search goes on among them; the layers it left out stay out.  On SmolLM2-1.7B's
+dims (24 layers, Spearman 0.66) the errors alone run from 13.5x their estimates at the first layer to 0.3x at the
+last (an early layer's error goes through every later one): the proposal kept the first layer and was rejected.
+Without ``skip-bad`` one probe of the worst-estimated layer names it in the refusal.
 
 Acceptance is stricter than the tolerance: each candidate that may be kept is verified at ``VERIFY_SEEDS`` (the
 error varies with the inputs more than one sample shows; a single-layer probe, which only ranks, at the first
@@ -81,7 +81,7 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     place), worst first by their error when rewritten alone, until the rest verifies (``_left_out``: as many at
     once as the root-sum-square of the others' errors alone asks, then one at a time).  ``estimate``: first one
     candidate from the errors alone estimated from the layers' own numbers (``static_scores``, where every layer has
-    one: ``_estimated_round``); the probes only where it is rejected.
+    one: ``_estimated_round``); where it is rejected, probes of the layers it kept only.
     Returns (the verified manifest, the rewritten layers, the report); nothing else stays written.
     """
     if bad and not skip_bad:
@@ -103,10 +103,10 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     remove_new_files(folder, manifest, after)
     scores = static_scores(todo) if estimate else None
     if scores is not None and np.isfinite(report["max_abs_logits_diff"]):  # NaN together: the probes find it
-        found = _estimated_round(folder, manifest, name, where, todo, bad, skip_bad, candidate, verify, scores, report)
-        if found is not None:
-            return found
-        pass_line("the estimate missed: measuring each layer instead")
+        adopted, todo, report = _estimated_round(folder, manifest, name, where, todo, bad, skip_bad, candidate,
+                                                 verify, scores, report)
+        if adopted is not None:
+            return adopted, todo, report
     pass_line(f"beyond the limit: measuring each of the {len(todo)} layers rewritten alone")
     alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
     worst = max(alone, key=lambda i: alone[i])
@@ -173,13 +173,14 @@ def estimated_alone(scores: dict, layers: list, measured: float) -> dict:
 
 
 def _estimated_round(folder: Path, manifest: Manifest, name: str, where: str, todo: list, bad: dict,
-                     skip_bad: bool, candidate, verify, scores: dict, report: dict):
+                     skip_bad: bool, candidate, verify, scores: dict, report: dict) -> tuple:
     """One candidate from the estimated errors alone (``estimated_alone``): the layers ``_left_out`` proposes left
-    out, the rest verified at every seed.  Returns ``verified_rewrite``'s triple where it is within the limit (the
-    layers left out join ``bad``), None where it is not (the probes decide then: the estimate missed a layer; on
-    SmolLM2-1.7B's dims the first layer's error alone is 13.5x its estimate, an early layer's error going through
-    every later one).  Without ``skip_bad`` it refuses, naming the worst-estimated
-    layer with its error alone measured (one probe)."""
+    out (they join ``bad``), the rest verified at every seed.  Returns (the candidate, its layers, its report)
+    where it is within the limit; else (None, its layers, its report): the probes then measure only those layers
+    (the estimate kept a layer it should not have: on SmolLM2-1.7B's dims the first layer's error alone is 13.5x
+    its estimate, an early layer's error going through every later one), and the search goes on from there; (None,
+    ``todo``, ``report``) where it proposes none.  Without ``skip_bad`` it refuses, naming the worst-estimated layer
+    with its error alone measured (one probe)."""
     limit, limit_text = verify_limit(report), _limit_text(report)
     together = report["max_abs_logits_diff"]
     alone = estimated_alone(scores, todo, together)
@@ -193,23 +194,22 @@ def _estimated_round(folder: Path, manifest: Manifest, name: str, where: str, to
     left = _left_out(todo, alone, limit)
     rest = [layer for layer in todo if layer not in left]
     if not rest:
-        return None
+        return None, todo, report
     pass_line(f"beyond the limit: each layer's error alone estimated from its fp32 reconstruction error of V, "
               f"scaled to the {together:.3g} of the {len(todo)} together")
+    for layer in left:
+        bad[layer.index] = (f"left out: estimated max abs logits diff {alone[layer.index]:.3g} alone (its fp32 "
+                            f"reconstruction error of V {scores[layer.index]:.3g}, scaled to the {together:.3g} of "
+                            f"{len(todo)} layers together; limit {limit_text})")
     started = time.perf_counter()
     after = candidate(rest, name)
     found, _ = _verify_seeds(verify, after, rest)
-    out = ", ".join(str(i) for i in sorted({*bad, *(layer.index for layer in left)}))
-    pass_line(f"layers {out} left out; the other {len(rest)}: max abs logits diff "
-              f"{found['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
+    pass_line(f"layers {', '.join(str(i) for i in sorted(bad))} left out; the other {len(rest)}: max abs logits "
+              f"diff {found['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
     if found["max_abs_logits_diff"] <= limit:
-        for layer in left:
-            bad[layer.index] = (f"left out: estimated max abs logits diff {alone[layer.index]:.3g} alone (its fp32 "
-                                f"reconstruction error of V {scores[layer.index]:.3g}, scaled to the {together:.3g} "
-                                f"of {len(todo)} layers together; limit {limit_text})")
         return after, rest, found
     remove_new_files(folder, manifest, after)
-    return None
+    return None, rest, found
 
 
 def rss_estimate(errors) -> float:

@@ -15,11 +15,12 @@ model with SmolLM2-135M's dims, 75 of 167 s on bart-large, ~230 s on SmolLM2-1.7
 layers as the probes do (Spearman 0.93 on the 30-layer model, 0.97 on bart-large; cond(W_K) ranks them as well)
 and proposed the same layers in its first round on bart-large, and on the 30-layer model the 22 layers the probes
 reached in their second round (``docs/measurements/export_speed_2026-12-02.md``).  It is one proposal, verified
-like any candidate; where it is rejected, the layers it kept are probed (``_errors_alone``, as every layer is for a
-pass without such numbers) and the search goes on among them; the layers it left out stay out.  On SmolLM2-1.7B's
-dims (24 layers, Spearman 0.66) the errors alone run from 13.5x their estimates at the first layer to 0.3x at the
-last (an early layer's error goes through every later one): the proposal kept the first layer and was rejected.
-Without ``skip-bad`` one probe of the worst-estimated layer names it in the refusal.
+like any candidate; where it is rejected, every layer is probed as before (``_errors_alone``, as for a pass without
+such numbers), and the search does not verify the rejected candidate again.  On SmolLM2-1.7B's dims (24 layers,
+Spearman 0.66) the errors alone run from 13.5x their estimates at the first layer to 0.3x at the last (an early
+layer's error goes through every later one): the proposal kept the first layer and was rejected; probing only the
+layers it kept then kept 6 layers where the probes keep 9, so the probes decide after a rejection.  Without
+``skip-bad`` one probe of the worst-estimated layer names it in the refusal.
 
 Acceptance is stricter than the tolerance: each candidate that may be kept is verified at ``VERIFY_SEEDS`` (the
 error varies with the inputs more than one sample shows; a single-layer probe, which only ranks, at the first
@@ -81,7 +82,7 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     place), worst first by their error when rewritten alone, until the rest verifies (``_left_out``: as many at
     once as the root-sum-square of the others' errors alone asks, then one at a time).  ``estimate``: first one
     candidate from the errors alone estimated from the layers' own numbers (``static_scores``, where every layer has
-    one: ``_estimated_round``); where it is rejected, probes of the layers it kept only.
+    one: ``_estimated_round``); the probes only where it is rejected.
     Returns (the verified manifest, the rewritten layers, the report); nothing else stays written.
     """
     if bad and not skip_bad:
@@ -103,10 +104,13 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
     remove_new_files(folder, manifest, after)
     scores = static_scores(todo) if estimate else None
     if scores is not None and np.isfinite(report["max_abs_logits_diff"]):  # NaN together: the probes find it
-        adopted, todo, report = _estimated_round(folder, manifest, name, where, todo, bad, skip_bad, candidate,
-                                                 verify, scores, report)
+        adopted, proposal = _estimated_round(folder, manifest, name, where, todo, bad, skip_bad, candidate, verify,
+                                             scores, report)
         if adopted is not None:
-            return adopted, todo, report
+            return adopted
+        rejected = proposal
+    else:
+        rejected = {}
     pass_line(f"beyond the limit: measuring each of the {len(todo)} layers rewritten alone")
     alone = _errors_alone(folder, manifest, name, todo, candidate, verify)
     worst = max(alone, key=lambda i: alone[i])
@@ -121,13 +125,14 @@ def verified_rewrite(folder: Path, manifest: Manifest, name: str, where: str, la
                                           if alone[index] > limit else
                                           f"left out: with the other layers the max abs logits diff reached "
                                           f"{report['max_abs_logits_diff']:.3g} (this layer alone: "
-                                          f"{alone[index]:.3g})"))
+                                          f"{alone[index]:.3g})"), rejected)
 
 
 def _search(folder: Path, manifest: Manifest, name: str, where: str, todo: list, bad: dict, candidate, verify,
-            report: dict, alone: dict, why) -> tuple[Manifest, list, dict]:
+            report: dict, alone: dict, why, rejected: dict | None = None) -> tuple[Manifest, list, dict]:
     """Leave layers out (``_left_out`` by ``alone``, the errors alone measured; ``why(index, report)`` the reason
-    recorded in ``bad``) and verify the rest, until a candidate is within the limit."""
+    recorded in ``bad``) and verify the rest, until a candidate is within the limit.  ``rejected``: {frozenset of
+    layer indices: report} of candidates verified and rejected already (not verified again)."""
     limit, limit_text = verify_limit(report), _limit_text(report)
     while todo:
         for layer in _left_out(todo, alone, limit):
@@ -136,6 +141,12 @@ def _search(folder: Path, manifest: Manifest, name: str, where: str, todo: list,
         todo = [layer for layer in todo if layer.index not in bad]
         if not todo:
             break
+        known = (rejected or {}).get(frozenset(layer.index for layer in todo))
+        if known is not None:
+            report = known
+            pass_line(f"layers {', '.join(str(i) for i in sorted(bad))} left out; the other {len(todo)}: rejected "
+                      f"above (max abs logits diff {report['max_abs_logits_diff']:.3g})")
+            continue
         started = time.perf_counter()
         after = candidate(todo, name)
         report, _ = _verify_seeds(verify, after, todo)
@@ -175,12 +186,12 @@ def estimated_alone(scores: dict, layers: list, measured: float) -> dict:
 def _estimated_round(folder: Path, manifest: Manifest, name: str, where: str, todo: list, bad: dict,
                      skip_bad: bool, candidate, verify, scores: dict, report: dict) -> tuple:
     """One candidate from the estimated errors alone (``estimated_alone``): the layers ``_left_out`` proposes left
-    out (they join ``bad``), the rest verified at every seed.  Returns (the candidate, its layers, its report)
-    where it is within the limit; else (None, its layers, its report): the probes then measure only those layers
-    (the estimate kept a layer it should not have: on SmolLM2-1.7B's dims the first layer's error alone is 13.5x
-    its estimate, an early layer's error going through every later one), and the search goes on from there; (None,
-    ``todo``, ``report``) where it proposes none.  Without ``skip_bad`` it refuses, naming the worst-estimated layer
-    with its error alone measured (one probe)."""
+    out, the rest verified at every seed.  Returns (``verified_rewrite``'s triple, {}) where it is within the limit
+    (the layers left out join ``bad``); else (None, {its layers: its report}): every layer is probed then, as
+    without estimates, and the search does not verify that candidate again.  (Probing only the layers it kept,
+    the ones it left out staying out, kept 6 of SmolLM2-1.7B's 24 layers where the probes keep 9: there the
+    errors alone run from 13.5x their estimates at the first layer to 0.3x at the last.)  Without ``skip_bad`` it
+    refuses, naming the worst-estimated layer with its error alone measured (one probe)."""
     limit, limit_text = verify_limit(report), _limit_text(report)
     together = report["max_abs_logits_diff"]
     alone = estimated_alone(scores, todo, together)
@@ -194,22 +205,23 @@ def _estimated_round(folder: Path, manifest: Manifest, name: str, where: str, to
     left = _left_out(todo, alone, limit)
     rest = [layer for layer in todo if layer not in left]
     if not rest:
-        return None, todo, report
+        return None, {}
     pass_line(f"beyond the limit: each layer's error alone estimated from its fp32 reconstruction error of V, "
               f"scaled to the {together:.3g} of the {len(todo)} together")
-    for layer in left:
-        bad[layer.index] = (f"left out: estimated max abs logits diff {alone[layer.index]:.3g} alone (its fp32 "
-                            f"reconstruction error of V {scores[layer.index]:.3g}, scaled to the {together:.3g} of "
-                            f"{len(todo)} layers together; limit {limit_text})")
+    out = ", ".join(str(i) for i in sorted({*bad, *(layer.index for layer in left)}))
     started = time.perf_counter()
     after = candidate(rest, name)
     found, _ = _verify_seeds(verify, after, rest)
-    pass_line(f"layers {', '.join(str(i) for i in sorted(bad))} left out; the other {len(rest)}: max abs logits "
-              f"diff {found['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
+    pass_line(f"layers {out} left out; the other {len(rest)}: max abs logits diff "
+              f"{found['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
     if found["max_abs_logits_diff"] <= limit:
-        return after, rest, found
+        for layer in left:
+            bad[layer.index] = (f"left out: estimated max abs logits diff {alone[layer.index]:.3g} alone (its fp32 "
+                                f"reconstruction error of V {scores[layer.index]:.3g}, scaled to the {together:.3g} "
+                                f"of {len(todo)} layers together; limit {limit_text})")
+        return (after, rest, found), {}
     remove_new_files(folder, manifest, after)
-    return None, rest, found
+    return None, {frozenset(layer.index for layer in rest): found}
 
 
 def rss_estimate(errors) -> float:

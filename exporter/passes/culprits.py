@@ -147,16 +147,23 @@ def _search(folder: Path, manifest: Manifest, name: str, where: str, todo: list,
             pass_line(f"layers {', '.join(str(i) for i in sorted(bad))} left out; the other {len(todo)}: rejected "
                       f"above (max abs logits diff {report['max_abs_logits_diff']:.3g})")
             continue
-        started = time.perf_counter()
-        after = candidate(todo, name)
-        report, _ = _verify_seeds(verify, after, todo)
-        pass_line(f"layers {', '.join(str(i) for i in sorted(bad))} left out; the other {len(todo)}: max abs logits "
-                  f"diff {report['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
+        after, report = _candidate_verified(name, candidate, verify, todo, bad)
         if report["max_abs_logits_diff"] <= limit:
             return after, todo, report
         remove_new_files(folder, manifest, after)
     raise ElxError(f"pass {name}: no {where} layer is accurate enough to rewrite (max abs logits diff beyond "
                    f"{limit_text}); nothing was written")
+
+
+def _candidate_verified(name: str, candidate, verify, layers: list, out) -> tuple[Manifest, dict]:
+    """A candidate rewriting ``layers``, verified (``_verify_seeds``), and its line (``out``: the layer indices
+    left out)."""
+    started = time.perf_counter()
+    after = candidate(layers, name)
+    report, _ = _verify_seeds(verify, after, layers)
+    pass_line(f"layers {', '.join(str(i) for i in sorted(out))} left out; the other {len(layers)}: max abs logits "
+              f"diff {report['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
+    return after, report
 
 
 def static_scores(layers: list) -> dict | None:
@@ -208,12 +215,7 @@ def _estimated_round(folder: Path, manifest: Manifest, name: str, where: str, to
         return None, {}
     pass_line(f"beyond the limit: each layer's error alone estimated from its fp32 reconstruction error of V, "
               f"scaled to the {together:.3g} of the {len(todo)} together")
-    out = ", ".join(str(i) for i in sorted({*bad, *(layer.index for layer in left)}))
-    started = time.perf_counter()
-    after = candidate(rest, name)
-    found, _ = _verify_seeds(verify, after, rest)
-    pass_line(f"layers {out} left out; the other {len(rest)}: max abs logits diff "
-              f"{found['max_abs_logits_diff']:.3g} ({time.perf_counter() - started:.1f} s)")
+    after, found = _candidate_verified(name, candidate, verify, rest, {*bad, *(layer.index for layer in left)})
     if found["max_abs_logits_diff"] <= limit:
         for layer in left:
             bad[layer.index] = (f"left out: estimated max abs logits diff {alone[layer.index]:.3g} alone (its fp32 "
